@@ -1,0 +1,323 @@
+"""The one typed config schema. ``load_config(path)`` resolves ``extends``, validates every key and every
+cross-key rule, and returns a ``TrainConfig`` before any model loads.
+
+Namespaces follow the seeds: ``custom.trainer_variant``, ``custom.extra.rollout_matching.*``,
+``custom.extra.rollout_server.*`` (GRPO server launch), ``rlhf.*`` (ms-swift RLHFArguments subset),
+``training.*`` (incl. packing), ``model``, ``tuner``, ``data``, ``stage1`` (warm-up), ``deploy``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from pydantic import Field, model_validator
+
+from trainer.config.base import Section
+from trainer.config.errors import ConfigError, ConfigErrors
+from trainer.config.loader import resolve_yaml
+from trainer.deploy.schema import DeployConfig
+from trainer.grpo.schema import RlhfConfig, RolloutServerConfig
+from trainer.rollout.vllm_schema import VllmConfig
+
+
+class ModelConfig(Section):
+    """Exactly one of ``path`` (a local HF model directory) or ``tiny`` (build the embedded tiny model)."""
+
+    path: str | None = None
+    tiny: Literal["text", "vl"] | None = None
+    tiny_seed: int = 0
+    torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("set exactly one of model.path (a local model directory) or model.tiny (text|vl)")
+        return self
+
+
+class TunerConfig(Section):
+    train_type: Literal["full", "lora", "dora"] = "full"
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: int = Field(16, ge=1)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    freeze_vit: bool = True
+    freeze_aligner: bool = True
+
+
+class SyntheticDataConfig(Section):
+    num_samples: int = Field(256, ge=1)
+    seed: int = 0
+    min_objects: int = Field(1, ge=0)
+    max_objects: int = Field(4, ge=1)
+    image_size: int = Field(64, ge=16)
+    poly_fraction: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class DataConfig(Section):
+    """Exactly one of ``train_jsonl`` or ``synthetic``."""
+
+    train_jsonl: str | None = None
+    synthetic: SyntheticDataConfig | None = None
+    image_root: str | None = None
+    system_prompt: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataConfig":
+        if (self.train_jsonl is None) == (self.synthetic is None):
+            raise ValueError("set exactly one of data.train_jsonl or data.synthetic")
+        return self
+
+
+class TrainingConfig(Section):
+    output_dir: str = "runs/default"
+    max_steps: int = Field(-1, ge=-1)
+    num_train_epochs: float = Field(1.0, gt=0)
+    per_device_train_batch_size: int = Field(1, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0, le=1)
+    lr_scheduler_type: Literal["constant", "linear", "cosine", "constant_with_warmup"] = "constant"
+    max_grad_norm: float = Field(1.0, gt=0)
+    seed: int = 42
+    logging_steps: int = Field(1, ge=1)
+    save_steps: int = Field(0, ge=0)
+    save_total_limit: int | None = Field(None, ge=1)
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    dataloader_num_workers: int = Field(0, ge=0)
+    report_to: list[Literal["tensorboard", "jsonl"]] = Field(default_factory=lambda: ["jsonl", "tensorboard"])
+    deepspeed: str | None = None
+    disable_tqdm: bool = False
+    packing: bool = False
+    packing_length: int | None = Field(None, ge=16)
+    packing_buffer: int = Field(256, ge=1)
+    packing_min_fill_ratio: float = Field(0.65, ge=0.0, le=1.0)
+    packing_drop_last: bool = True
+
+
+class Stage1Config(Section):
+    """Optional teacher-forced warm-up on ground truth before stage 2 (so rollouts parse on a fresh model)."""
+
+    steps: int = Field(0, ge=0)
+    learning_rate: float = Field(3e-3, gt=0)
+    batch_size: int = Field(16, ge=1)
+
+
+class DecodingConfig(Section):
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    seed: int | None = None
+
+
+class MatchingConfig(Section):
+    mask_iou_threshold: float = Field(0.3, ge=0.0, le=1.0)
+    candidate_top_k: int = Field(5, ge=1)
+    mask_resolution: int = Field(256, ge=16, le=2048)
+
+
+class LossConfig(Section):
+    text_ce_weight: float = Field(1.0, ge=0.0)
+    coord_softce_weight: float = Field(1.0, ge=0.0)
+    coord_w1_weight: float = Field(1.0, ge=0.0)
+    coord_gate_weight: float = Field(1.0, ge=0.0)
+    coord_sigma: float = Field(2.0, gt=0.0)
+
+
+class PolyConfig(Section):
+    sinkhorn_epsilon: float = Field(0.05, gt=0.0)
+    sinkhorn_iters: int = Field(50, ge=1)
+
+
+class RolloutBufferConfig(Section):
+    enabled: bool = False
+    m_steps: int = Field(1, ge=1)
+
+
+class OffloadConfig(Section):
+    enabled: bool = False
+    offload_model: bool = True
+    offload_optimizer: bool = True
+
+
+class RolloutMatchingConfig(Section):
+    rollout_backend: Literal["vllm", "hf"] = "vllm"
+    rollout_generate_batch_size: int = Field(1, ge=1)
+    decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    matching: MatchingConfig = Field(default_factory=MatchingConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    poly: PolyConfig = Field(default_factory=PolyConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    rollout_buffer: RolloutBufferConfig = Field(default_factory=RolloutBufferConfig)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+
+
+class ExtraConfig(Section):
+    rollout_matching: RolloutMatchingConfig | None = None
+    rollout_server: RolloutServerConfig | None = None
+
+
+class CustomConfig(Section):
+    trainer_variant: Literal["rollout_matching_sft", "grpo_summary"] = "rollout_matching_sft"
+    extra: ExtraConfig = Field(default_factory=ExtraConfig)
+
+
+class TrainConfig(Section):
+    model: ModelConfig
+    data: DataConfig
+    tuner: TunerConfig = Field(default_factory=TunerConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    stage1: Stage1Config = Field(default_factory=Stage1Config)
+    custom: CustomConfig = Field(default_factory=CustomConfig)
+    rlhf: RlhfConfig | None = None
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
+
+    @property
+    def rollout_matching(self) -> RolloutMatchingConfig:
+        rm = self.custom.extra.rollout_matching
+        if rm is None:
+            raise ConfigError("custom.extra.rollout_matching", "missing (required by trainer_variant rollout_matching_sft)")
+        return rm
+
+
+def _unwrap_models(annotation: Any) -> list[type[pydantic.BaseModel]]:
+    """BaseModel classes reachable from an annotation (through Optional/Union/list/dict)."""
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, list, tuple, dict, typing.Annotated):
+        out: list[type[pydantic.BaseModel]] = []
+        for arg in typing.get_args(annotation):
+            out.extend(_unwrap_models(arg))
+        return out
+    return []
+
+
+def _fields_at(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the section at ``loc`` (a pydantic error location without its last item)."""
+    candidates = [model]
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        nxt: list[type[pydantic.BaseModel]] = []
+        for m in candidates:
+            field = m.model_fields.get(str(part))
+            if field is not None:
+                nxt.extend(_unwrap_models(field.annotation))
+        if not nxt:
+            return []
+        candidates = nxt
+    return sorted({name for m in candidates for name in m.model_fields})
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif "[" in str(p) or str(p) in ("function-after", "function-before"):
+            continue
+        else:
+            parts.append(("." if parts else "") + str(p))
+    return "".join(parts)
+
+
+def errors_from_validation(exc: pydantic.ValidationError) -> list[ConfigError]:
+    out: list[ConfigError] = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        path = _dotted(loc)
+        if err["type"] == "extra_forbidden":
+            known = _fields_at(TrainConfig, loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys here: {', '.join(known)}"
+            out.append(ConfigError(path, f"unknown key; {hint}"))
+        elif err["type"] == "missing":
+            out.append(ConfigError(path, "required key is missing"))
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            got = err.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            out.append(ConfigError(path, f"{msg}{shown}"))
+    return out
+
+
+def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
+    """Cross-key rules that no single field can express."""
+    errs: list[ConfigError] = []
+    t = cfg.training
+    variant = cfg.custom.trainer_variant
+    if variant == "rollout_matching_sft":
+        rm = cfg.custom.extra.rollout_matching
+        if rm is None:
+            errs.append(ConfigError("custom.extra.rollout_matching", "required when custom.trainer_variant is rollout_matching_sft"))
+            return errs
+        if t.packing:
+            if t.packing_length is None:
+                errs.append(ConfigError("training.packing_length", "required when training.packing is true (tokens per packed row)"))
+            if not t.packing_drop_last:
+                errs.append(ConfigError(
+                    "training.packing_drop_last",
+                    "must be true for stage-2 post-rollout packing (carry-only mode never flushes a partial pack); set it to true",
+                ))
+        if rm.rollout_buffer.m_steps > 1 and not rm.rollout_buffer.enabled:
+            errs.append(ConfigError("custom.extra.rollout_matching.rollout_buffer.m_steps",
+                                    "m_steps > 1 has no effect unless rollout_buffer.enabled is true; enable it or set m_steps: 1"))
+        v = rm.vllm
+        if rm.rollout_backend == "vllm":
+            if v.mode == "colocate" and v.max_model_len is None:
+                errs.append(ConfigError("custom.extra.rollout_matching.vllm.max_model_len",
+                                        "required for the vllm colocate backend (must cover prompt + decoding.max_new_tokens)"))
+            if v.max_model_len is not None and v.max_model_len <= rm.decoding.max_new_tokens:
+                errs.append(ConfigError("custom.extra.rollout_matching.vllm.max_model_len",
+                                        f"{v.max_model_len} leaves no room for the prompt with decoding.max_new_tokens="
+                                        f"{rm.decoding.max_new_tokens}; raise max_model_len or lower max_new_tokens"))
+            if v.mode == "colocate" and cfg.tuner.train_type in ("lora", "dora") and not v.enable_lora:
+                errs.append(ConfigError("custom.extra.rollout_matching.vllm.enable_lora",
+                                        f"must be true with tuner.train_type={cfg.tuner.train_type} so adapters sync to the colocated engine"))
+        if rm.offload.enabled and not (rm.rollout_backend == "vllm" and v.mode == "colocate"):
+            errs.append(ConfigError("custom.extra.rollout_matching.offload.enabled",
+                                    "offload only applies to the vllm colocate backend; disable it for this backend"))
+        if cfg.rlhf is not None:
+            errs.append(ConfigError("rlhf", "only used by custom.trainer_variant grpo_summary; remove it"))
+    elif variant == "grpo_summary":
+        if cfg.custom.extra.rollout_matching is not None:
+            errs.append(ConfigError("custom.extra.rollout_matching", "only used by rollout_matching_sft; remove it"))
+        from trainer.grpo.schema import validate_grpo
+
+        try:
+            validate_grpo(cfg)
+        except ConfigError as exc:
+            errs.append(exc)
+    return errs
+
+
+def validate_config(data: dict[str, Any], source: str = "<config>") -> TrainConfig:
+    """Validate a resolved mapping; raise ``ConfigErrors`` listing every problem with its key path."""
+    try:
+        cfg = TrainConfig.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise ConfigErrors(source, errors_from_validation(exc)) from None
+    errs = check_combinations(cfg)
+    if errs:
+        raise ConfigErrors(source, errs)
+    return cfg
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Resolve ``extends`` and validate; the one entry point every command uses."""
+    try:
+        data = resolve_yaml(path)
+    except ConfigError as exc:
+        raise ConfigErrors(str(path), [exc]) from None
+    return validate_config(data, source=str(path))

@@ -1,0 +1,126 @@
+"""Tiny models built in code (no hub): a Qwen3 text model and a Qwen3-VL-architecture model, both with the
+embedded tokenizer (coord tokens, Qwen chat template). Random weights; head_dim 64 (vLLM's CPU kernels need ≥ 64).
+
+``save_tiny_model(dir, kind)`` writes an ordinary HF model directory (config, safetensors, tokenizer, and for
+``vl`` the processor), so every backend (HF, vLLM, the rollout server) loads it like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from trainer.data.objects import DetObject
+from trainer.data.output_format import coord_token, serialize_objects
+from trainer.data.synthetic import COLORS, SHAPES
+from trainer.modeling.prompts import DEFAULT_INSTRUCTION
+from trainer.modeling.tokenizer import IM_END, IMAGE_PAD, PAD_TOKEN, VIDEO_PAD, VISION_END, VISION_START, build_tokenizer
+
+TinyKind = Literal["text", "vl"]
+HEAD_DIM = 64
+
+
+def tokenizer_corpus(n: int = 400, seed: int = 1234) -> list[str]:
+    """Text the embedded tokenizer is trained on: task answers, prompts and generic JSON/ASCII."""
+    rng = random.Random(seed)
+    texts = [DEFAULT_INSTRUCTION, "system", "user", "assistant", "Scene: ", '{"desc": "", "bbox_2d": [], "poly": []}']
+    for _ in range(n):
+        objs = []
+        for _ in range(rng.randint(0, 5)):
+            c = sorted(rng.sample(range(1000), 4))
+            if rng.random() < 0.3:
+                objs.append(DetObject(f"{rng.choice(sorted(COLORS))} {rng.choice(SHAPES)}", "poly", tuple(c[:2] + c[2:] + c[:2])))
+            else:
+                objs.append(DetObject(f"{rng.choice(sorted(COLORS))} {rng.choice(SHAPES)}", "bbox_2d", (c[0], c[1], c[2], c[3])))
+        texts.append(serialize_objects(objs))
+        texts.append("; ".join(f"{o.desc} " + "".join(coord_token(k) for k in o.coords) for o in objs))
+    texts.append("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,:;!?'\"-_()[]{}<>/\\|@#$%^&*+=~`")
+    return texts
+
+
+@lru_cache(maxsize=1)
+def _cached_tokenizer() -> PreTrainedTokenizerFast:
+    return build_tokenizer(tokenizer_corpus())
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """The embedded tokenizer (deterministic; built once per process; callers must not mutate it)."""
+    return _cached_tokenizer()
+
+
+def _text_kwargs(tok: PreTrainedTokenizerFast) -> dict:
+    return dict(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        pad_token_id=tok.convert_tokens_to_ids(PAD_TOKEN),
+        eos_token_id=tok.convert_tokens_to_ids(IM_END),
+    )
+
+
+def build_tiny_model(kind: TinyKind, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    tok = tiny_tokenizer()
+    torch.manual_seed(seed)
+    if kind == "text":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg = Qwen3Config(**_text_kwargs(tok), tie_word_embeddings=True, rope_theta=10000.0)
+        model = Qwen3ForCausalLM(cfg)
+    elif kind == "vl":
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+        text = _text_kwargs(tok)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [12, 10, 10],
+                                   "mrope_interleaved": True}
+        cfg = Qwen3VLConfig(
+            text_config=text,
+            vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=1, patch_size=16,
+                               spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128,
+                               num_position_embeddings=64, deepstack_visual_indexes=[0]),
+            image_token_id=tok.convert_tokens_to_ids(IMAGE_PAD),
+            video_token_id=tok.convert_tokens_to_ids(VIDEO_PAD),
+            vision_start_token_id=tok.convert_tokens_to_ids(VISION_START),
+            vision_end_token_id=tok.convert_tokens_to_ids(VISION_END),
+            tie_word_embeddings=True,
+        )
+        model = Qwen3VLForConditionalGeneration(cfg)
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}; use 'text' or 'vl'")
+    model.generation_config.eos_token_id = cfg.get_text_config().eos_token_id
+    model.generation_config.pad_token_id = cfg.get_text_config().pad_token_id
+    return model.eval(), tok
+
+
+def build_tiny_image_processor():
+    """The Qwen2/3-VL image processor (PIL backend: torchvision cannot load beside the CPU torch here)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128})
+
+
+def save_tiny_model(out_dir: str | Path, kind: TinyKind = "text", seed: int = 0) -> Path:
+    """Write a tiny model directory (idempotent: an existing complete directory is reused)."""
+    out = Path(out_dir)
+    marker = out / ".tiny-complete"
+    if marker.is_file() and marker.read_text() == f"{kind}:{seed}":
+        return out
+    model, tok = build_tiny_model(kind, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    if kind == "vl":
+        build_tiny_image_processor().save_pretrained(out)
+    marker.write_text(f"{kind}:{seed}")
+    return out

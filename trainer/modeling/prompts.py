@@ -1,0 +1,98 @@
+"""Prompt construction and encoding: one chat template for rollouts and the training forward alike.
+
+``PromptEncoder.encode(sample)`` returns the prompt token ids (image placeholders expanded for VL models)
+plus the multimodal tensors; rollout backends and the trainer both use it, which is what makes the strict
+prompt-alignment check meaningful.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from trainer.data.records import Sample
+
+DEFAULT_INSTRUCTION = (
+    "Detect every object. Answer with one JSON object: keys object_1, object_2, ... in reading order, "
+    "each {\"desc\": ..., \"bbox_2d\": [x1, y1, x2, y2]} or {\"desc\": ..., \"poly\": [...]} with coord tokens."
+)
+
+
+@dataclass
+class EncodedPrompt:
+    input_ids: list[int]
+    messages: list[dict[str, Any]]
+    images: list[str]
+    mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+def expand_image_pads(text: str, image_grid_thw: torch.Tensor, merge_size: int) -> str:
+    """Replace the i-th ``<|image_pad|>`` by ``t*h*w / merge_size**2`` copies (the Qwen2/2.5/3-VL rule)."""
+    pieces = text.split(IMAGE_PAD)
+    if len(pieces) - 1 != len(image_grid_thw):
+        raise ValueError(f"prompt has {len(pieces) - 1} image placeholders but {len(image_grid_thw)} images")
+    out = [pieces[0]]
+    for grid, rest in zip(image_grid_thw.tolist(), pieces[1:]):
+        n = grid[0] * grid[1] * grid[2] // (merge_size**2)
+        out.append(IMAGE_PAD * n + rest)
+    return "".join(out)
+
+
+class PromptEncoder:
+    """Builds chat messages for a sample and encodes them with the model's template.
+
+    Text-only models see the record's ``scene`` text (an error if it lacks one); VL models see the images,
+    preprocessed by the model's image processor, with one ``<|image_pad|>`` per merged patch.
+    """
+
+    def __init__(self, tokenizer, image_processor=None, system_prompt: str | None = None,
+                 instruction: str = DEFAULT_INSTRUCTION):
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.system_prompt = system_prompt
+        self.instruction = instruction
+
+    @property
+    def multimodal(self) -> bool:
+        return self.image_processor is not None
+
+    def messages(self, sample: Sample) -> list[dict[str, Any]]:
+        msgs: list[dict[str, Any]] = []
+        if self.system_prompt:
+            msgs.append({"role": "system", "content": self.system_prompt})
+        if self.multimodal:
+            content = [{"type": "image", "image": p} for p in sample.images]
+            content.append({"type": "text", "text": self.instruction})
+            msgs.append({"role": "user", "content": content})
+        else:
+            if sample.scene is None:
+                raise ValueError(
+                    f"sample {sample.sample_id!r} has no 'scene' text; a text-only model needs it "
+                    "(use a VL model, or add scene text to the record)"
+                )
+            msgs.append({"role": "user", "content": f"{self.instruction}\nScene: {sample.scene}"})
+        return msgs
+
+    def encode(self, sample: Sample) -> EncodedPrompt:
+        msgs = self.messages(sample)
+        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        if not self.multimodal:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return EncodedPrompt(list(ids), msgs, list(sample.images))
+        mm: dict[str, torch.Tensor] = {}
+        if sample.images:
+            images = [Image.open(p).convert("RGB") for p in sample.images]
+            out = self.image_processor(images=images, return_tensors="pt")
+            mm = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+            text = expand_image_pads(text, mm["image_grid_thw"], self.image_processor.merge_size)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return EncodedPrompt(list(ids), msgs, list(sample.images), mm)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,18 @@
+"""The rollout-engine interface every backend implements (hf, vllm colocate, server client)."""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Decode a list of requests; results in request order; ``generate([])`` returns ``[]``."""
+
+    name: str
+
+    def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]: ...
+
+    def close(self) -> None: ...
