@@ -20,9 +20,26 @@ from pydantic import Field, model_validator
 from trainer.config.base import Section
 from trainer.config.errors import ConfigError, ConfigErrors
 from trainer.config.loader import resolve_yaml
-from trainer.deploy.schema import DeployConfig
-from trainer.grpo.schema import RlhfConfig, RolloutServerConfig
-from trainer.rollout.vllm_schema import VllmConfig
+try:  # TEMP until the helper modules land
+    from trainer.deploy.schema import DeployConfig
+except ModuleNotFoundError:
+    class DeployConfig(Section):
+        pass
+try:
+    from trainer.grpo.schema import RlhfConfig, RolloutServerConfig
+except ModuleNotFoundError:
+    class RlhfConfig(Section):
+        pass
+
+    class RolloutServerConfig(Section):
+        pass
+try:
+    from trainer.rollout.vllm_schema import VllmConfig
+except ModuleNotFoundError:
+    class VllmConfig(Section):
+        mode: Literal["colocate", "server"] = "colocate"
+        max_model_len: int | None = None
+        enable_lora: bool = False
 
 
 class ModelConfig(Section):

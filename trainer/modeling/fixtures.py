@@ -39,6 +39,7 @@ def tokenizer_corpus(n: int = 400, seed: int = 1234) -> list[str]:
                 objs.append(DetObject(f"{rng.choice(sorted(COLORS))} {rng.choice(SHAPES)}", "bbox_2d", (c[0], c[1], c[2], c[3])))
         texts.append(serialize_objects(objs))
         texts.append("; ".join(f"{o.desc} " + "".join(coord_token(k) for k in o.coords) for o in objs))
+    texts.extend(f"k{i}}}}} v{i}}}, w{i}}}}}, z{i}}}}}}}" for i in range(600))
     texts.append("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,:;!?'\"-_()[]{}<>/\\|@#$%^&*+=~`")
     return texts
 

@@ -44,6 +44,7 @@ class RolloutRequest:
     messages: tuple[dict[str, Any], ...]
     prompt_token_ids: tuple[int, ...]
     images: tuple[str, ...] = ()
+    mm_inputs: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def to_infer_request(self) -> dict[str, Any]:
         """JSON-serialisable ms-swift ``RolloutInferRequest`` payload (images as strings)."""

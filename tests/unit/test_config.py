@@ -1,0 +1,146 @@
+"""Config: extends resolution, strict schema, and every rejected case names its key path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config.errors import ConfigErrors
+from trainer.config.loader import resolve_yaml
+from trainer.config.schema import load_config, validate_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+BASE = {
+    "model": {"tiny": "text"},
+    "data": {"synthetic": {"num_samples": 4}},
+    "custom": {"trainer_variant": "rollout_matching_sft",
+               "extra": {"rollout_matching": {"rollout_backend": "hf"}}},
+}
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def errors_for(data) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigErrors) as exc:
+        validate_config(data)
+    return [(e.key_path, e.message) for e in exc.value.errors]
+
+
+def merged(**patch):
+    import copy
+
+    from trainer.config.loader import deep_merge
+
+    return deep_merge(copy.deepcopy(BASE), patch)
+
+
+def test_extends_list_relative_deep_merge_and_list_replace(tmp_path):
+    write(tmp_path, "bases/a.yaml", """
+        training: {learning_rate: 0.1, report_to: [jsonl, tensorboard], seed: 1}
+        model: {tiny: text}
+    """)
+    write(tmp_path, "bases/b.yaml", """
+        extends: a.yaml
+        training: {seed: 2}
+    """)
+    top = write(tmp_path, "top.yaml", """
+        extends: [bases/b.yaml]
+        training: {report_to: [jsonl]}
+    """)
+    data = resolve_yaml(top)
+    assert data["training"] == {"learning_rate": 0.1, "report_to": ["jsonl"], "seed": 2}
+    assert "extends" not in data
+
+
+def test_extends_string_and_cycle_rejected(tmp_path):
+    write(tmp_path, "a.yaml", "extends: b.yaml\nx: 1\n")
+    write(tmp_path, "b.yaml", "extends: a.yaml\ny: 2\n")
+    with pytest.raises(ConfigErrors) as exc:
+        load_config(tmp_path / "a.yaml")
+    assert exc.value.errors[0].key_path == "extends" and "cycle" in exc.value.errors[0].message
+
+
+def test_missing_base_file_named(tmp_path):
+    p = write(tmp_path, "a.yaml", "extends: nope.yaml\n")
+    with pytest.raises(ConfigErrors, match="nope.yaml"):
+        load_config(p)
+
+
+@pytest.mark.parametrize(
+    "patch, key, fragment",
+    [
+        ({"trainnig": {}}, "trainnig", "did you mean 'training'"),
+        ({"custom": {"extra": {"rollout_matching": {"decodng": {}}}}}, "custom.extra.rollout_matching.decodng",
+         "did you mean 'decoding'"),
+        ({"training": {"packing_lenght": 10}}, "training.packing_lenght", "did you mean 'packing_length'"),
+        ({"training": {"learning_rate": "fast"}}, "training.learning_rate", "number"),
+        ({"training": {"per_device_train_batch_size": 0}}, "training.per_device_train_batch_size", "greater than"),
+        ({"custom": {"extra": {"rollout_matching": {"rollout_backend": "tgi"}}}},
+         "custom.extra.rollout_matching.rollout_backend", "'vllm' or 'hf'"),
+        ({"custom": {"extra": {"rollout_matching": {"rollout_generate_batch_size": -1}}}},
+         "custom.extra.rollout_matching.rollout_generate_batch_size", "greater than"),
+        ({"custom": {"extra": {"rollout_matching": {"matching": {"mask_iou_threshold": 2}}}}},
+         "custom.extra.rollout_matching.matching.mask_iou_threshold", "less than"),
+        ({"model": {"path": "/x"}}, "model", "exactly one"),
+        ({"data": {"train_jsonl": "x.jsonl"}}, "data", "exactly one"),
+        ({"training": {"packing": True}}, "training.packing_length", "required"),
+        ({"training": {"packing": True, "packing_length": 512, "packing_drop_last": False}},
+         "training.packing_drop_last", "must be true"),
+        ({"custom": {"extra": {"rollout_matching": {"rollout_backend": "vllm"}}}},
+         "custom.extra.rollout_matching.vllm.max_model_len", "required"),
+        ({"custom": {"extra": {"rollout_matching": {"rollout_buffer": {"m_steps": 3}}}}},
+         "custom.extra.rollout_matching.rollout_buffer.m_steps", "enable"),
+        ({"custom": {"extra": {"rollout_matching": {"offload": {"enabled": True}}}}},
+         "custom.extra.rollout_matching.offload.enabled", "colocate"),
+        ({"custom": {"extra": {"rollout_matching": {"rollout_backend": "vllm", "vllm": {"max_model_len": 64}}}}},
+         "custom.extra.rollout_matching.vllm.max_model_len", "max_new_tokens"),
+        ({"tuner": {"train_type": "lora"}, "custom": {"extra": {"rollout_matching": {
+            "rollout_backend": "vllm", "vllm": {"max_model_len": 4096}}}}},
+         "custom.extra.rollout_matching.vllm.enable_lora", "must be true"),
+    ],
+)
+def test_rejected_configs_name_their_key(patch, key, fragment):
+    errs = errors_for(merged(**patch))
+    assert any(k == key and fragment in msg for k, msg in errs), errs
+
+
+def test_missing_rollout_matching_section_named():
+    data = {"model": {"tiny": "text"}, "data": {"synthetic": {}}}
+    assert ("custom.extra.rollout_matching", "required when custom.trainer_variant is rollout_matching_sft") in errors_for(data)
+
+
+def test_defaults_follow_the_seeds():
+    cfg = validate_config({**BASE, "custom": {"extra": {"rollout_matching": {"vllm": {"max_model_len": 4096}}}}})
+    rm = cfg.rollout_matching
+    assert rm.rollout_backend == "vllm" and rm.rollout_generate_batch_size == 1
+    assert rm.vllm.gpu_memory_utilization == 0.45 and rm.vllm.enable_prefix_caching is True
+    assert cfg.training.packing is False and cfg.training.packing_drop_last is True
+
+
+def test_every_shipped_config_validates():
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        load_config(path)
+
+
+def test_validate_cli_prints_resolved_config_and_fails_with_key(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(BASE))
+    out = subprocess.run([sys.executable, "-m", "trainer", "validate", str(good)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)
+    assert resolved["custom"]["extra"]["rollout_matching"]["decoding"]["max_new_tokens"] == 256
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(merged(training={"pakcing": True})))
+    out = subprocess.run([sys.executable, "-m", "trainer", "validate", str(bad)], capture_output=True, text=True)
+    assert out.returncode == 2 and "training.pakcing" in out.stderr and "did you mean 'packing'" in out.stderr

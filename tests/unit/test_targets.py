@@ -1,0 +1,107 @@
+"""Target building: Y_train is valid JSON, FN keys continue the numbering, masks cover the intended tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from trainer.data.objects import DetObject
+from trainer.data.output_format import serialize_objects
+from trainer.matching.match import match_objects
+from trainer.matching.parse import parse_rollout
+from trainer.matching.targets import IGNORE_INDEX, build_target, ground_truth_target
+from trainer.matching.poly_align import coord_targets
+
+GTS = (
+    DetObject("red square", "bbox_2d", (100, 100, 300, 300)),
+    DetObject("blue circle", "bbox_2d", (600, 600, 800, 800)),
+    DetObject("green triangle", "poly", (400, 50, 500, 200, 300, 200)),
+)
+
+
+@pytest.fixture()
+def helpers(tokenizer, vocab):
+    def offsets(text):
+        e = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(e["input_ids"]), [tuple(o) for o in e["offset_mapping"]]
+
+    return offsets
+
+
+def build(tokenizer, vocab, offsets, response_text, prompt=(1, 2, 3)):
+    ids = vocab.encode(response_text) + [tokenizer.eos_token_id]
+    parsed = parse_rollout(ids, vocab)
+    m = match_objects([o.to_det() for o in parsed.objects], GTS, 0.3)
+    return parsed, m, build_target("s", list(prompt), parsed, m, GTS, tokenizer.eos_token_id, offsets,
+                                   dict(vocab.coord_bin_by_id))
+
+
+def text_of(tokenizer, ids):
+    return tokenizer.decode(ids)
+
+
+def as_json(text):
+    return json.loads(re.sub(r"<\|coord_(\d+)\|>", r"\1", text))
+
+
+def test_prefix_plus_fn_append_is_valid_json_with_continued_keys(tokenizer, vocab, helpers):
+    pred = [DetObject("red square", "bbox_2d", (110, 105, 290, 310)), DetObject("ghost", "bbox_2d", (0, 900, 50, 990))]
+    resp = serialize_objects(pred).replace('"object_2"', '"object_7"')
+    parsed, m, t = build(tokenizer, vocab, helpers, resp)
+    assert m.num_matched == 1 and m.false_positives == (1,)
+    body = text_of(tokenizer, t.input_ids[3:-1])
+    doc = as_json(body)
+    assert list(doc) == ["object_1", "object_7", "object_8", "object_9"]
+    assert doc["object_8"]["desc"] == "blue circle" and doc["object_9"]["poly"] == list(GTS[2].coords)
+    assert t.input_ids[-1] == tokenizer.eos_token_id and t.labels[-1] == tokenizer.eos_token_id
+    assert t.stats["matched"] == 1 and t.stats["fn_appended"] == 2 and t.stats["fp"] == 1
+
+
+def test_label_masks_cover_exactly_the_intended_tokens(tokenizer, vocab, helpers):
+    pred = [DetObject("red square", "bbox_2d", (110, 105, 290, 310))]
+    parsed, m, t = build(tokenizer, vocab, helpers, serialize_objects(pred))
+    start = t.prompt_len + t.prefix_len
+    assert all(lab == IGNORE_INDEX for lab in t.labels[:start]), "prompt and rollout prefix carry no CE"
+    coord_ids = set(vocab.coord_bin_by_id)
+    tail = list(range(start, len(t.input_ids)))
+    ce_tail = [i for i in tail if t.labels[i] != IGNORE_INDEX]
+    assert all(t.input_ids[i] not in coord_ids for i in ce_tail), "coord tokens never get CE"
+    masked_text = "".join(tokenizer.decode([t.input_ids[i]]) for i in tail if t.labels[i] == IGNORE_INDEX
+                          and t.input_ids[i] not in coord_ids)
+    assert "blue" in masked_text and "circle" in masked_text and "green" in masked_text
+    assert "object" not in masked_text and "desc" not in masked_text
+    prefix_coord_pos = [t.prompt_len + p for p in parsed.objects[0].coord_positions]
+    tail_coord_pos = [i for i in tail if t.input_ids[i] in coord_ids]
+    assert t.coord_positions == prefix_coord_pos + tail_coord_pos
+    assert t.coord_targets[:4] == [100.0, 100.0, 300.0, 300.0]
+    assert t.coord_targets[4:] == [float(c) for c in GTS[1].coords + GTS[2].coords]
+    assert all(t.input_ids[p] in coord_ids for p in t.coord_positions)
+
+
+def test_unparseable_rollout_appends_every_gt(tokenizer, vocab, helpers):
+    parsed, m, t = build(tokenizer, vocab, helpers, "nonsense")
+    assert as_json(text_of(tokenizer, t.input_ids[3:-1])) == as_json(serialize_objects(GTS))
+    assert t.stats["fn_appended"] == 3 and t.stats["matched"] == 0
+
+
+def test_ground_truth_target_trains_the_opening_brace(tokenizer, vocab, helpers):
+    t = ground_truth_target("s", [1, 2], GTS, tokenizer.eos_token_id, helpers, dict(vocab.coord_bin_by_id), vocab.encode("{"))
+    assert t.labels[2] == vocab.encode("{")[0]
+    ce_text = tokenizer.decode([lab for lab in t.labels if lab != -100])
+    assert "red square" in ce_text and "green triangle" in ce_text, "stage-1 trains desc values"
+    assert as_json(text_of(tokenizer, t.input_ids[2:-1])) == as_json(serialize_objects(GTS))
+    assert len(t.coord_positions) == 4 + 4 + 6
+
+
+def test_poly_targets_use_barycentric_projection():
+    sq = DetObject("s", "bbox_2d", (100, 100, 300, 300))
+    same_square_as_poly = DetObject("s", "poly", (100, 100, 300, 100, 300, 300, 100, 300))
+    t = coord_targets(same_square_as_poly, sq, epsilon=0.001, iters=200)
+    assert t == pytest.approx([100, 100, 300, 100, 300, 300, 100, 300], abs=1.0)
+    t2 = coord_targets(sq, same_square_as_poly, epsilon=0.001, iters=200)
+    assert t2 == pytest.approx([100, 100, 300, 300], abs=1.0)
+    shifted = DetObject("s", "bbox_2d", (150, 150, 350, 350))
+    t3 = coord_targets(DetObject("p", "poly", (150, 150, 350, 150, 350, 350, 150, 350)), shifted, 0.001, 200)
+    assert t3 == pytest.approx([150, 150, 350, 150, 350, 350, 150, 350], abs=1.0)

@@ -1,0 +1,51 @@
+"""Coord losses at supervised coord positions: ``softCE(q, p) + λ_w1·W1(p, q) + λ_gate·gate``.
+
+p = softmax over the 1000 coord-token logits; q = a unimodal soft target (discretised Gaussian, σ in bins)
+around a continuous target bin; W1 = Σ|CDF_p − CDF_q| (1-D Wasserstein over bins, in bin units / 1000);
+gate = probability mass that the full-vocabulary softmax puts outside the coord tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trainer.data.objects import NUM_BINS
+
+
+@dataclass(frozen=True)
+class CoordLossTerms:
+    softce: torch.Tensor
+    w1: torch.Tensor
+    gate: torch.Tensor
+    total: torch.Tensor
+    count: int
+
+
+def soft_targets(target_bins: torch.Tensor, sigma: float, num_bins: int = NUM_BINS) -> torch.Tensor:
+    """N×num_bins unimodal distributions centred on each (continuous) target bin."""
+    grid = torch.arange(num_bins, device=target_bins.device, dtype=torch.float32)
+    logits = -0.5 * ((grid[None, :] - target_bins.float()[:, None]) / sigma) ** 2
+    return torch.softmax(logits, dim=-1)
+
+
+def coord_loss(logits: torch.Tensor, coord_ids: torch.Tensor, target_bins: torch.Tensor, sigma: float,
+               w_softce: float = 1.0, w_w1: float = 1.0, w_gate: float = 1.0) -> CoordLossTerms:
+    """``logits``: N×V rows that predict the supervised coord tokens; mean over the N positions."""
+    n = logits.shape[0]
+    if n == 0:
+        zero = logits.sum() * 0.0
+        return CoordLossTerms(zero, zero, zero, zero, 0)
+    logits = logits.float()
+    coord_logits = logits.index_select(-1, coord_ids)
+    log_p = F.log_softmax(coord_logits, dim=-1)
+    q = soft_targets(target_bins, sigma, coord_ids.numel())
+    softce = -(q * log_p).sum(-1)
+    cdf_gap = torch.cumsum(log_p.exp(), -1) - torch.cumsum(q, -1)
+    w1 = cdf_gap.abs().sum(-1) / coord_ids.numel()
+    inside = torch.logsumexp(coord_logits, -1) - torch.logsumexp(logits, -1)
+    gate = 1.0 - inside.exp()
+    total = w_softce * softce + w_w1 * w1 + w_gate * gate
+    return CoordLossTerms(softce.mean(), w1.mean(), gate.mean(), total.mean(), n)

@@ -1,0 +1,63 @@
+"""The stage-2 objective over a model batch: masked CE on label positions + coord losses on coord slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trainer.losses.coord import coord_loss
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    text_ce: float = 1.0
+    coord_softce: float = 1.0
+    coord_w1: float = 1.0
+    coord_gate: float = 1.0
+    coord_sigma: float = 2.0
+
+
+def _rows(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Logit rows that predict the tokens at ``index`` (row, col): position col - 1."""
+    return logits[index[:, 0], index[:, 1] - 1]
+
+
+def objective(logits: torch.Tensor, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor,
+              w: LossWeights) -> tuple[torch.Tensor, dict[str, float]]:
+    """Total loss (mean CE over CE tokens + mean coord loss over coord slots) and detached terms."""
+    ce_rows = _rows(logits, batch["ce_index"])
+    if ce_rows.shape[0]:
+        ce = F.cross_entropy(ce_rows.float(), batch["ce_labels"])
+    else:
+        ce = logits.sum() * 0.0
+    coord = coord_loss(_rows(logits, batch["coord_index"]), coord_ids, batch["coord_targets"], w.coord_sigma,
+                       w.coord_softce, w.coord_w1, w.coord_gate)
+    total = w.text_ce * ce + coord.total
+    terms = {
+        "loss/ce": float(ce.detach()),
+        "loss/coord_softce": float(coord.softce.detach()),
+        "loss/coord_w1": float(coord.w1.detach()),
+        "loss/coord_gate": float(coord.gate.detach()),
+        "loss/coord": float(coord.total.detach()),
+        "tokens/ce": float(ce_rows.shape[0]),
+        "tokens/coord": float(coord.count),
+    }
+    return total, terms
+
+
+def per_segment_losses(logits: torch.Tensor, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor,
+                       w: LossWeights) -> torch.Tensor:
+    """Loss of each segment (sample) separately, ``[num_segments]``: CE mean + coord mean per sample."""
+    n = int(batch["num_segments"])
+    out = []
+    for s in range(n):
+        sub = {
+            "ce_index": batch["ce_index"][batch["ce_segment"] == s],
+            "ce_labels": batch["ce_labels"][batch["ce_segment"] == s],
+            "coord_index": batch["coord_index"][batch["coord_segment"] == s],
+            "coord_targets": batch["coord_targets"][batch["coord_segment"] == s],
+        }
+        out.append(objective(logits, sub, coord_ids, w)[0])
+    return torch.stack(out)

@@ -1,0 +1,385 @@
+"""Strict, token-aligned parsing of a rollout (one streaming pass over the response tokens).
+
+Each token's exact bytes are scanned by a JSON pushdown automaton; a coord token is consumed atomically as
+a number value and its position recorded. Decisions (see ``docs/DECISIONS.md``):
+
+- Syntax: the response must be a prefix of one JSON object (coord tokens count as numbers). The first
+  character that cannot continue valid JSON *breaks* the stream: everything from the enclosing object on is
+  the dropped tail. The parser never raises and never repairs (no token is inserted).
+- Semantics: a member ``"object_{n}": {...}`` at depth 1 is a predicted object, in appearance order. It is
+  valid iff it has exactly one non-empty string ``desc``, exactly one geometry key (``bbox_2d`` with 4 coord
+  tokens, or ``poly`` with an even count ≥ 6), no other keys, no nesting, no duplicate key. Invalid but
+  syntactically complete objects stay in the prefix (no repair) and are counted by reason.
+- Prefix cut: after the last ``}`` that closes a depth-2 object. End-of-turn / stop tokens and everything after
+  them are stripped; the final top-level ``}`` is dropped so the prefix is open for appending. A cut inside a
+  fused token (``}}``, ``},`` …) replaces only that last token by the tokenisation of its needed prefix.
+  No complete object → the prefix is just ``{``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from trainer.data.objects import DetObject, GeometryKind
+
+OBJECT_KEY = re.compile(r"object_([1-9][0-9]{0,6})")
+WHITESPACE = b" \t\r\n"
+NUMBER_CHARS = b"-+.0123456789eE"
+LITERALS = (b"true", b"false", b"null")
+
+
+@dataclass(frozen=True)
+class ParseVocab:
+    """What the parser needs from a tokenizer: exact bytes per id, coord ids → bins, stop ids, an encoder."""
+
+    token_bytes: Sequence[bytes]
+    coord_bin_by_id: Mapping[int, int]
+    stop_ids: frozenset[int]
+    special_ids: frozenset[int]
+    encode: Callable[[str], list[int]]
+
+
+@dataclass(frozen=True)
+class ParsedObject:
+    """A valid predicted object; ``coord_positions[i]`` is the response-token index of ``coords[i]``."""
+
+    index: int
+    desc: str
+    kind: GeometryKind
+    coords: tuple[int, ...]
+    coord_positions: tuple[int, ...]
+
+    def to_det(self) -> DetObject:
+        return DetObject(self.desc, self.kind, self.coords)
+
+
+@dataclass(frozen=True)
+class ParseResult:
+    objects: tuple[ParsedObject, ...]
+    invalid: Mapping[str, int]
+    prefix_token_ids: tuple[int, ...]
+    prefix_last_char: str
+    max_object_index: int
+    truncated: bool
+    stopped: bool
+    broken: bool
+    num_response_tokens: int
+    dropped_tail_tokens: int
+
+    @property
+    def num_invalid(self) -> int:
+        return sum(self.invalid.values())
+
+    @property
+    def num_predicted(self) -> int:
+        return len(self.objects) + self.num_invalid
+
+
+@dataclass
+class _Member:
+    """A depth-1 member under construction."""
+
+    key: str
+    index: int | None
+    problems: list[str] = field(default_factory=list)
+    is_object: bool = False
+    desc: list[str] = field(default_factory=list)
+    geometry: list[str] = field(default_factory=list)
+    coords: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    current_key: str | None = None
+
+
+class _Break(Exception):
+    """The stream stops being a valid JSON prefix here."""
+
+
+class _Scanner:
+    """JSON pushdown automaton with semantic hooks for depth-1 members and depth-2 object fields."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+        self.expect = "top"
+        self.in_string = False
+        self.escape = False
+        self.string_buf = bytearray()
+        self.string_is_key = False
+        self.scalar = bytearray()
+        self.closed = False
+        self.member: _Member | None = None
+        self.pending_key: str | None = None
+        self.finished: list[tuple[_Member, bool]] = []
+
+    def _value_started(self, kind: str) -> None:
+        """Semantic bookkeeping when a value of ``kind`` ('obj', 'arr', 'str', 'scalar', 'coord') starts."""
+        depth = len(self.stack)
+        if depth == 1:
+            assert self.member is not None
+            if kind == "obj":
+                self.member.is_object = True
+            else:
+                self.member.problems.append("value_not_object")
+        elif depth == 2 and self.member is not None and self.member.is_object:
+            key = self.member.current_key
+            if key == "desc":
+                if kind != "str":
+                    self.member.problems.append("desc_not_string")
+            elif key in ("bbox_2d", "poly"):
+                if kind != "arr":
+                    self.member.problems.append("geometry_not_array")
+            else:
+                self.member.problems.append("extra_key")
+        elif depth >= 3 and self.member is not None:
+            in_geometry = depth == 3 and self.stack[2] == "arr" and self.member.current_key in ("bbox_2d", "poly")
+            if not in_geometry or kind != "coord":
+                self.member.problems.append("non_coord_in_geometry" if in_geometry else "nested_value")
+
+    def _end_scalar(self) -> None:
+        text = bytes(self.scalar)
+        self.scalar.clear()
+        if text in LITERALS:
+            return
+        try:
+            float(text)
+        except ValueError:
+            raise _Break from None
+        if not re.fullmatch(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?", text):
+            raise _Break
+
+    def _after_value(self, closed_object: bool = False) -> None:
+        if len(self.stack) == 1 and self.member is not None:
+            self.finished.append((self.member, closed_object))
+            self.member = None
+        if not self.stack:
+            self.closed = True
+            self.expect = "done"
+        else:
+            self.expect = "obj_comma" if self.stack[-1] == "obj" else "arr_comma"
+
+    def _open(self, kind: str) -> None:
+        self._value_started(kind)
+        self.stack.append(kind)
+        self.expect = "key_or_end" if kind == "obj" else "value_or_end"
+
+    def _close(self, kind: str) -> None:
+        if not self.stack or self.stack[-1] != kind:
+            raise _Break
+        self.stack.pop()
+        self._after_value(closed_object=kind == "obj" and len(self.stack) == 1)
+
+    def feed_coord(self, bin_: int, position: int) -> None:
+        if self.in_string or self.scalar or self.expect not in ("value", "value_or_end"):
+            raise _Break
+        self._value_started("coord")
+        if self.member is not None and len(self.stack) == 3:
+            self.member.coords.append(bin_)
+            self.member.positions.append(position)
+        self._after_value()
+
+    def feed_byte(self, b: int) -> None:
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+                self.string_buf.append(b)
+            elif b == 0x5C:
+                self.escape = True
+                self.string_buf.append(b)
+            elif b == 0x22:
+                self.in_string = False
+                self._end_string()
+            elif b < 0x20:
+                raise _Break
+            else:
+                self.string_buf.append(b)
+            return
+        if self.scalar:
+            if b in NUMBER_CHARS or (0x61 <= b <= 0x7A):
+                self.scalar.append(b)
+                return
+            self._end_scalar()
+            self._after_value()
+        if b in WHITESPACE:
+            return
+        e = self.expect
+        if e == "top":
+            if b != 0x7B:
+                raise _Break
+            self.stack.append("obj")
+            self.expect = "key_or_end"
+        elif e == "done":
+            raise _Break
+        elif e in ("key_or_end", "key"):
+            if b == 0x22:
+                self.in_string, self.string_is_key = True, True
+                self.string_buf.clear()
+            elif b == 0x7D and e == "key_or_end":
+                self._close("obj")
+            else:
+                raise _Break
+        elif e == "colon":
+            if b != 0x3A:
+                raise _Break
+            self.expect = "value"
+        elif e in ("value", "value_or_end"):
+            if b == 0x7B:
+                self._open("obj")
+            elif b == 0x5B:
+                self._open("arr")
+            elif b == 0x22:
+                self._value_started("str")
+                self.in_string, self.string_is_key = True, False
+                self.string_buf.clear()
+            elif b == 0x5D and e == "value_or_end":
+                self._close("arr")
+            elif b in NUMBER_CHARS[:-2] or b in b"tfn":
+                self._value_started("scalar")
+                self.scalar.append(b)
+            else:
+                raise _Break
+        elif e == "obj_comma":
+            if b == 0x2C:
+                self.expect = "key"
+            elif b == 0x7D:
+                self._close("obj")
+            else:
+                raise _Break
+        elif e == "arr_comma":
+            if b == 0x2C:
+                self.expect = "value"
+            elif b == 0x5D:
+                self._close("arr")
+            else:
+                raise _Break
+
+    def _end_string(self) -> None:
+        try:
+            text = json.loads(b'"' + bytes(self.string_buf) + b'"')
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise _Break from None
+        depth = len(self.stack)
+        if self.string_is_key:
+            self.expect = "colon"
+            if depth == 1:
+                m = OBJECT_KEY.fullmatch(text)
+                self.member = _Member(key=text, index=int(m.group(1)) if m else None)
+                if m is None:
+                    self.member.problems.append("bad_key")
+            elif depth == 2 and self.member is not None:
+                self.member.current_key = text
+                if text == "desc":
+                    self.member.desc.append("")
+                elif text in ("bbox_2d", "poly"):
+                    self.member.geometry.append(text)
+            return
+        if depth == 2 and self.member is not None and self.member.current_key == "desc":
+            self.member.desc[-1] = text
+        self._after_value()
+
+
+def _validate_member(m: _Member, seen: set[int]) -> tuple[ParsedObject | None, str | None]:
+    if m.problems:
+        return None, m.problems[0]
+    if not m.is_object:
+        return None, "value_not_object"
+    if m.index in seen:
+        return None, "duplicate_key"
+    if len(m.desc) != 1 or not m.desc[0].strip():
+        return None, "missing_desc" if not m.desc or not m.desc[0].strip() else "duplicate_desc"
+    if len(m.geometry) != 1:
+        return None, "no_geometry" if not m.geometry else "two_geometries"
+    kind = m.geometry[0]
+    n = len(m.coords)
+    if kind == "bbox_2d" and n != 4:
+        return None, "bbox_count"
+    if kind == "poly" and (n < 6 or n % 2):
+        return None, "poly_count"
+    assert m.index is not None
+    return ParsedObject(m.index, m.desc[0], kind, tuple(m.coords), tuple(m.positions)), None  # type: ignore[arg-type]
+
+
+def parse_rollout(response_ids: Sequence[int], vocab: ParseVocab) -> ParseResult:
+    """Parse one rollout. Pure; never raises on any token sequence."""
+    ids = list(response_ids)
+    end = len(ids)
+    stopped = False
+    for i, t in enumerate(ids):
+        if t in vocab.stop_ids:
+            end, stopped = i, True
+            break
+    sc = _Scanner()
+    cut: tuple[int, int] | None = None
+    complete: list[tuple[_Member, tuple[int, int]]] = []
+    after_cut: list[_Member] = []
+    broken = False
+    for pos in range(end):
+        tid = ids[pos]
+        try:
+            if tid in vocab.coord_bin_by_id:
+                sc.feed_coord(vocab.coord_bin_by_id[tid], pos)
+                after_cut.extend(m for m, _ in sc.finished)
+                sc.finished.clear()
+                continue
+            if tid in vocab.special_ids or tid < 0 or tid >= len(vocab.token_bytes):
+                raise _Break
+            data = vocab.token_bytes[tid]
+            for off, b in enumerate(data):
+                sc.feed_byte(b)
+                for member, is_cut in sc.finished:
+                    if is_cut:
+                        cut = (pos, off + 1)
+                        complete.extend((m, cut) for m in after_cut)
+                        after_cut.clear()
+                        complete.append((member, cut))
+                    else:
+                        after_cut.append(member)
+                sc.finished.clear()
+        except _Break:
+            broken = True
+            break
+    objects: list[ParsedObject] = []
+    invalid: Counter[str] = Counter()
+    seen: set[int] = set()
+    max_index = 0
+    for member, _ in complete:
+        obj, reason = _validate_member(member, seen)
+        if member.index is not None:
+            seen.add(member.index)
+            max_index = max(max_index, member.index)
+        if obj is not None:
+            objects.append(obj)
+        else:
+            invalid[reason or "invalid"] += 1
+    for member in after_cut:
+        invalid[member.problems[0] if member.problems else "value_not_object"] += 1
+    if sc.member is not None:
+        invalid["malformed_object" if broken else "truncated_object"] += 1
+    if cut is None:
+        prefix = tuple(vocab.encode("{"))
+        last = "{"
+        kept = 0
+    else:
+        pos, off = cut
+        data = vocab.token_bytes[ids[pos]]
+        if off == len(data):
+            prefix = tuple(ids[: pos + 1])
+        else:
+            prefix = tuple(ids[:pos]) + tuple(vocab.encode(data[:off].decode("utf-8")))
+        last = "}"
+        kept = pos + 1
+    truncated = not sc.closed
+    return ParseResult(
+        objects=tuple(objects),
+        invalid=dict(invalid),
+        prefix_token_ids=prefix,
+        prefix_last_char=last,
+        max_object_index=max_index,
+        truncated=truncated,
+        stopped=stopped,
+        broken=broken,
+        num_response_tokens=len(ids),
+        dropped_tail_tokens=len(ids) - kept,
+    )

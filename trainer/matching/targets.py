@@ -1,0 +1,152 @@
+"""One teacher-forced target per sample: ``Y_train = rollout prefix + FN append + EOS`` with its masks.
+
+Label rules (``docs/DECISIONS.md``): prompt tokens — no loss. Rollout prefix — non-coord tokens no loss;
+coord tokens of matched objects get coord loss towards the matched GT. Appended tail — non-coord tokens get
+full-vocabulary CE except the tokens of ``desc`` string values; coord tokens get coord loss towards their GT.
+The final EOS gets CE. Positions index the full sequence (prompt + response).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from trainer.data.objects import DetObject
+from trainer.data.output_format import OBJECT_KEY_PREFIX, serialize_append, serialize_object
+from trainer.matching.match import MatchResult
+from trainer.matching.parse import ParseResult
+from trainer.matching.poly_align import coord_targets
+
+IGNORE_INDEX = -100
+
+
+class TargetError(RuntimeError):
+    """A target violates an invariant (a bug or a misaligned tokenizer), never bad model output."""
+
+
+@dataclass
+class TrainTarget:
+    sample_id: str
+    input_ids: list[int]
+    labels: list[int]
+    coord_positions: list[int]
+    coord_targets: list[float]
+    prompt_len: int
+    prefix_len: int
+    tail_len: int
+    stats: dict[str, int] = field(default_factory=dict)
+    mm_inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class TailTokens:
+    ids: list[int]
+    ce_mask: list[bool]
+    coord_bins: list[int | None]
+
+
+def encode_tail(fn_objects: Sequence[DetObject], start_index: int, prefix_last_char: str,
+                encode_with_offsets: Callable[[str], tuple[list[int], list[tuple[int, int]]]],
+                coord_bin_by_id: dict[int, int], desc_ce: bool = False) -> TailTokens:
+    """Tokenise the FN append (incl. the closing ``}``) and mark CE / desc / coord tokens.
+
+    ``desc_ce`` false (stage 2): tokens overlapping a ``desc`` string value get no CE.
+    """
+    text = serialize_append(fn_objects, start_index, prefix_last_char)
+    desc_spans: list[tuple[int, int]] = []
+    cursor = text.find(OBJECT_KEY_PREFIX)
+    for obj in fn_objects:
+        obj_text = serialize_object(obj)
+        start = text.index(obj_text, cursor) + len('{"desc": ')
+        desc_spans.append((start + 1, start + len(json.dumps(obj.desc, ensure_ascii=False)) - 1))
+        cursor = start + len(obj_text)
+    ids, offsets = encode_with_offsets(text)
+    ce_mask: list[bool] = []
+    bins: list[int | None] = []
+    for tid, (a, b) in zip(ids, offsets):
+        coord = coord_bin_by_id.get(tid)
+        bins.append(coord)
+        in_desc = not desc_ce and any(a < e and b > s for s, e in desc_spans)
+        ce_mask.append(coord is None and not in_desc)
+    return TailTokens(ids, ce_mask, bins)
+
+
+def build_target(sample_id: str, prompt_ids: Sequence[int], parse: ParseResult, match: MatchResult,
+                 gts: Sequence[DetObject], eos_id: int,
+                 encode_with_offsets: Callable[[str], tuple[list[int], list[tuple[int, int]]]],
+                 coord_bin_by_id: dict[int, int], sinkhorn_epsilon: float = 0.05,
+                 sinkhorn_iters: int = 50) -> TrainTarget:
+    """Assemble ids, CE labels and coord supervision; raises ``TargetError`` on a broken invariant."""
+    prompt = list(prompt_ids)
+    prefix = list(parse.prefix_token_ids)
+    p_len = len(prompt)
+    fn = [gts[g] for g in match.false_negatives]
+    start_index = parse.max_object_index + 1
+    tail = encode_tail(fn, start_index, parse.prefix_last_char, encode_with_offsets, coord_bin_by_id)
+    input_ids = prompt + prefix + tail.ids + [eos_id]
+    labels = [IGNORE_INDEX] * (p_len + len(prefix))
+    labels += [tid if ce else IGNORE_INDEX for tid, ce in zip(tail.ids, tail.ce_mask)]
+    labels.append(eos_id)
+    positions: list[int] = []
+    targets: list[float] = []
+    excluded = 0
+    for p_idx, g_idx, _iou in match.pairs:
+        pred = parse.objects[p_idx]
+        if any(pos >= len(prefix) or prefix[pos] not in coord_bin_by_id for pos in pred.coord_positions):
+            excluded += 1
+            continue
+        tgt = coord_targets(pred.to_det(), gts[g_idx], sinkhorn_epsilon, sinkhorn_iters)
+        positions.extend(p_len + pos for pos in pred.coord_positions)
+        targets.extend(tgt)
+    base = p_len + len(prefix)
+    fn_coords = [float(c) for o in fn for c in o.coords]
+    tail_coord_pos = [base + i for i, b in enumerate(tail.coord_bins) if b is not None]
+    if len(tail_coord_pos) != len(fn_coords):
+        raise TargetError(f"sample {sample_id!r}: tail has {len(tail_coord_pos)} coord tokens for {len(fn_coords)} FN coords")
+    positions.extend(tail_coord_pos)
+    targets.extend(fn_coords)
+    if any(p < p_len or p >= len(input_ids) for p in positions):
+        raise TargetError(f"sample {sample_id!r}: a supervised coord position lies outside the assistant span")
+    if any(lab != IGNORE_INDEX for lab in labels[:p_len]):
+        raise TargetError(f"sample {sample_id!r}: prompt tokens carry labels")
+    stats = {
+        "matched": match.num_matched - excluded,
+        "excluded_alignment": excluded,
+        "fn_appended": len(fn),
+        "fp": len(match.false_positives),
+        "gated": match.gated,
+        "gt": len(gts),
+        "valid_pred": len(parse.objects),
+        "invalid_pred": parse.num_invalid,
+        "truncated": int(parse.truncated),
+        "supervised_coords": len(positions),
+        "ce_tokens": sum(1 for lab in labels if lab != IGNORE_INDEX),
+    }
+    return TrainTarget(sample_id, input_ids, labels, positions, targets, p_len, len(prefix), len(tail.ids) + 1, stats)
+
+
+def ground_truth_target(sample_id: str, prompt_ids: Sequence[int], gts: Sequence[DetObject], eos_id: int,
+                        encode_with_offsets: Callable[[str], tuple[list[int], list[tuple[int, int]]]],
+                        coord_bin_by_id: dict[int, int], open_brace_ids: Sequence[int]) -> TrainTarget:
+    """Stage-1 (teacher-forced on GT) target: the same rules with an empty rollout (prefix ``{``, all GT FN).
+
+    Plain SFT: the opening ``{`` and the ``desc`` values get CE too, so a fresh model learns the whole answer.
+    """
+    tail = encode_tail(list(gts), 1, "{", encode_with_offsets, coord_bin_by_id, desc_ce=True)
+    prompt = list(prompt_ids)
+    head = list(open_brace_ids)
+    input_ids = prompt + head + tail.ids + [eos_id]
+    labels = [IGNORE_INDEX] * len(prompt) + head
+    labels += [tid if ce else IGNORE_INDEX for tid, ce in zip(tail.ids, tail.ce_mask)] + [eos_id]
+    base = len(prompt) + len(head)
+    positions = [base + i for i, b in enumerate(tail.coord_bins) if b is not None]
+    targets = [float(c) for o in gts for c in o.coords]
+    if len(positions) != len(targets):
+        raise TargetError(f"sample {sample_id!r}: GT serialisation has {len(positions)} coord tokens for {len(targets)} coords")
+    return TrainTarget(sample_id, input_ids, labels, positions, targets, len(prompt), len(head), len(tail.ids) + 1,
+                       {"gt": len(gts), "supervised_coords": len(positions)})

@@ -1,0 +1,109 @@
+"""Load the policy model, tokenizer and (for VL models) image processor from a local directory or the
+embedded tiny fixtures; wrap with a peft LoRA/DoRA adapter when configured."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+
+from trainer.config.schema import ModelConfig, TunerConfig
+from trainer.modeling.fixtures import save_tiny_model
+from trainer.modeling.tokenizer import coord_token_ids
+
+log = logging.getLogger(__name__)
+
+VL_MODEL_TYPES = {"qwen3_vl", "qwen2_5_vl", "qwen2_vl", "qwen3_vl_moe"}
+LANGUAGE_PROJECTIONS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: Any
+    image_processor: Any | None
+    model_dir: Path
+    model_type: str
+
+    @property
+    def multimodal(self) -> bool:
+        return self.image_processor is not None
+
+    @property
+    def image_token_id(self) -> int | None:
+        return getattr(self.model.config, "image_token_id", None)
+
+
+def resolve_model_dir(cfg: ModelConfig, output_dir: str | Path) -> Path:
+    """The model directory: ``model.path`` as given, or the tiny fixture materialised under ``output_dir``."""
+    if cfg.path is not None:
+        p = Path(cfg.path)
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {p} is not a model directory (no config.json); point it at a local checkpoint")
+        return p
+    return save_tiny_model(Path(output_dir) / f"tiny-model-{cfg.tiny}", cfg.tiny, cfg.tiny_seed)
+
+
+def load_image_processor(model_dir: Path):
+    """AutoImageProcessor when torchvision is importable; the PIL Qwen2-VL processor otherwise."""
+    if importlib.util.find_spec("torchvision") is not None:
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(model_dir)
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+
+
+def load_model(cfg: ModelConfig, output_dir: str | Path) -> LoadedModel:
+    model_dir = resolve_model_dir(cfg, output_dir)
+    hf_cfg = AutoConfig.from_pretrained(model_dir)
+    dtype = getattr(torch, cfg.torch_dtype)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    coord_token_ids(tokenizer)
+    if hf_cfg.model_type in VL_MODEL_TYPES:
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, **kwargs)
+        image_processor = load_image_processor(model_dir)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        image_processor = None
+    if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
+        raise ValueError(
+            f"model at {model_dir} has {model.get_input_embeddings().weight.shape[0]} embeddings but the tokenizer has "
+            f"{len(tokenizer)} tokens; resize the embeddings after adding the coord tokens"
+        )
+    return LoadedModel(model, tokenizer, image_processor, model_dir, hf_cfg.model_type)
+
+
+def apply_tuner(model: PreTrainedModel, tuner: TunerConfig, multimodal: bool) -> PreTrainedModel:
+    """Full fine-tuning (optionally freezing the ViT/aligner) or a peft LoRA/DoRA adapter."""
+    if tuner.train_type == "full":
+        if multimodal:
+            for name, p in model.named_parameters():
+                if (tuner.freeze_vit and ".visual." in f".{name}" and "merger" not in name) or (
+                    tuner.freeze_aligner and "merger" in name
+                ):
+                    p.requires_grad_(False)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    if tuner.target_modules == "all-linear":
+        target: Any = LANGUAGE_PROJECTIONS if (multimodal and tuner.freeze_vit) else "all-linear"
+    else:
+        target = list(tuner.target_modules)
+    lora = LoraConfig(r=tuner.lora_rank, lora_alpha=tuner.lora_alpha, lora_dropout=tuner.lora_dropout,
+                      target_modules=target, use_dora=tuner.train_type == "dora", task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)

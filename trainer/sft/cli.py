@@ -1,0 +1,40 @@
+"""``python -m trainer train --config CONFIG``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from trainer.config.errors import ConfigErrors
+from trainer.config.schema import load_config
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config)
+    except ConfigErrors as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.output_dir:
+        cfg.training.output_dir = args.output_dir
+    if args.max_steps is not None:
+        cfg.training.max_steps = args.max_steps
+    if cfg.custom.trainer_variant != "rollout_matching_sft":
+        print(f"custom.trainer_variant {cfg.custom.trainer_variant!r} is trained by ms-swift: "
+              "use `python -m trainer launch learner --config ...`", file=sys.stderr)
+        return 2
+    from trainer.sft.run import run_training
+
+    summary = run_training(cfg)
+    print(f"done: {summary.stage2_steps} stage-2 steps, outputs in {summary.output_dir}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train", help="run stage-2 rollout-matching SFT from a YAML config")
+    p.add_argument("--config", required=True)
+    p.add_argument("--output-dir", default=None, help="override training.output_dir")
+    p.add_argument("--max-steps", type=int, default=None, help="override training.max_steps")
+    p.set_defaults(func=run)

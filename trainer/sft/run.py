@@ -1,0 +1,131 @@
+"""Run a stage-2 training job from a validated config: load → (stage-1 warm-up) → stage 2 → save + summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import TrainingArguments
+
+from trainer.config.schema import TrainConfig
+from trainer.data.records import Sample, load_jsonl
+from trainer.data.synthetic import generate
+from trainer.losses.objective import LossWeights
+from trainer.modeling.loading import LoadedModel, apply_tuner, load_model
+from trainer.modeling.prompts import PromptEncoder
+from trainer.rollout.factory import build_rollout_engine
+from trainer.rollout.types import DecodingParams
+from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
+from trainer.sft.trainer import JsonlMetricsCallback, RolloutMatchingTrainer, SampleDataset
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSummary:
+    output_dir: str
+    stage1_steps: int
+    stage2_steps: int
+    stage2_seconds: float
+    final_model_dir: str
+    metrics_path: str
+
+
+def load_samples(cfg: TrainConfig) -> list[Sample]:
+    d = cfg.data
+    if d.synthetic is not None:
+        s = d.synthetic
+        path = generate(Path(cfg.training.output_dir) / "data", s.num_samples, s.seed, s.min_objects,
+                        s.max_objects, s.image_size, s.poly_fraction)
+        return load_jsonl(path)
+    return load_jsonl(d.train_jsonl, d.image_root)
+
+
+def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, learning_rate: float,
+                       batch_size: int, report_to: list[str]) -> TrainingArguments:
+    t = cfg.training
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=max_steps,
+        num_train_epochs=t.num_train_epochs,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=learning_rate,
+        weight_decay=t.weight_decay,
+        lr_scheduler_type=t.lr_scheduler_type,
+        warmup_steps=t.warmup_ratio,
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps,
+        save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500,
+        save_total_limit=t.save_total_limit,
+        seed=t.seed,
+        bf16=t.bf16,
+        gradient_checkpointing=t.gradient_checkpointing,
+        remove_unused_columns=False,
+        dataloader_num_workers=t.dataloader_num_workers,
+        report_to=report_to,
+        disable_tqdm=t.disable_tqdm,
+        deepspeed=t.deepspeed,
+        use_cpu=not torch.cuda.is_available(),
+    )
+
+
+def build_pipeline(cfg: TrainConfig, loaded: LoadedModel) -> Stage2Pipeline:
+    rm = cfg.rollout_matching
+    encoder = PromptEncoder(loaded.tokenizer, loaded.image_processor, cfg.data.system_prompt)
+    settings = MatchingSettings(rm.matching.mask_iou_threshold, rm.matching.candidate_top_k,
+                                rm.matching.mask_resolution, rm.poly.sinkhorn_epsilon, rm.poly.sinkhorn_iters)
+    return Stage2Pipeline(encoder, settings)
+
+
+def run_training(cfg: TrainConfig) -> RunSummary:
+    rm = cfg.rollout_matching
+    out = Path(cfg.training.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resolved_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    torch.manual_seed(cfg.training.seed)
+    samples = load_samples(cfg)
+    loaded = load_model(cfg.model, out)
+    model = apply_tuner(loaded.model, cfg.tuner, loaded.multimodal)
+    pipeline = build_pipeline(cfg, loaded)
+    dataset = SampleDataset(samples)
+    report = [r for r in cfg.training.report_to if r != "jsonl"]
+    metrics_path = out / "metrics.jsonl"
+    lw = rm.loss
+    weights = LossWeights(lw.text_ce_weight, lw.coord_softce_weight, lw.coord_w1_weight, lw.coord_gate_weight,
+                          lw.coord_sigma)
+    d = rm.decoding
+    decoding = DecodingParams(d.max_new_tokens, d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.seed)
+    common = dict(pipeline=pipeline, decoding=decoding, loss_weights=weights, image_token_id=loaded.image_token_id,
+                  train_dataset=dataset, processing_class=loaded.tokenizer)
+    if cfg.stage1.steps > 0:
+        s1 = cfg.stage1
+        warm = RolloutMatchingTrainer(
+            model=model, args=training_arguments(cfg, out / "stage1", max_steps=s1.steps,
+                                                 learning_rate=s1.learning_rate, batch_size=s1.batch_size,
+                                                 report_to=report),
+            engine=None, target_source="ground_truth", callbacks=[JsonlMetricsCallback(str(metrics_path), "stage1")],
+            **common)
+        warm.train()
+    engine = build_rollout_engine(rm, loaded, model)
+    try:
+        trainer = RolloutMatchingTrainer(
+            model=model, args=training_arguments(cfg, out / "stage2", max_steps=cfg.training.max_steps,
+                                                 learning_rate=cfg.training.learning_rate,
+                                                 batch_size=cfg.training.per_device_train_batch_size,
+                                                 report_to=report),
+            engine=engine, target_source="rollout", callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
+            **common)
+        result = trainer.train()
+    finally:
+        engine.close()
+    final = out / "final"
+    trainer.save_model(str(final))
+    summary = RunSummary(str(out), cfg.stage1.steps, trainer.state.global_step, float(result.metrics.get("train_runtime", 0.0)),
+                         str(final), str(metrics_path))
+    (out / "run_summary.json").write_text(json.dumps(asdict(summary), indent=2))
+    return summary

@@ -1,0 +1,86 @@
+"""The stage-2 data path without a model: samples → rollout requests; rollouts → parse → match → targets.
+
+``Stage2Pipeline`` holds the tokenizer-derived tables and the matching/poly config; every method is
+deterministic given its inputs. Side effects (generation, GPU) stay in the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from trainer.data.records import Sample
+from trainer.matching.match import match_objects
+from trainer.matching.parse import ParseResult, parse_rollout
+from trainer.matching.targets import TrainTarget, build_target, ground_truth_target
+from trainer.modeling.coord_vocab import build_parse_vocab
+from trainer.modeling.prompts import EncodedPrompt, PromptEncoder
+from trainer.rollout.types import RolloutRequest, RolloutResult, check_prompt_alignment
+from trainer.telemetry import PhaseTimers
+
+
+@dataclass(frozen=True)
+class MatchingSettings:
+    iou_threshold: float = 0.3
+    top_k: int = 5
+    resolution: int = 256
+    sinkhorn_epsilon: float = 0.05
+    sinkhorn_iters: int = 50
+
+
+class Stage2Pipeline:
+    def __init__(self, encoder: PromptEncoder, settings: MatchingSettings = MatchingSettings()):
+        self.encoder = encoder
+        self.tokenizer = encoder.tokenizer
+        self.settings = settings
+        self.vocab = build_parse_vocab(self.tokenizer)
+        self.coord_bin_by_id = dict(self.vocab.coord_bin_by_id)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.open_brace_ids = self.vocab.encode("{")
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+    def requests(self, samples: Sequence[Sample]) -> tuple[list[RolloutRequest], list[EncodedPrompt]]:
+        encoded = [self.encoder.encode(s) for s in samples]
+        reqs = [
+            RolloutRequest(s.sample_id, tuple(e.messages), tuple(e.input_ids), tuple(e.images), dict(e.mm_inputs))
+            for s, e in zip(samples, encoded)
+        ]
+        return reqs, encoded
+
+    def parse(self, result: RolloutResult) -> ParseResult:
+        return parse_rollout(result.response_token_ids, self.vocab)
+
+    def targets(self, samples: Sequence[Sample], requests: Sequence[RolloutRequest],
+                results: Sequence[RolloutResult], timers: PhaseTimers | None = None) -> list[TrainTarget]:
+        """Strict prompt check, then parse → match → target per sample (order kept)."""
+        timers = timers or PhaseTimers()
+        check_prompt_alignment(requests, results)
+        out = []
+        s = self.settings
+        for sample, req, res in zip(samples, requests, results):
+            with timers.phase("parse"):
+                parsed = self.parse(res)
+            with timers.phase("match"):
+                matched = match_objects([o.to_det() for o in parsed.objects], sample.objects,
+                                        s.iou_threshold, s.top_k, s.resolution)
+            with timers.phase("target"):
+                target = build_target(sample.sample_id, req.prompt_token_ids, parsed, matched, sample.objects,
+                                      self.eos_id, self.encode_with_offsets, self.coord_bin_by_id,
+                                      s.sinkhorn_epsilon, s.sinkhorn_iters)
+            target.stats["truncated"] = int(res.truncated or parsed.truncated)
+            target.mm_inputs = dict(req.mm_inputs)
+            out.append(target)
+        return out
+
+    def ground_truth_targets(self, samples: Sequence[Sample]) -> list[TrainTarget]:
+        out = []
+        for sample in samples:
+            enc = self.encoder.encode(sample)
+            t = ground_truth_target(sample.sample_id, enc.input_ids, sample.objects, self.eos_id,
+                                    self.encode_with_offsets, self.coord_bin_by_id, self.open_brace_ids)
+            t.mm_inputs = dict(enc.mm_inputs)
+            out.append(t)
+        return out

@@ -1,0 +1,152 @@
+"""``RolloutMatchingTrainer``: a ``transformers.Trainer`` whose inputs are raw samples.
+
+Per micro-batch: rollout (no grad) → strict parse → Hungarian match → one teacher-forced target per sample
+→ padded batch → one forward → masked CE + coord losses. The collator is the identity (the trainer needs the
+raw samples) and ``remove_unused_columns`` must be false. Works with plain models and peft adapters.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainerCallback
+
+from trainer.data.records import Sample
+from trainer.losses.objective import LossWeights, objective
+from trainer.matching.targets import TrainTarget
+from trainer.rollout.base import RolloutEngine
+from trainer.rollout.types import DecodingParams
+from trainer.sft.batching import pad_targets
+from trainer.sft.stage2 import Stage2Pipeline
+from trainer.telemetry import Counters, JsonlWriter, PhaseTimers, gpu_memory_snapshot
+
+LOSS_KEYS = ("ce_index", "ce_labels", "ce_segment", "coord_index", "coord_targets", "coord_segment", "num_segments")
+
+
+class SampleDataset(Dataset):
+    """Validated samples; ``__getitem__`` returns the ``Sample`` itself."""
+
+    def __init__(self, samples: Sequence[Sample]):
+        self.samples = list(samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.samples[i]
+
+
+def identity_collator(batch: list[Sample]) -> list[Sample]:
+    return list(batch)
+
+
+class JsonlMetricsCallback(TrainerCallback):
+    """Writes every log record (with ``step`` and ``phase``) to a JSONL file on the main process."""
+
+    def __init__(self, path: str, phase: str):
+        self.writer = JsonlWriter(path)
+        self.phase = phase
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            self.writer.write({"phase": self.phase, "step": state.global_step, "time": time.time(), **logs})
+
+
+class RolloutMatchingTrainer(Trainer):
+    """Stage-2 rollout-matching SFT (``target_source='rollout'``) or its GT warm-up (``'ground_truth'``)."""
+
+    def __init__(self, *args: Any, pipeline: Stage2Pipeline, engine: RolloutEngine | None,
+                 decoding: DecodingParams, loss_weights: LossWeights, target_source: str = "rollout",
+                 image_token_id: int | None = None, **kwargs: Any):
+        if target_source not in ("rollout", "ground_truth"):
+            raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
+        if target_source == "rollout" and engine is None:
+            raise ValueError("a rollout engine is required for stage-2 training")
+        kwargs.setdefault("data_collator", identity_collator)
+        super().__init__(*args, **kwargs)
+        if self.args.remove_unused_columns:
+            raise ValueError("RolloutMatchingTrainer needs TrainingArguments(remove_unused_columns=False)")
+        self.model_accepts_loss_kwargs = False
+        self.pipeline = pipeline
+        self.engine = engine
+        self.decoding = decoding
+        self.loss_weights = loss_weights
+        self.target_source = target_source
+        self.image_token_id = image_token_id
+        self.coord_ids = torch.tensor(sorted(pipeline.coord_bin_by_id, key=pipeline.coord_bin_by_id.get))
+        self.timers = PhaseTimers()
+        self.counters = Counters()
+        self._loss_terms: list[dict[str, float]] = []
+        self._steps_since_log = 0
+
+    def rollout_params(self) -> DecodingParams:
+        """Decoding params for this optimizer step (sampling seed advances with the step)."""
+        d = self.decoding
+        seed = None if d.seed is None else d.seed + self.state.global_step
+        return DecodingParams(d.max_new_tokens, d.temperature, d.top_p, d.top_k, d.repetition_penalty, seed)
+
+    def make_targets(self, samples: Sequence[Sample]) -> list[TrainTarget]:
+        if self.target_source == "ground_truth":
+            with self.timers.phase("target"):
+                return self.pipeline.ground_truth_targets(samples)
+        with self.timers.phase("rollout"):
+            requests, _ = self.pipeline.requests(samples)
+            with self.timers.phase("generate"):
+                results = self.engine.generate(requests, self.rollout_params())
+            targets = self.pipeline.targets(samples, requests, results, self.timers)
+        self.counters.add({"samples": len(samples)})
+        for t in targets:
+            self.counters.add(t.stats)
+        return targets
+
+    def _prepare_inputs(self, inputs: Any) -> dict[str, Any]:
+        if isinstance(inputs, list):
+            targets = self.make_targets(inputs)
+            inputs = pad_targets(targets, self.pipeline.tokenizer.pad_token_id, self.image_token_id)
+            self.counters.add({"rows": int(inputs["input_ids"].shape[0]),
+                               "tokens_real": int(inputs["attention_mask"].sum()),
+                               "tokens_padded": int(inputs["input_ids"].numel())})
+        return super()._prepare_inputs(inputs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        model_inputs = {k: v for k, v in inputs.items() if k not in LOSS_KEYS}
+        with self.timers.phase("forward"):
+            outputs = model(**model_inputs, use_cache=False)
+            loss, terms = objective(outputs.logits, inputs, self.coord_ids.to(outputs.logits.device), self.loss_weights)
+        self._loss_terms.append(terms)
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        start = time.perf_counter()
+        before = dict(self.timers.seconds)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        spent = time.perf_counter() - start
+        inner = sum(self.timers.seconds.get(k, 0.0) - before.get(k, 0.0) for k in ("rollout", "forward", "target"))
+        self.timers.seconds["backward"] += max(0.0, spent - inner)
+        self.timers.seconds["step"] += spent
+        return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._loss_terms:
+            n = len(self._loss_terms)
+            for key in self._loss_terms[0]:
+                value = sum(t[key] for t in self._loss_terms)
+                logs[key] = value if key.startswith("tokens/") else value / n
+            self._loss_terms.clear()
+            for name, sec in self.timers.pop().items():
+                logs[f"time/{name}_s"] = sec
+            c = self.counters.pop()
+            if c.get("samples"):
+                for key in ("matched", "fn_appended", "fp", "gated", "gt", "valid_pred", "invalid_pred",
+                            "truncated", "excluded_alignment", "samples"):
+                    logs[f"rollout/{key}"] = c.get(key, 0.0)
+                predicted = c.get("valid_pred", 0.0) + c.get("invalid_pred", 0.0)
+                logs["rollout/valid_object_rate"] = c.get("valid_pred", 0.0) / predicted if predicted else 0.0
+                logs["rollout/match_recall"] = c.get("matched", 0.0) / c["gt"] if c.get("gt") else 0.0
+            if c.get("tokens_padded"):
+                logs["batch/fill"] = c["tokens_real"] / c["tokens_padded"]
+            logs.update(gpu_memory_snapshot())
+        super().log(logs, start_time)
