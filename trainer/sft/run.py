@@ -64,7 +64,7 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         save_total_limit=t.save_total_limit,
         seed=t.seed,
         bf16=t.bf16,
-        gradient_checkpointing=t.gradient_checkpointing,
+        activation_checkpointing=t.gradient_checkpointing,
         remove_unused_columns=False,
         dataloader_num_workers=t.dataloader_num_workers,
         report_to=report_to,
