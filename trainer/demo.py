@@ -28,6 +28,7 @@ class DemoReport:
     gt: int
     first_loss: float
     last_loss: float
+    loss_curve: tuple[float, ...]
     steps_per_s: float
     rollout_s: float
     forward_s: float
@@ -42,13 +43,20 @@ class DemoReport:
             f"- stage-1 warm-up steps: {self.stage1_steps}; stage-2 steps: {self.stage2_steps}",
             f"- valid-object rate (stage 2): {self.valid_object_rate:.1%}",
             f"- objects: matched {self.matched} / GT {self.gt}, FN appended {self.fn_appended}, FP {self.fp}",
-            f"- stage-2 loss: first {self.first_loss:.3f} → last {self.last_loss:.3f}",
+            f"- stage-2 loss: first {self.first_loss:.3f} → last {self.last_loss:.3f}; curve {sparkline(self.loss_curve)}",
             f"- stage-2 throughput: {self.steps_per_s:.2f} steps/s",
             f"- time split: rollout {self.rollout_s:.1f}s ({self.rollout_s / total:.0%}), forward {self.forward_s:.1f}s "
             f"({self.forward_s / total:.0%}), backward {self.backward_s:.1f}s ({self.backward_s / total:.0%})",
             f"- wall time (whole demo): {self.wall_s:.0f}s",
             "",
         ])
+
+
+def sparkline(values: tuple[float, ...]) -> str:
+    bars = "▁▂▃▄▅▆▇█"
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(bars[int((v - lo) / span * (len(bars) - 1))] for v in values) + f" [{lo:.2f}..{hi:.2f}]"
 
 
 def summarise(metrics_path: Path, wall_s: float) -> DemoReport:
@@ -71,6 +79,7 @@ def summarise(metrics_path: Path, wall_s: float) -> DemoReport:
         fn_appended=int(total("rollout/fn_appended")),
         fp=int(total("rollout/fp")),
         gt=int(total("rollout/gt")),
+        loss_curve=tuple(r["loss"] for r in s2),
         first_loss=s2[0]["loss"],
         last_loss=s2[-1]["loss"],
         steps_per_s=len(s2) / step_s if step_s else 0.0,
@@ -88,7 +97,14 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in read_jsonl(metrics_path) if "loss" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    s2 = [r for r in rows if r["phase"] == "stage2"]
+    for key, label in (("rollout/matched", "matched"), ("rollout/fn_appended", "FN appended"), ("rollout/fp", "FP"),
+                       ("rollout/invalid_pred", "invalid objects")):
+        axes[2].plot([r["step"] for r in s2], [r.get(key, 0) for r in s2], label=label)
+    axes[2].set_title("stage2 rollouts (per step)")
+    axes[2].set_xlabel("optimizer step")
+    axes[2].legend(fontsize=8)
     for ax, phase in zip(axes, ("stage1", "stage2")):
         pr = [r for r in rows if r["phase"] == phase]
         steps = [r["step"] for r in pr]

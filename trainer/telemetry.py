@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -144,3 +144,20 @@ def test_validate_cli_prints_resolved_config_and_fails_with_key(tmp_path):
     bad.write_text(yaml.safe_dump(merged(training={"pakcing": True})))
     out = subprocess.run([sys.executable, "-m", "trainer", "validate", str(bad)], capture_output=True, text=True)
     assert out.returncode == 2 and "training.pakcing" in out.stderr and "did you mean 'packing'" in out.stderr
+
+
+def test_missing_extras_fail_with_the_extra_named(monkeypatch):
+    import builtins
+
+    from trainer.extras import MissingExtraError, require
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *a, **kw):
+        if name.split(".")[0] == "deepspeed":
+            raise ImportError("No module named 'deepspeed'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(MissingExtraError, match=r"training.deepspeed.*'deepspeed'.*pip install -e '.\[deepspeed\]'"):
+        require("deepspeed", "training.deepspeed (ds.json)")

@@ -11,8 +11,8 @@ from trainer.data.objects import DetObject
 from trainer.data.output_format import serialize_objects
 from trainer.matching.match import match_objects
 from trainer.matching.parse import parse_rollout
-from trainer.matching.targets import IGNORE_INDEX, build_target, ground_truth_target
 from trainer.matching.poly_align import coord_targets
+from trainer.matching.targets import IGNORE_INDEX, build_target, ground_truth_target
 
 GTS = (
     DetObject("red square", "bbox_2d", (100, 100, 300, 300)),

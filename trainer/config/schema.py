@@ -20,6 +20,7 @@ from pydantic import Field, model_validator
 from trainer.config.base import Section
 from trainer.config.errors import ConfigError, ConfigErrors
 from trainer.config.loader import resolve_yaml
+
 try:  # TEMP until the helper modules land
     from trainer.deploy.schema import DeployConfig
 except ModuleNotFoundError:
@@ -52,7 +53,7 @@ class ModelConfig(Section):
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelConfig":
+    def _one_source(self) -> ModelConfig:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("set exactly one of model.path (a local model directory) or model.tiny (text|vl)")
         return self
@@ -86,7 +87,7 @@ class DataConfig(Section):
     system_prompt: str | None = None
 
     @model_validator(mode="after")
-    def _one_source(self) -> "DataConfig":
+    def _one_source(self) -> DataConfig:
         if (self.train_jsonl is None) == (self.synthetic is None):
             raise ValueError("set exactly one of data.train_jsonl or data.synthetic")
         return self
@@ -126,6 +127,7 @@ class Stage1Config(Section):
     steps: int = Field(0, ge=0)
     learning_rate: float = Field(3e-3, gt=0)
     batch_size: int = Field(16, ge=1)
+    logging_steps: int = Field(25, ge=1)
 
 
 class DecodingConfig(Section):

@@ -8,7 +8,7 @@ The parser (``trainer.matching.parse``) reads this format token by token and nev
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 from trainer.data.objects import NUM_BINS, DetObject
 

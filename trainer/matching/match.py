@@ -9,8 +9,8 @@ against 2 for leaving both unmatched, the result has maximum cardinality, then m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 from trainer.data.objects import DetObject, GeometryKind
 

@@ -9,8 +9,9 @@ The final EOS gets CE. Positions index the full sequence (prompt + response).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from trainer.data.objects import DetObject
 from trainer.data.output_format import OBJECT_KEY_PREFIX, serialize_append, serialize_object

@@ -19,7 +19,15 @@ from trainer.data.objects import DetObject
 from trainer.data.output_format import coord_token, serialize_objects
 from trainer.data.synthetic import COLORS, SHAPES
 from trainer.modeling.prompts import DEFAULT_INSTRUCTION
-from trainer.modeling.tokenizer import IM_END, IMAGE_PAD, PAD_TOKEN, VIDEO_PAD, VISION_END, VISION_START, build_tokenizer
+from trainer.modeling.tokenizer import (
+    IM_END,
+    IMAGE_PAD,
+    PAD_TOKEN,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    build_tokenizer,
+)
 
 TinyKind = Literal["text", "vl"]
 HEAD_DIM = 64

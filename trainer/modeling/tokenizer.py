@@ -7,8 +7,8 @@ token by token (never decode-then-re-encode).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
-from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast

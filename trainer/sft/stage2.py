@@ -6,8 +6,8 @@ deterministic given its inputs. Side effects (generation, GPU) stay in the train
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from trainer.data.records import Sample
 from trainer.matching.match import match_objects

@@ -8,7 +8,8 @@ raw samples) and ``remove_unused_columns`` must be false. Works with plain model
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
