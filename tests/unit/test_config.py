@@ -105,6 +105,10 @@ def test_missing_base_file_named(tmp_path):
          "custom.extra.rollout_matching.offload.enabled", "colocate"),
         ({"custom": {"extra": {"rollout_matching": {"rollout_backend": "vllm", "vllm": {"max_model_len": 64}}}}},
          "custom.extra.rollout_matching.vllm.max_model_len", "max_new_tokens"),
+        ({"custom": {"extra": {"rollout_matching": {"rollout_backend": "vllm", "vllm": {"mode": "server"}}}}},
+         "custom.extra.rollout_matching.vllm.server.servers", "at least one server"),
+        ({"custom": {"extra": {"rollout_matching": {"vllm": {"server": {"host": ["127.0.0.1"], "port": [1, 2]}}}}}},
+         "custom.extra.rollout_matching.vllm.server", "same length"),
         ({"tuner": {"train_type": "lora"}, "custom": {"extra": {"rollout_matching": {
             "rollout_backend": "vllm", "vllm": {"max_model_len": 4096}}}}},
          "custom.extra.rollout_matching.vllm.enable_lora", "must be true"),

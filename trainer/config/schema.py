@@ -34,13 +34,7 @@ except ModuleNotFoundError:
 
     class RolloutServerConfig(Section):
         pass
-try:
-    from trainer.rollout.vllm_schema import VllmConfig
-except ModuleNotFoundError:
-    class VllmConfig(Section):
-        mode: Literal["colocate", "server"] = "colocate"
-        max_model_len: int | None = None
-        enable_lora: bool = False
+from trainer.rollout.vllm_schema import VllmConfig  # noqa: E402
 
 
 class ModelConfig(Section):
@@ -301,6 +295,9 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
                 errs.append(ConfigError("custom.extra.rollout_matching.vllm.max_model_len",
                                         f"{v.max_model_len} leaves no room for the prompt with decoding.max_new_tokens="
                                         f"{rm.decoding.max_new_tokens}; raise max_model_len or lower max_new_tokens"))
+            if v.mode == "server" and not v.server.base_urls():
+                errs.append(ConfigError("custom.extra.rollout_matching.vllm.server.servers",
+                                        "server mode needs at least one server: servers: [{base_url: http://127.0.0.1:8000}]"))
             if v.mode == "colocate" and cfg.tuner.train_type in ("lora", "dora") and not v.enable_lora:
                 errs.append(ConfigError("custom.extra.rollout_matching.vllm.enable_lora",
                                         f"must be true with tuner.train_type={cfg.tuner.train_type} so adapters sync to the colocated engine"))

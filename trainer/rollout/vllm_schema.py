@@ -1,0 +1,56 @@
+"""Config section ``custom.extra.rollout_matching.vllm``: colocate engine knobs, server list, weight sync."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from trainer.config.base import Section
+
+
+class VllmServerEntry(Section):
+    base_url: str
+    api_key_env: str | None = None
+
+
+class VllmServerConfig(Section):
+    """``servers`` (preferred) or the strict legacy paired lists ``host`` + ``port`` (same length)."""
+
+    servers: list[VllmServerEntry] = Field(default_factory=list)
+    host: list[str] | None = None
+    port: list[int] | None = None
+    timeout_s: float = Field(240.0, gt=0)
+    infer_timeout_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "VllmServerConfig":
+        legacy = self.host is not None or self.port is not None
+        if legacy and self.servers:
+            raise ValueError("use either server.servers or the legacy server.host/server.port lists, not both")
+        if legacy:
+            if self.host is None or self.port is None or len(self.host) != len(self.port) or not self.host:
+                raise ValueError("legacy server.host and server.port must be non-empty lists of the same length")
+        return self
+
+    def base_urls(self) -> list[str]:
+        if self.servers:
+            return [s.base_url.rstrip("/") for s in self.servers]
+        return [f"http://{h}:{p}" for h, p in zip(self.host or [], self.port or [])]
+
+
+class VllmSyncConfig(Section):
+    mode: Literal["full", "adapter", "auto"] = "full"
+    fallback_to_full: bool = True
+
+
+class VllmConfig(Section):
+    mode: Literal["colocate", "server"] = "colocate"
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.45, gt=0.0, le=1.0)
+    max_model_len: int | None = Field(None, ge=16)
+    enable_lora: bool = False
+    enable_prefix_caching: bool = True
+    sleep_level: Literal[0, 1, 2] = 0
+    server: VllmServerConfig = Field(default_factory=VllmServerConfig)
+    sync: VllmSyncConfig = Field(default_factory=VllmSyncConfig)
