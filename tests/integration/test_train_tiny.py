@@ -55,3 +55,12 @@ def test_lora_and_dora_adapters_train(tmp_path):
         assert len(rows) == 4 and all(r["grad_norm"] > 0 for r in rows)
         adapter = yaml.safe_load((Path(summary.final_model_dir) / "adapter_config.json").read_text())
         assert adapter["use_dora"] is (train_type == "dora")
+
+
+@pytest.mark.slow
+def test_stage2_with_post_rollout_packing(tmp_path):
+    data = config(tmp_path, "text", max_steps=6, packing=True, packing_length=1024, packing_buffer=64)
+    summary = run_training(validate_config(data))
+    rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
+    assert len(rows) == 6
+    assert all(r["packing/segments_per_row"] >= 1 and 0 < r["batch/fill"] <= 1 for r in rows)

@@ -24,7 +24,7 @@ class VllmServerConfig(Section):
     infer_timeout_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
-    def _one_form(self) -> "VllmServerConfig":
+    def _one_form(self) -> VllmServerConfig:
         legacy = self.host is not None or self.port is not None
         if legacy and self.servers:
             raise ValueError("use either server.servers or the legacy server.host/server.port lists, not both")

@@ -17,6 +17,7 @@ from trainer.extras import require
 from trainer.losses.objective import LossWeights
 from trainer.modeling.loading import LoadedModel, apply_tuner, load_model
 from trainer.modeling.prompts import PromptEncoder
+from trainer.packing.buffer import PackingBuffer
 from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
 from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
@@ -115,13 +116,15 @@ def run_training(cfg: TrainConfig) -> RunSummary:
             **common)
         warm.train()
     engine = build_rollout_engine(rm, loaded, model)
+    t = cfg.training
+    packing = PackingBuffer(t.packing_length, t.packing_buffer, t.packing_min_fill_ratio) if t.packing else None
     try:
         trainer = RolloutMatchingTrainer(
             model=model, args=training_arguments(cfg, out / "stage2", max_steps=cfg.training.max_steps,
                                                  learning_rate=cfg.training.learning_rate,
                                                  batch_size=cfg.training.per_device_train_batch_size,
                                                  report_to=report),
-            engine=engine, target_source="rollout", callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
+            engine=engine, target_source="rollout", packing=packing, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
             **common)
         result = trainer.train()
     finally:

@@ -18,6 +18,8 @@ from transformers import Trainer, TrainerCallback
 from trainer.data.records import Sample
 from trainer.losses.objective import LossWeights, objective
 from trainer.matching.targets import TrainTarget
+from trainer.packing.buffer import PackingBuffer
+from trainer.packing.packed_batch import pack_targets
 from trainer.rollout.base import RolloutEngine
 from trainer.rollout.types import DecodingParams
 from trainer.sft.batching import pad_targets
@@ -61,7 +63,7 @@ class RolloutMatchingTrainer(Trainer):
 
     def __init__(self, *args: Any, pipeline: Stage2Pipeline, engine: RolloutEngine | None,
                  decoding: DecodingParams, loss_weights: LossWeights, target_source: str = "rollout",
-                 image_token_id: int | None = None, **kwargs: Any):
+                 image_token_id: int | None = None, packing: PackingBuffer | None = None, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -77,6 +79,7 @@ class RolloutMatchingTrainer(Trainer):
         self.loss_weights = loss_weights
         self.target_source = target_source
         self.image_token_id = image_token_id
+        self.packing = packing
         self.coord_ids = torch.tensor(sorted(pipeline.coord_bin_by_id, key=pipeline.coord_bin_by_id.get))
         self.timers = PhaseTimers()
         self.counters = Counters()
@@ -106,10 +109,18 @@ class RolloutMatchingTrainer(Trainer):
     def _prepare_inputs(self, inputs: Any) -> dict[str, Any]:
         if isinstance(inputs, list):
             targets = self.make_targets(inputs)
-            inputs = pad_targets(targets, self.pipeline.tokenizer.pad_token_id, self.image_token_id)
-            self.counters.add({"rows": int(inputs["input_ids"].shape[0]),
-                               "tokens_real": int(inputs["attention_mask"].sum()),
-                               "tokens_padded": int(inputs["input_ids"].numel())})
+            if self.packing is None:
+                inputs = pad_targets(targets, self.pipeline.tokenizer.pad_token_id, self.image_token_id)
+                self.counters.add({"rows": int(inputs["input_ids"].shape[0]),
+                                   "tokens_real": int(inputs["attention_mask"].sum()),
+                                   "tokens_padded": int(inputs["input_ids"].numel())})
+            else:
+                self.packing.add(targets)
+                picked, stats = self.packing.pop_pack()
+                impl = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
+                inputs = pack_targets(picked, impl, self.accelerator.unwrap_model(self.model), self.image_token_id)
+                self.counters.add({"rows": 1, "tokens_real": stats.tokens, "tokens_padded": stats.capacity,
+                                   "packed_segments": stats.segments, "packing_carried": stats.carried})
         return super()._prepare_inputs(inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -149,5 +160,8 @@ class RolloutMatchingTrainer(Trainer):
                 logs["rollout/match_recall"] = c.get("matched", 0.0) / c["gt"] if c.get("gt") else 0.0
             if c.get("tokens_padded"):
                 logs["batch/fill"] = c["tokens_real"] / c["tokens_padded"]
+            if c.get("packed_segments"):
+                logs["packing/segments_per_row"] = c["packed_segments"] / c["rows"]
+                logs["packing/carried"] = c["packing_carried"] / c["rows"]
             logs.update(gpu_memory_snapshot())
         super().log(logs, start_time)

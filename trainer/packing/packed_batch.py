@@ -1,0 +1,71 @@
+"""Pack targets into one row (bsz 1): per-segment position ids, attention that never crosses segments, and
+loss indices shifted by each segment's offset.
+
+Attention layouts: ``flash_attention_2`` gets restarting ``position_ids`` only (HF derives cu_seqlens for the
+varlen kernel); ``sdpa`` gets a boolean block-diagonal causal mask; ``eager`` the additive form of that mask.
+For Qwen-VL models the 3-D mRoPE position ids are computed per segment (``model.get_rope_index``) and the
+image tensors are concatenated in segment order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trainer.matching.targets import TrainTarget
+from trainer.sft.batching import _loss_indices, _mm
+
+
+def segment_ids(lengths: Sequence[int]) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))
+
+
+def block_causal_mask(lengths: Sequence[int], additive_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[1, 1, L, L] mask: causal within a segment, nothing across segments (bool, or additive float)."""
+    seg = segment_ids(lengths)
+    n = seg.numel()
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool)) & (seg[:, None] == seg[None, :])
+    if additive_dtype is None:
+        return allowed[None, None]
+    mask = torch.zeros(n, n, dtype=additive_dtype)
+    mask.masked_fill_(~allowed, torch.finfo(additive_dtype).min)
+    return mask[None, None]
+
+
+def mrope_position_ids(model, targets: Sequence[TrainTarget], image_token_id: int) -> torch.Tensor:
+    """[3, 1, L] mRoPE ids, computed for each segment alone and concatenated (each restarts at 0)."""
+    inner = getattr(model, "model", model)
+    while not hasattr(inner, "get_rope_index") and hasattr(inner, "model"):
+        inner = inner.model
+    parts = []
+    for t in targets:
+        ids = torch.tensor([t.input_ids])
+        grid = t.mm_inputs.get("image_grid_thw")
+        pos, _ = inner.get_rope_index(ids, image_grid_thw=grid, video_grid_thw=None,
+                                      attention_mask=torch.ones_like(ids),
+                                      mm_token_type_ids=(ids == image_token_id).long())
+        parts.append(pos)
+    return torch.cat(parts, dim=-1)
+
+
+def pack_targets(targets: Sequence[TrainTarget], attn_implementation: str, model=None,
+                 image_token_id: int | None = None, mask_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    if not targets:
+        raise ValueError("pack_targets needs at least one target")
+    lengths = [t.length for t in targets]
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    ids = torch.tensor([[tok for t in targets for tok in t.input_ids]])
+    batch: dict[str, torch.Tensor] = {"input_ids": ids, **_mm(targets)}
+    if "pixel_values" in batch:
+        if model is None or image_token_id is None:
+            raise ValueError("packing a multimodal batch needs the model (for mRoPE) and the image token id")
+        batch["position_ids"] = mrope_position_ids(model, targets, image_token_id)
+        batch["mm_token_type_ids"] = (ids == image_token_id).long()
+    else:
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
+    if attn_implementation != "flash_attention_2":
+        batch["attention_mask"] = block_causal_mask(lengths, None if attn_implementation == "sdpa" else mask_dtype)
+    batch.update(_loss_indices(targets, [0] * len(targets), offsets))
+    batch["num_segments"] = torch.tensor(len(targets))
+    return batch
