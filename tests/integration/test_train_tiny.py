@@ -64,3 +64,17 @@ def test_stage2_with_post_rollout_packing(tmp_path):
     rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
     assert len(rows) == 6
     assert all(r["packing/segments_per_row"] >= 1 and 0 < r["batch/fill"] <= 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_rollout_buffer_reuses_rollouts_and_trains_every_sample(tmp_path):
+    data = config(tmp_path, "text", max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2,
+                  gradient_accumulation_steps=2)
+    data["custom"]["extra"]["rollout_matching"]["rollout_buffer"] = {"enabled": True, "m_steps": 3}
+    cfg = validate_config(data)
+    summary = run_training(cfg)
+    rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
+    assert len(rows) == 6, "8 samples / (2 x 2) = 2 windows, each trained for 3 optimizer steps"
+    assert sum(r.get("rollout/samples", 0) for r in rows) == 8, "every sample rolled out exactly once"
+    assert sum(r.get("buffer/replayed_microbatches", 0) for r in rows) == 8
+    assert max(r.get("buffer/max_staleness_steps", 0) for r in rows) == 2

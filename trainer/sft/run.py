@@ -124,7 +124,8 @@ def run_training(cfg: TrainConfig) -> RunSummary:
                                                  learning_rate=cfg.training.learning_rate,
                                                  batch_size=cfg.training.per_device_train_batch_size,
                                                  report_to=report),
-            engine=engine, target_source="rollout", packing=packing, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
+            engine=engine, target_source="rollout", packing=packing,
+            rollout_buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
             **common)
         result = trainer.train()
     finally:

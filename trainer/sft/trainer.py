@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback
 
+from trainer.buffering.rollout_buffer import RepeatingLoader, RolloutBuffer
 from trainer.data.records import Sample
 from trainer.losses.objective import LossWeights, objective
 from trainer.matching.targets import TrainTarget
@@ -63,7 +64,8 @@ class RolloutMatchingTrainer(Trainer):
 
     def __init__(self, *args: Any, pipeline: Stage2Pipeline, engine: RolloutEngine | None,
                  decoding: DecodingParams, loss_weights: LossWeights, target_source: str = "rollout",
-                 image_token_id: int | None = None, packing: PackingBuffer | None = None, **kwargs: Any):
+                 image_token_id: int | None = None, packing: PackingBuffer | None = None,
+                 rollout_buffer_m_steps: int = 1, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -80,11 +82,13 @@ class RolloutMatchingTrainer(Trainer):
         self.target_source = target_source
         self.image_token_id = image_token_id
         self.packing = packing
+        self.rollout_buffer = (RolloutBuffer(self.args.gradient_accumulation_steps, rollout_buffer_m_steps)
+                               if rollout_buffer_m_steps > 1 else None)
         self.coord_ids = torch.tensor(sorted(pipeline.coord_bin_by_id, key=pipeline.coord_bin_by_id.get))
         self.timers = PhaseTimers()
         self.counters = Counters()
         self._loss_terms: list[dict[str, float]] = []
-        self._steps_since_log = 0
+        self._max_staleness = 0
 
     def rollout_params(self) -> DecodingParams:
         """Decoding params for this optimizer step (sampling seed advances with the step)."""
@@ -106,22 +110,39 @@ class RolloutMatchingTrainer(Trainer):
             self.counters.add(t.stats)
         return targets
 
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        if self.rollout_buffer is None:
+            return loader
+        return RepeatingLoader(loader, self.rollout_buffer.window, self.rollout_buffer.m_steps)
+
     def _prepare_inputs(self, inputs: Any) -> dict[str, Any]:
+        if isinstance(inputs, list) and self.rollout_buffer is not None:
+            prepared, fresh, staleness = self.rollout_buffer.prepare(
+                [s.sample_id for s in inputs], lambda: self._build_batch(inputs))
+            self.counters.add({"buffer_fresh": int(fresh), "buffer_replay": int(not fresh)})
+            self._max_staleness = max(self._max_staleness, staleness)
+            return super()._prepare_inputs(prepared)
         if isinstance(inputs, list):
-            targets = self.make_targets(inputs)
-            if self.packing is None:
-                inputs = pad_targets(targets, self.pipeline.tokenizer.pad_token_id, self.image_token_id)
-                self.counters.add({"rows": int(inputs["input_ids"].shape[0]),
-                                   "tokens_real": int(inputs["attention_mask"].sum()),
-                                   "tokens_padded": int(inputs["input_ids"].numel())})
-            else:
-                self.packing.add(targets)
-                picked, stats = self.packing.pop_pack()
-                impl = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
-                inputs = pack_targets(picked, impl, self.accelerator.unwrap_model(self.model), self.image_token_id)
-                self.counters.add({"rows": 1, "tokens_real": stats.tokens, "tokens_padded": stats.capacity,
-                                   "packed_segments": stats.segments, "packing_carried": stats.carried})
+            inputs = self._build_batch(inputs)
         return super()._prepare_inputs(inputs)
+
+    def _build_batch(self, samples: list[Sample]) -> dict[str, Any]:
+        """Rollout → targets → padded batch or one packed row (what an E-step caches)."""
+        targets = self.make_targets(samples)
+        if self.packing is None:
+            inputs = pad_targets(targets, self.pipeline.tokenizer.pad_token_id, self.image_token_id)
+            self.counters.add({"rows": int(inputs["input_ids"].shape[0]),
+                               "tokens_real": int(inputs["attention_mask"].sum()),
+                               "tokens_padded": int(inputs["input_ids"].numel())})
+        else:
+            self.packing.add(targets)
+            picked, stats = self.packing.pop_pack()
+            impl = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
+            inputs = pack_targets(picked, impl, self.accelerator.unwrap_model(self.model), self.image_token_id)
+            self.counters.add({"rows": 1, "tokens_real": stats.tokens, "tokens_padded": stats.capacity,
+                               "packed_segments": stats.segments, "packing_carried": stats.carried})
+        return inputs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         model_inputs = {k: v for k, v in inputs.items() if k not in LOSS_KEYS}
@@ -160,6 +181,10 @@ class RolloutMatchingTrainer(Trainer):
                 logs["rollout/match_recall"] = c.get("matched", 0.0) / c["gt"] if c.get("gt") else 0.0
             if c.get("tokens_padded"):
                 logs["batch/fill"] = c["tokens_real"] / c["tokens_padded"]
+            if c.get("buffer_fresh", 0) + c.get("buffer_replay", 0):
+                logs["buffer/replayed_microbatches"] = c.get("buffer_replay", 0.0)
+                logs["buffer/max_staleness_steps"] = float(self._max_staleness)
+                self._max_staleness = 0
             if c.get("packed_segments"):
                 logs["packing/segments_per_row"] = c["packed_segments"] / c["rows"]
                 logs["packing/carried"] = c["packing_carried"] / c["rows"]
