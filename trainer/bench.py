@@ -58,7 +58,8 @@ def run_bench(hidden: int, layers: int, n_segments: int, packing_length: int, mi
         for i, n in enumerate(lengths):
             mask[i, :n] = 1
         out = model(input_ids=ids, attention_mask=mask).logits
-        out.float().mean().backward()
+        out.mean().backward()
+        model.zero_grad(set_to_none=True)
 
     rows: list[list[int]] = []
     pending = list(lengths)
@@ -74,7 +75,8 @@ def run_bench(hidden: int, layers: int, n_segments: int, packing_length: int, mi
             pos = torch.cat([torch.arange(k) for k in row])[None].to(device)
             mask = block_causal_mask(row).to(device)
             out = model(input_ids=ids, position_ids=pos, attention_mask=mask).logits
-            out.float().mean().backward()
+            out.mean().backward()
+        model.zero_grad(set_to_none=True)
 
     padded_s = _time(padded_step, device, repeats)
     packed_s = _time(packed_step, device, repeats)
