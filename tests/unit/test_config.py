@@ -165,3 +165,12 @@ def test_missing_extras_fail_with_the_extra_named(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(MissingExtraError, match=r"training.deepspeed.*'deepspeed'.*pip install -e '.\[deepspeed\]'"):
         require("deepspeed", "training.deepspeed (ds.json)")
+
+
+def test_unavailable_vllm_backend_fails_with_guidance():
+    from trainer.rollout.factory import BackendUnavailableError, build_rollout_engine
+
+    cfg = validate_config(merged(custom={"extra": {"rollout_matching": {
+        "rollout_backend": "vllm", "vllm": {"mode": "server", "server": {"servers": [{"base_url": "http://127.0.0.1:9"}]}}}}}))
+    with pytest.raises((BackendUnavailableError, ImportError), match="rollout_backend"):
+        build_rollout_engine(cfg.rollout_matching, loaded=None, model=None)

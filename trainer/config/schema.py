@@ -2,8 +2,8 @@
 cross-key rule, and returns a ``TrainConfig`` before any model loads.
 
 Namespaces follow the seeds: ``custom.trainer_variant``, ``custom.extra.rollout_matching.*``,
-``custom.extra.rollout_server.*`` (GRPO server launch), ``rlhf.*`` (ms-swift RLHFArguments subset),
-``training.*`` (incl. packing), ``model``, ``tuner``, ``data``, ``stage1`` (warm-up), ``deploy``.
+``training.*`` (incl. packing), ``model``, ``tuner``, ``data``, ``stage1`` (warm-up). The GRPO namespaces
+(``rlhf.*``, ``custom.extra.rollout_server.*``) and ``deploy`` join this schema with their features.
 """
 
 from __future__ import annotations
@@ -20,21 +20,7 @@ from pydantic import Field, model_validator
 from trainer.config.base import Section
 from trainer.config.errors import ConfigError, ConfigErrors
 from trainer.config.loader import resolve_yaml
-
-try:  # TEMP until the helper modules land
-    from trainer.deploy.schema import DeployConfig
-except ModuleNotFoundError:
-    class DeployConfig(Section):
-        pass
-try:
-    from trainer.grpo.schema import RlhfConfig, RolloutServerConfig
-except ModuleNotFoundError:
-    class RlhfConfig(Section):
-        pass
-
-    class RolloutServerConfig(Section):
-        pass
-from trainer.rollout.vllm_schema import VllmConfig  # noqa: E402
+from trainer.rollout.vllm_schema import VllmConfig
 
 
 class ModelConfig(Section):
@@ -177,11 +163,10 @@ class RolloutMatchingConfig(Section):
 
 class ExtraConfig(Section):
     rollout_matching: RolloutMatchingConfig | None = None
-    rollout_server: RolloutServerConfig | None = None
 
 
 class CustomConfig(Section):
-    trainer_variant: Literal["rollout_matching_sft", "grpo_summary"] = "rollout_matching_sft"
+    trainer_variant: Literal["rollout_matching_sft"] = "rollout_matching_sft"
     extra: ExtraConfig = Field(default_factory=ExtraConfig)
 
 
@@ -192,8 +177,6 @@ class TrainConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     stage1: Stage1Config = Field(default_factory=Stage1Config)
     custom: CustomConfig = Field(default_factory=CustomConfig)
-    rlhf: RlhfConfig | None = None
-    deploy: DeployConfig = Field(default_factory=DeployConfig)
 
     @property
     def rollout_matching(self) -> RolloutMatchingConfig:
@@ -304,17 +287,6 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
         if rm.offload.enabled and not (rm.rollout_backend == "vllm" and v.mode == "colocate"):
             errs.append(ConfigError("custom.extra.rollout_matching.offload.enabled",
                                     "offload only applies to the vllm colocate backend; disable it for this backend"))
-        if cfg.rlhf is not None:
-            errs.append(ConfigError("rlhf", "only used by custom.trainer_variant grpo_summary; remove it"))
-    elif variant == "grpo_summary":
-        if cfg.custom.extra.rollout_matching is not None:
-            errs.append(ConfigError("custom.extra.rollout_matching", "only used by rollout_matching_sft; remove it"))
-        from trainer.grpo.schema import validate_grpo
-
-        try:
-            validate_grpo(cfg)
-        except ConfigError as exc:
-            errs.append(exc)
     return errs
 
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 from trainer.config.schema import RolloutMatchingConfig
 from trainer.extras import require
 from trainer.modeling.coord_vocab import stop_token_ids
 from trainer.modeling.loading import LoadedModel
 from trainer.rollout.base import RolloutEngine
+
+VLLM_ENGINES = {"colocate": "trainer.rollout.vllm_colocate", "server": "trainer.rollout.server_client"}
+
+
+class BackendUnavailableError(RuntimeError):
+    """The configured rollout backend is not part of this build."""
 
 
 def build_rollout_engine(rm: RolloutMatchingConfig, loaded: LoadedModel, model) -> RolloutEngine:
@@ -15,12 +24,12 @@ def build_rollout_engine(rm: RolloutMatchingConfig, loaded: LoadedModel, model) 
 
         return HFRolloutEngine(model, loaded.tokenizer.pad_token_id, sorted(stop_token_ids(loaded.tokenizer)),
                                rm.rollout_generate_batch_size, loaded.image_token_id)
-    if rm.vllm.mode == "server":
-        from trainer.rollout.server_client import ServerRolloutEngine
-
-        return ServerRolloutEngine.from_config(rm, loaded)
-    require("vllm", "custom.extra.rollout_matching.rollout_backend: vllm (colocate; "
-                    "or set rollout_backend: hf explicitly)")
-    from trainer.rollout.vllm_colocate import VllmColocateEngine
-
-    return VllmColocateEngine.from_config(rm, loaded)
+    module_name = VLLM_ENGINES[rm.vllm.mode]
+    if importlib.util.find_spec(module_name) is None:
+        raise BackendUnavailableError(
+            f"custom.extra.rollout_matching.rollout_backend: vllm (mode {rm.vllm.mode}) is not available in this "
+            "build yet; set custom.extra.rollout_matching.rollout_backend: hf"
+        )
+    if rm.vllm.mode == "colocate":
+        require("vllm", "custom.extra.rollout_matching.rollout_backend: vllm (colocate; or set rollout_backend: hf)")
+    return importlib.import_module(module_name).engine_from_config(rm, loaded, model)

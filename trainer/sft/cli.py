@@ -21,10 +21,6 @@ def run(args: argparse.Namespace) -> int:
         cfg.training.output_dir = args.output_dir
     if args.max_steps is not None:
         cfg.training.max_steps = args.max_steps
-    if cfg.custom.trainer_variant != "rollout_matching_sft":
-        print(f"custom.trainer_variant {cfg.custom.trainer_variant!r} is trained by ms-swift: "
-              "use `python -m trainer launch learner --config ...`", file=sys.stderr)
-        return 2
     from trainer.sft.run import run_training
 
     summary = run_training(cfg)
