@@ -106,6 +106,7 @@ def run_training(cfg: TrainConfig) -> RunSummary:
     decoding = DecodingParams(d.max_new_tokens, d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.seed)
     common = dict(pipeline=pipeline, decoding=decoding, loss_weights=weights, image_token_id=loaded.image_token_id,
                   train_dataset=dataset, processing_class=loaded.tokenizer)
+    engine = build_rollout_engine(rm, loaded, model)
     if cfg.stage1.steps > 0:
         s1 = cfg.stage1
         warm = RolloutMatchingTrainer(
@@ -115,7 +116,6 @@ def run_training(cfg: TrainConfig) -> RunSummary:
             engine=None, target_source="ground_truth", callbacks=[JsonlMetricsCallback(str(metrics_path), "stage1")],
             **common)
         warm.train()
-    engine = build_rollout_engine(rm, loaded, model)
     t = cfg.training
     packing = PackingBuffer(t.packing_length, t.packing_buffer, t.packing_min_fill_ratio) if t.packing else None
     try:
