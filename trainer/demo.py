@@ -121,14 +121,11 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.config.errors import ConfigErrors
-    from trainer.config.schema import load_config
+    from trainer.config.cli import load_or_report
     from trainer.sft.run import run_training
 
-    try:
-        cfg = load_config(args.config)
-    except ConfigErrors as exc:
-        print(exc, file=sys.stderr)
+    cfg = load_or_report(args.config)
+    if cfg is None:
         return 2
     if args.output_dir:
         cfg.training.output_dir = args.output_dir

@@ -8,14 +8,21 @@ import sys
 import yaml
 
 from trainer.config.errors import ConfigErrors
-from trainer.config.schema import load_config
+from trainer.config.schema import TrainConfig, load_config
+
+
+def load_or_report(path: str) -> TrainConfig | None:
+    """The validated config, or ``None`` after printing every problem (key paths) to stderr."""
+    try:
+        return load_config(path)
+    except ConfigErrors as exc:
+        print(exc, file=sys.stderr)
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config)
-    except ConfigErrors as exc:
-        print(exc, file=sys.stderr)
+    cfg = load_or_report(args.config)
+    if cfg is None:
         return 2
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True), end="")
     return 0

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
-from trainer.config.errors import ConfigErrors
-from trainer.config.schema import load_config
+from trainer.config.cli import load_or_report
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(args.config)
-    except ConfigErrors as exc:
-        print(exc, file=sys.stderr)
+    cfg = load_or_report(args.config)
+    if cfg is None:
         return 2
     if args.output_dir:
         cfg.training.output_dir = args.output_dir
