@@ -18,6 +18,7 @@ import torch
 
 from trainer.packing.packed_batch import block_causal_mask
 from trainer.packing.select import select_segments
+from trainer.packing.varlen_attention import packed_attention, register_varlen_attention, varlen_available
 
 
 def _model(hidden: int, layers: int, vocab: int, device: str, dtype: torch.dtype, attn: str):
@@ -78,9 +79,36 @@ def run_bench(hidden: int, layers: int, n_segments: int, packing_length: int, mi
             out.mean().backward()
         model.zero_grad(set_to_none=True)
 
+    def packed_varlen_step():
+        impl = register_varlen_attention()
+        with packed_attention(model, impl):
+            for row in rows:
+                n = sum(row)
+                ids = torch.randint(0, vocab, (1, n), device=device)
+                pos = torch.cat([torch.arange(k) for k in row])[None].to(device)
+                cu = torch.tensor([0, *torch.cumsum(torch.tensor(row), 0).tolist()], dtype=torch.int32, device=device)
+                out = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                            max_length_q=max(row), max_length_k=max(row)).logits
+                out.mean().backward()
+        model.zero_grad(set_to_none=True)
+
     padded_s = _time(padded_step, device, repeats)
     packed_s = _time(packed_step, device, repeats)
+    varlen_s = _time(packed_varlen_step, device, repeats) if varlen_available() else None
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        padded_step()
+        padded_peak = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        (packed_varlen_step if varlen_s else packed_step)()
+        packed_peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        padded_peak = packed_peak = None
     return {
+        "packed_varlen_s_per_step": varlen_s,
+        "packed_varlen_tokens_per_s": tokens / varlen_s if varlen_s else None,
+        "speedup_varlen_vs_padded": padded_s / varlen_s if varlen_s else None,
+        "padded_peak_gib": padded_peak, "packed_peak_gib": packed_peak,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "dtype": str(dtype), "hidden": hidden, "layers": layers, "segments": n_segments,
         "segment_len_range": [min_len, max_len], "real_tokens": tokens, "packing_length": packing_length,
@@ -100,8 +128,12 @@ def plot(results: list[dict], out_png: Path) -> None:
     labels = [f"{r['segment_len_range'][0]}-{r['segment_len_range'][1]} tok" for r in results]
     x = range(len(results))
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar([i - 0.2 for i in x], [r["padded_tokens_per_s"] for r in results], width=0.4, label="padded")
-    ax.bar([i + 0.2 for i in x], [r["packed_tokens_per_s"] for r in results], width=0.4, label="packed")
+    w = 0.27
+    ax.bar([i - w for i in x], [r["padded_tokens_per_s"] for r in results], width=w, label="padded")
+    ax.bar(list(x), [r["packed_tokens_per_s"] for r in results], width=w, label="packed (sdpa + block mask)")
+    if results[0]["packed_varlen_tokens_per_s"]:
+        ax.bar([i + w for i in x], [r["packed_varlen_tokens_per_s"] for r in results], width=w,
+               label="packed (torch varlen)")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("real tokens / s (fwd+bwd)")
     ax.set_title(f"post-rollout packing on {results[0]['device']}")
@@ -120,8 +152,10 @@ def run(args: argparse.Namespace) -> int:
     (out / "packing.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "packing.png")
     for r in results:
-        print(f"{r['segment_len_range']}: padded {r['padded_tokens_per_s']:.0f} tok/s, packed "
-              f"{r['packed_tokens_per_s']:.0f} tok/s, speedup x{r['speedup_packed_vs_padded']:.2f}")
+        print(f"{r['segment_len_range']}: padded {r['padded_tokens_per_s']:.0f} tok/s, packed(mask) "
+              f"{r['packed_tokens_per_s']:.0f} tok/s x{r['speedup_packed_vs_padded']:.2f}, packed(varlen) "
+              f"{r['packed_varlen_tokens_per_s'] or 0:.0f} tok/s x{r['speedup_varlen_vs_padded'] or 0:.2f}; "
+              f"peak GiB padded {r['padded_peak_gib']} packed {r['packed_peak_gib']}")
     return 0
 
 

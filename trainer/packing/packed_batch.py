@@ -1,8 +1,9 @@
 """Pack targets into one row (bsz 1): per-segment position ids, attention that never crosses segments, and
 loss indices shifted by each segment's offset.
 
-Attention layouts: ``flash_attention_2`` gets restarting ``position_ids`` only (HF derives cu_seqlens for the
-varlen kernel); ``sdpa`` gets a boolean block-diagonal causal mask; ``eager`` the additive form of that mask.
+Attention layouts: ``flash_attention_2`` and ``rm_varlen`` (PyTorch varlen) get restarting ``position_ids`` plus
+``cu_seq_lens_q/k`` and ``max_length_q/k`` (no mask is materialised); ``sdpa`` gets a boolean block-diagonal causal
+mask; ``eager`` the additive form of that mask.
 For Qwen-VL models the 3-D mRoPE position ids are computed per segment (``model.get_rope_index``) and the
 image tensors are concatenated in segment order.
 """
@@ -14,7 +15,10 @@ from collections.abc import Sequence
 import torch
 
 from trainer.matching.targets import TrainTarget
+from trainer.packing.varlen_attention import VARLEN_IMPL
 from trainer.sft.batching import _loss_indices, _mm
+
+VARLEN_LAYOUTS = ("flash_attention_2", VARLEN_IMPL)
 
 
 def segment_ids(lengths: Sequence[int]) -> torch.Tensor:
@@ -64,7 +68,13 @@ def pack_targets(targets: Sequence[TrainTarget], attn_implementation: str, model
         batch["mm_token_type_ids"] = (ids == image_token_id).long()
     else:
         batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
-    if attn_implementation != "flash_attention_2":
+    if attn_implementation in VARLEN_LAYOUTS:
+        cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int32)
+        batch["cu_seq_lens_q"] = cu
+        batch["cu_seq_lens_k"] = cu.clone()
+        batch["max_length_q"] = max(lengths)
+        batch["max_length_k"] = max(lengths)
+    else:
         batch["attention_mask"] = block_causal_mask(lengths, None if attn_implementation == "sdpa" else mask_dtype)
     batch.update(_loss_indices(targets, [0] * len(targets), offsets))
     batch["num_segments"] = torch.tensor(len(targets))

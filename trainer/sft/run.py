@@ -125,7 +125,8 @@ def run_training(cfg: TrainConfig) -> RunSummary:
                                                  batch_size=cfg.training.per_device_train_batch_size,
                                                  report_to=report),
             engine=engine, target_source="rollout", packing=packing,
-            rollout_buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
+            rollout_buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1,
+            packed_attn_implementation=cfg.model.attn_implementation, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
             **common)
         result = trainer.train()
     finally:

@@ -7,6 +7,7 @@ raw samples) and ``remove_unused_columns`` must be false. Works with plain model
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from trainer.losses.objective import LossWeights, objective
 from trainer.matching.targets import TrainTarget
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
+from trainer.packing.varlen_attention import choose_packed_attention, packed_attention
 from trainer.rollout.base import RolloutEngine
 from trainer.rollout.types import DecodingParams
 from trainer.sft.batching import pad_targets
@@ -65,7 +67,7 @@ class RolloutMatchingTrainer(Trainer):
     def __init__(self, *args: Any, pipeline: Stage2Pipeline, engine: RolloutEngine | None,
                  decoding: DecodingParams, loss_weights: LossWeights, target_source: str = "rollout",
                  image_token_id: int | None = None, packing: PackingBuffer | None = None,
-                 rollout_buffer_m_steps: int = 1, **kwargs: Any):
+                 rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -82,6 +84,8 @@ class RolloutMatchingTrainer(Trainer):
         self.target_source = target_source
         self.image_token_id = image_token_id
         self.packing = packing
+        self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None)
+                            if packing is not None else None)
         self.rollout_buffer = (RolloutBuffer(self.args.gradient_accumulation_steps, rollout_buffer_m_steps)
                                if rollout_buffer_m_steps > 1 else None)
         self.coord_ids = torch.tensor(sorted(pipeline.coord_bin_by_id, key=pipeline.coord_bin_by_id.get))
@@ -146,7 +150,10 @@ class RolloutMatchingTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         model_inputs = {k: v for k, v in inputs.items() if k not in LOSS_KEYS}
-        with self.timers.phase("forward"):
+        layout = contextlib.nullcontext()
+        if self.packed_attn is not None and "position_ids" in model_inputs:
+            layout = packed_attention(self.accelerator.unwrap_model(model), self.packed_attn)
+        with self.timers.phase("forward"), layout:
             outputs = model(**model_inputs, use_cache=False)
             loss, terms = objective(outputs.logits, inputs, self.coord_ids.to(outputs.logits.device), self.loss_weights)
         self._loss_terms.append(terms)

@@ -1,0 +1,53 @@
+"""GPU-only (run on the device machine, never in CI): packed rows through PyTorch varlen attention give the
+same per-sample losses as the padded forward on the tiny text model. (Qwen3-VL packs with the block mask:
+with transformers 5.17 the varlen kwargs break its vision encoder — see docs/PACKING_MODE_GUIDE.md.)
+
+Run: ``python -m pytest -m gpu tests/gpu``."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from trainer.data.records import load_jsonl
+from trainer.data.synthetic import generate
+from trainer.losses.objective import LossWeights, per_segment_losses
+from trainer.modeling.fixtures import build_tiny_image_processor, build_tiny_model
+from trainer.modeling.prompts import PromptEncoder
+from trainer.packing.packed_batch import pack_targets
+from trainer.packing.varlen_attention import packed_attention, register_varlen_attention, varlen_available
+from trainer.sft.batching import pad_targets
+from trainer.sft.stage2 import Stage2Pipeline
+from trainer.sft.trainer import LOSS_KEYS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not varlen_available(), reason="needs CUDA + torch varlen attention")]
+
+
+@pytest.mark.parametrize("kind", ["text"])
+def test_varlen_packed_matches_padded(kind):
+    samples = load_jsonl(generate(tempfile.mkdtemp(), 4, seed=4, max_objects=3))
+    model, tok = build_tiny_model(kind, seed=2)
+    pipe = Stage2Pipeline(PromptEncoder(tok, build_tiny_image_processor() if kind == "vl" else None))
+    targets = pipe.ground_truth_targets(samples)
+    image_token_id = getattr(model.config, "image_token_id", None)
+    coord_ids = torch.tensor(sorted(pipe.coord_bin_by_id, key=pipe.coord_bin_by_id.get), device="cuda")
+    impl = register_varlen_attention()
+
+    def to_cuda(b):
+        return {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+
+    padded = to_cuda(pad_targets(targets, tok.pad_token_id, image_token_id))
+    packed = to_cuda(pack_targets(targets, impl, model, image_token_id))
+    model = model.to("cuda", torch.bfloat16)
+    if "pixel_values" in padded:
+        padded["pixel_values"] = padded["pixel_values"].to(torch.bfloat16)
+        packed["pixel_values"] = packed["pixel_values"].to(torch.bfloat16)
+    with torch.no_grad():
+        lp = model(**{k: v for k, v in padded.items() if k not in LOSS_KEYS}).logits.float()
+        with packed_attention(model, impl):
+            lk = model(**{k: v for k, v in packed.items() if k not in LOSS_KEYS}).logits.float()
+    a = per_segment_losses(lp, padded, coord_ids, LossWeights())
+    b = per_segment_losses(lk, packed, coord_ids, LossWeights())
+    assert torch.allclose(a, b, rtol=2e-2, atol=2e-2), (a, b)

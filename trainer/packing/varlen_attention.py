@@ -1,0 +1,103 @@
+"""Variable-length attention for packed rows on GPUs without flash-attn: PyTorch's
+``torch.nn.attention.varlen.varlen_attn`` registered as a transformers attention implementation.
+
+``packed_attention(model, impl)`` swaps the text model's attention implementation only around the packed
+forward (rollout generation keeps its own, padded, implementation). The packed batch carries
+``cu_seq_lens_q/k`` and ``max_length_q/k``; attention never crosses a segment boundary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+VARLEN_IMPL = "rm_varlen"
+_REGISTERED = False
+
+
+def varlen_available() -> bool:
+    """True when PyTorch's varlen attention can run here (CUDA + the varlen module)."""
+    if not torch.cuda.is_available():
+        return False
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def _causal_kwargs(fn) -> dict:
+    params = inspect.signature(fn).parameters
+    if "is_causal" in params:
+        return {"is_causal": True}
+    return {"window_size": (-1, 0)}
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs):
+    """transformers attention interface: query/key/value [1, H, L, D] → ([1, L, H, D], None)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = kwargs.get("cu_seq_lens_q")
+    max_len = kwargs.get("max_length_q")
+    if cu is None or max_len is None:
+        raise ValueError("rm_varlen attention needs cu_seq_lens_q and max_length_q (a packed batch)")
+    if query.shape[0] != 1:
+        raise ValueError(f"rm_varlen attention expects one packed row, got batch size {query.shape[0]}")
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    out = varlen_attn(q, k, v, cu, cu, int(max_len), int(max_len), scale=scaling, **_causal_kwargs(varlen_attn))
+    return out[None], None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def register_varlen_attention() -> str:
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(VARLEN_IMPL, varlen_attention_forward)
+        AttentionMaskInterface.register(VARLEN_IMPL, _no_mask)
+        _REGISTERED = True
+    return VARLEN_IMPL
+
+
+def choose_packed_attention(configured: str | None, multimodal: bool = False) -> str:
+    """The attention implementation for packed rows: the configured one, else flash-attn, else PyTorch
+    varlen on CUDA (text models only: with transformers 5.17 the varlen kwargs break the Qwen3-VL vision
+    encoder), else sdpa with a block-diagonal mask (correct everywhere, slower for long rows)."""
+    if configured:
+        return configured
+    if torch.cuda.is_available() and not multimodal:
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+        if varlen_available():
+            return register_varlen_attention()
+    return "sdpa"
+
+
+@contextmanager
+def packed_attention(model, impl: str) -> Iterator[None]:
+    """Temporarily set the language model's attention implementation (restored on exceptions too)."""
+    text_cfg = model.config.get_text_config()
+    configs = {id(c): c for c in (model.config, text_cfg)}.values()
+    before = [(c, c._attn_implementation) for c in configs]
+    try:
+        for c, _ in before:
+            c._attn_implementation = impl
+        yield
+    finally:
+        for c, old in before:
+            c._attn_implementation = old
