@@ -126,7 +126,8 @@ def run_training(cfg: TrainConfig) -> RunSummary:
                                                  report_to=report),
             engine=engine, target_source="rollout", packing=packing,
             rollout_buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1,
-            packed_attn_implementation=cfg.model.attn_implementation, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
+            packed_attn_implementation=cfg.model.attn_implementation,
+            offload=(rm.offload.offload_model, rm.offload.offload_optimizer) if rm.offload.enabled else None, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
             **common)
         result = trainer.train()
     finally:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback
 
+from trainer.buffering.offload import offload_for_rollout
 from trainer.buffering.rollout_buffer import RepeatingLoader, RolloutBuffer
 from trainer.data.records import Sample
 from trainer.losses.objective import LossWeights, objective
@@ -67,7 +68,8 @@ class RolloutMatchingTrainer(Trainer):
     def __init__(self, *args: Any, pipeline: Stage2Pipeline, engine: RolloutEngine | None,
                  decoding: DecodingParams, loss_weights: LossWeights, target_source: str = "rollout",
                  image_token_id: int | None = None, packing: PackingBuffer | None = None,
-                 rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None, **kwargs: Any):
+                 rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None,
+                 offload: tuple[bool, bool] | None = None, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -84,6 +86,7 @@ class RolloutMatchingTrainer(Trainer):
         self.target_source = target_source
         self.image_token_id = image_token_id
         self.packing = packing
+        self.offload = offload
         self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None)
                             if packing is not None else None)
         self.rollout_buffer = (RolloutBuffer(self.args.gradient_accumulation_steps, rollout_buffer_m_steps)
@@ -106,8 +109,13 @@ class RolloutMatchingTrainer(Trainer):
                 return self.pipeline.ground_truth_targets(samples)
         with self.timers.phase("rollout"):
             requests, _ = self.pipeline.requests(samples)
-            with self.timers.phase("generate"):
+            offload = (offload_for_rollout(self.model, self.optimizer, *self.offload) if self.offload
+                       else contextlib.nullcontext(None))
+            with self.timers.phase("generate"), offload as moved:
                 results = self.engine.generate(requests, self.rollout_params())
+            if moved is not None:
+                self.counters.add({"offload_param_bytes": moved.moved_param_bytes,
+                                   "offload_optimizer_bytes": moved.moved_optimizer_bytes})
             targets = self.pipeline.targets(samples, requests, results, self.timers)
         self.counters.add({"samples": len(samples)})
         for t in targets:
