@@ -119,6 +119,34 @@ def run_bench(hidden: int, layers: int, n_segments: int, packing_length: int, mi
     }
 
 
+def offload_bench(hidden: int, layers: int, engine_gib: float) -> dict:
+    """Peak GPU memory while a colocated engine holds ``engine_gib`` (weights + KV), with and without offload,
+    and the cost of moving the training state out and back (seconds)."""
+    from trainer.buffering.offload import offload_for_rollout
+
+    model = _model(hidden, layers, 32000, "cuda", torch.bfloat16, "sdpa")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model(input_ids=torch.randint(0, 32000, (1, 256), device="cuda")).logits.mean().backward()
+    opt.step()
+
+    def decode() -> float:
+        torch.cuda.reset_peak_memory_stats()
+        engine = torch.empty(int(engine_gib * 2**30), dtype=torch.uint8, device="cuda")
+        del engine
+        return torch.cuda.max_memory_allocated() / 2**30
+
+    without = decode()
+    start = time.perf_counter()
+    with offload_for_rollout(model, opt) as stats:
+        moved_out = time.perf_counter() - start
+        with_offload = decode()
+        back_start = time.perf_counter()
+    moved_back = time.perf_counter() - back_start
+    return {"engine_gib": engine_gib, "params_gib": stats.moved_param_bytes / 2**30,
+            "optimizer_gib": stats.moved_optimizer_bytes / 2**30, "peak_without_offload_gib": without,
+            "peak_with_offload_gib": with_offload, "offload_s": moved_out, "restore_s": moved_back}
+
+
 def plot(results: list[dict], out_png: Path) -> None:
     import matplotlib
 
@@ -150,6 +178,12 @@ def run(args: argparse.Namespace) -> int:
     results = [run_bench(args.hidden, args.layers, args.segments, args.packing_length, lo, hi, args.repeats)
                for lo, hi in ranges]
     (out / "packing.json").write_text(json.dumps(results, indent=2))
+    if torch.cuda.is_available():
+        off = offload_bench(args.hidden, args.layers, engine_gib=8.0)
+        (out / "offload.json").write_text(json.dumps(off, indent=2))
+        print(f"offload: peak {off['peak_without_offload_gib']:.1f} GiB -> {off['peak_with_offload_gib']:.1f} GiB "
+              f"(moved {off['params_gib'] + off['optimizer_gib']:.1f} GiB in {off['offload_s']:.2f}s, "
+              f"back in {off['restore_s']:.2f}s)")
     plot(results, out / "packing.png")
     for r in results:
         print(f"{r['segment_len_range']}: padded {r['padded_tokens_per_s']:.0f} tok/s, packed(mask) "
