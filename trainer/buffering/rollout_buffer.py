@@ -10,6 +10,7 @@ repeated. Staleness (optimizer steps since the rollouts were generated) is at mo
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -85,13 +86,16 @@ class RolloutBuffer:
 class RepeatingLoader:
     """Wraps a dataloader so that ``iter`` goes through ``repeat_windows``; other attributes pass through."""
 
-    def __init__(self, loader: Any, window: int, m_steps: int):
+    def __init__(self, loader: Any, window: int, m_steps: int, skip_first: int = 0):
         self.loader = loader
         self.window = window
         self.m_steps = m_steps
+        self.skip_first = skip_first
 
     def __iter__(self) -> Iterator[Any]:
-        return repeat_windows(self.loader, self.window, self.m_steps)
+        """Repeated stream; on resume the first ``skip_first`` repeated items (already trained) are dropped once."""
+        skip, self.skip_first = self.skip_first, 0
+        return itertools.islice(repeat_windows(self.loader, self.window, self.m_steps), skip, None)
 
     def __len__(self) -> int:
         return repeated_length(len(self.loader), self.window, self.m_steps)

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.training.max_steps = args.max_steps
     from trainer.sft.run import run_training
 
-    summary = run_training(cfg)
+    summary = run_training(cfg, resume_from_checkpoint=args.resume_from_checkpoint)
     print(f"done: {summary.stage2_steps} stage-2 steps, outputs in {summary.output_dir}")
     return 0
 
@@ -29,4 +29,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--output-dir", default=None, help="override training.output_dir")
     p.add_argument("--max-steps", type=int, default=None, help="override training.max_steps")
+    p.add_argument("--resume-from-checkpoint", default=None, metavar="PATH|latest",
+                   help="resume stage 2 exactly (model, optimizer, RNG, data position, rollout + packing buffers)")
     p.set_defaults(func=run)

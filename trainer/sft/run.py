@@ -84,7 +84,8 @@ def build_pipeline(cfg: TrainConfig, loaded: LoadedModel) -> Stage2Pipeline:
     return Stage2Pipeline(encoder, settings)
 
 
-def run_training(cfg: TrainConfig) -> RunSummary:
+def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) -> RunSummary:
+    """``resume_from_checkpoint``: a stage-2 checkpoint folder or "latest"; the stage-1 warm-up is skipped."""
     rm = cfg.rollout_matching
     if cfg.training.deepspeed:
         require("deepspeed", f"training.deepspeed ({cfg.training.deepspeed})")
@@ -107,7 +108,7 @@ def run_training(cfg: TrainConfig) -> RunSummary:
     common = dict(pipeline=pipeline, decoding=decoding, loss_weights=weights, image_token_id=loaded.image_token_id,
                   train_dataset=dataset, processing_class=loaded.tokenizer)
     engine = build_rollout_engine(rm, loaded, model)
-    if cfg.stage1.steps > 0:
+    if cfg.stage1.steps > 0 and not resume_from_checkpoint:
         s1 = cfg.stage1
         warm = RolloutMatchingTrainer(
             model=model, args=training_arguments(cfg, out / "stage1", max_steps=s1.steps,
@@ -129,7 +130,7 @@ def run_training(cfg: TrainConfig) -> RunSummary:
             packed_attn_implementation=cfg.model.attn_implementation,
             offload=(rm.offload.offload_model, rm.offload.offload_optimizer) if rm.offload.enabled else None, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
             **common)
-        result = trainer.train()
+        result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:
         engine.close()
     final = out / "final"

@@ -8,6 +8,8 @@ raw samples) and ``remove_unused_columns`` must be false. Works with plain model
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -15,9 +17,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from trainer.buffering.offload import offload_for_rollout
-from trainer.buffering.rollout_buffer import RepeatingLoader, RolloutBuffer
+from trainer.buffering.rollout_buffer import RepeatingLoader, RolloutBuffer, repeated_length
 from trainer.data.records import Sample
 from trainer.losses.objective import LossWeights, objective
 from trainer.matching.targets import TrainTarget
@@ -30,7 +33,10 @@ from trainer.sft.batching import pad_targets
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.telemetry import Counters, JsonlWriter, PhaseTimers, gpu_memory_snapshot
 
-LOSS_KEYS = ("ce_index", "ce_labels", "ce_segment", "coord_index", "coord_targets", "coord_segment", "num_segments")
+LOSS_KEYS = ("ce_index", "ce_labels", "ce_segment", "coord_index", "coord_targets", "coord_segment", "num_segments",
+             "sample_ids", "rollout_steps")
+ROLLOUT_STATE = "rollout_state.pt"
+LEDGER = "ledger.jsonl"
 
 
 class SampleDataset(Dataset):
@@ -87,6 +93,8 @@ class RolloutMatchingTrainer(Trainer):
         self.image_token_id = image_token_id
         self.packing = packing
         self.offload = offload
+        self._resume_skip = 0
+        self._steps_per_epoch = 1
         self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None)
                             if packing is not None else None)
         self.rollout_buffer = (RolloutBuffer(self.args.gradient_accumulation_steps, rollout_buffer_m_steps)
@@ -119,14 +127,17 @@ class RolloutMatchingTrainer(Trainer):
             targets = self.pipeline.targets(samples, requests, results, self.timers)
         self.counters.add({"samples": len(samples)})
         for t in targets:
+            t.stats["rollout_step"] = self.state.global_step
             self.counters.add(t.stats)
         return targets
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
-        if self.rollout_buffer is None:
-            return loader
-        return RepeatingLoader(loader, self.rollout_buffer.window, self.rollout_buffer.m_steps)
+        if self.rollout_buffer is not None:
+            skip, self._resume_skip = self._resume_skip, 0
+            loader = RepeatingLoader(loader, self.rollout_buffer.window, self.rollout_buffer.m_steps, skip)
+        self._steps_per_epoch = max(len(loader) // self.args.gradient_accumulation_steps, 1)
+        return loader
 
     def _prepare_inputs(self, inputs: Any) -> dict[str, Any]:
         if isinstance(inputs, list) and self.rollout_buffer is not None:
@@ -149,11 +160,13 @@ class RolloutMatchingTrainer(Trainer):
                                "tokens_padded": int(inputs["input_ids"].numel())})
         else:
             self.packing.add(targets)
-            picked, stats = self.packing.pop_pack()
-            impl = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
-            inputs = pack_targets(picked, impl, self.accelerator.unwrap_model(self.model), self.image_token_id)
+            targets, stats = self.packing.pop_pack()
+            inputs = pack_targets(targets, self.packed_attn, self.accelerator.unwrap_model(self.model),
+                                  self.image_token_id)
             self.counters.add({"rows": 1, "tokens_real": stats.tokens, "tokens_padded": stats.capacity,
                                "packed_segments": stats.segments, "packing_carried": stats.carried})
+        inputs["sample_ids"] = [t.sample_id for t in targets]
+        inputs["rollout_steps"] = [t.stats.get("rollout_step", -1) for t in targets]
         return inputs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -165,7 +178,76 @@ class RolloutMatchingTrainer(Trainer):
             outputs = model(**model_inputs, use_cache=False)
             loss, terms = objective(outputs.logits, inputs, self.coord_ids.to(outputs.logits.device), self.loss_weights)
         self._loss_terms.append(terms)
+        self._record_ledger(inputs.get("sample_ids"), inputs.get("rollout_steps"))
         return (loss, outputs) if return_outputs else loss
+
+    def _record_ledger(self, sample_ids: list[str] | None, rollout_steps: list[int] | None) -> None:
+        """Append ``(epoch, sample_id, step, rollout_step)`` per sample trained in this forward (main process);
+        ``rollout_step`` is the optimizer step whose rollout produced the target (older when carried/replayed)."""
+        if not sample_ids or not self.is_world_process_zero():
+            return
+        epoch = self.state.global_step // self._steps_per_epoch
+        with open(os.path.join(self.args.output_dir, LEDGER), "a", encoding="utf-8") as fh:
+            for sid, rstep in zip(sample_ids, rollout_steps or [-1] * len(sample_ids)):
+                fh.write(json.dumps({"epoch": epoch, "sample_id": sid, "step": self.state.global_step,
+                                     "rollout_step": rstep}) + "\n")
+
+    def rollout_state(self) -> dict[str, Any]:
+        """What a checkpoint needs beyond HF's state for an exact resume (rank-local)."""
+        buf = self.rollout_buffer
+        return {
+            "packing": list(self.packing.segments) if self.packing is not None else None,
+            "rollout_buffer": None if buf is None else {"micro_step": buf.micro_step, "cache": buf.cache},
+        }
+
+    def load_rollout_state(self, state: dict[str, Any]) -> None:
+        if self.packing is not None:
+            self.packing.segments = list(state["packing"] or [])
+        if self.rollout_buffer is not None and state["rollout_buffer"] is not None:
+            self.rollout_buffer.micro_step = state["rollout_buffer"]["micro_step"]
+            self.rollout_buffer.cache = state["rollout_buffer"]["cache"]
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        torch.save(self.rollout_state(), os.path.join(folder, f"rank{self.args.process_index}-{ROLLOUT_STATE}"))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        """``resume_from_checkpoint``: a checkpoint folder, or True / "latest" for the newest in ``output_dir``."""
+        if resume_from_checkpoint in (True, "latest"):
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise FileNotFoundError(f"no checkpoint-* folder in {self.args.output_dir} to resume from")
+        if resume_from_checkpoint:
+            path = os.path.join(resume_from_checkpoint, f"rank{self.args.process_index}-{ROLLOUT_STATE}")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} is missing: this checkpoint cannot be resumed exactly "
+                                        "(it was not written by RolloutMatchingTrainer)")
+            self.load_rollout_state(torch.load(path, weights_only=False))
+            with open(os.path.join(resume_from_checkpoint, "trainer_state.json"), encoding="utf-8") as fh:
+                step = json.load(fh)["global_step"]
+            self._truncate_ledger(step)
+            if self.rollout_buffer is not None:
+                self._skip_repeated_batches(step)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _skip_repeated_batches(self, step: int) -> None:
+        """HF's resume skips batches of the raw loader, not of the window repeater: skip in the repeater instead."""
+        ga = self.args.gradient_accumulation_steps
+        repeated = repeated_length(len(super().get_train_dataloader()), ga, self.rollout_buffer.m_steps)
+        steps_per_epoch = max(repeated // ga, 1)
+        self._resume_skip = (step % steps_per_epoch) * ga
+        self.args.ignore_data_skip = True
+
+    def _truncate_ledger(self, step: int) -> None:
+        """Drop ledger rows written after the checkpoint (they will be trained again)."""
+        path = os.path.join(self.args.output_dir, LEDGER)
+        if not self.is_world_process_zero() or not os.path.isfile(path):
+            return
+        with open(path, encoding="utf-8") as fh:
+            rows = [line for line in fh if line.strip() and json.loads(line)["step"] < step]
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.writelines(rows)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         start = time.perf_counter()
