@@ -80,3 +80,21 @@ def test_serialiser_append_rules():
     with pytest.raises(ValueError, match="not append-ready"):
         serialize_append(objs, 1, "]")
     assert json.loads(serialize_objects([]).replace("<|", "").replace("|>", "")) == {}
+
+
+def test_all_bad_lines_reported_at_once_or_dropped_and_counted(tmp_path, caplog):
+    from trainer.data.records import LoadReport
+
+    lines = [json.dumps(GOOD), "{oops", json.dumps({**GOOD, "id": "b", "width": -1}), json.dumps({**GOOD, "id": "c"}),
+             json.dumps({**GOOD, "id": "n", "objects": []})]
+    p = write_jsonl(tmp_path, lines)
+    with pytest.raises(DatasetError) as exc:
+        load_jsonl(p)
+    msg = str(exc.value)
+    assert f"{p}:2:" in msg and f"{p}:3:" in msg and "2 bad record(s)" in msg and "on_bad_record: drop" in msg
+    report = LoadReport()
+    with caplog.at_level("WARNING"):
+        samples = load_jsonl(p, on_bad_record="drop", report=report)
+    assert [s.sample_id for s in samples] == ["a", "c", "n"]
+    assert report.kept == 3 and report.negatives == 1 and len(report.dropped) == 2
+    assert sum("dropping bad record" in r.message for r in caplog.records) == 2

@@ -65,6 +65,7 @@ class DataConfig(Section):
     synthetic: SyntheticDataConfig | None = None
     image_root: str | None = None
     system_prompt: str | None = None
+    on_bad_record: Literal["error", "drop"] = "error"
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:

@@ -11,11 +11,14 @@ negative sample; a missing one is an error. Boxes must lie inside the image (x2 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trainer.data.objects import DetObject, to_bin
+
+log = logging.getLogger(__name__)
 
 KNOWN_KEYS = {"id", "images", "image", "width", "height", "objects", "scene"}
 
@@ -105,15 +108,29 @@ def parse_record(raw: Any, where: str, base_dir: Path | None, check_images: bool
     return Sample(str(sample_id), tuple(resolved), raw["width"], raw["height"], objects, scene)
 
 
-def load_jsonl(path: str | Path, image_root: str | Path | None = None, check_images: bool = True) -> list[Sample]:
-    """Load and validate every line; the first bad line raises ``DatasetError`` with ``file:line``.
+@dataclass
+class LoadReport:
+    """What loading did: kept samples, dropped lines (``file:line: reason``), negatives (no objects)."""
 
-    Blank lines are ignored; duplicate ids are errors (ids key the training ledger).
+    kept: int = 0
+    negatives: int = 0
+    dropped: list[str] = field(default_factory=list)
+
+
+def load_jsonl(path: str | Path, image_root: str | Path | None = None, check_images: bool = True,
+               on_bad_record: str = "error", report: LoadReport | None = None) -> list[Sample]:
+    """Load and validate every line. Blank lines are ignored; duplicate ids are bad records (ids key the ledger).
+
+    ``on_bad_record="error"`` (default): every bad line is collected and one ``DatasetError`` lists them all
+    (``file:line: reason``). ``"drop"``: bad lines are dropped, each logged and recorded in ``report.dropped``.
     """
+    if on_bad_record not in ("error", "drop"):
+        raise ValueError(f"on_bad_record must be 'error' or 'drop', got {on_bad_record!r}")
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
     base = Path(image_root) if image_root else path.parent
+    report = report if report is not None else LoadReport()
     samples: list[Sample] = []
     seen: dict[str, int] = {}
     with path.open(encoding="utf-8") as fh:
@@ -122,14 +139,29 @@ def load_jsonl(path: str | Path, image_root: str | Path | None = None, check_ima
                 continue
             where = f"{path}:{lineno}"
             try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            sample = parse_record(raw, where, base, check_images)
-            if sample.sample_id in seen:
-                raise DatasetError(f"{where}: duplicate id {sample.sample_id!r} (first at line {seen[sample.sample_id]})")
+                try:
+                    raw = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                sample = parse_record(raw, where, base, check_images)
+                if sample.sample_id in seen:
+                    raise DatasetError(
+                        f"{where}: duplicate id {sample.sample_id!r} (first at line {seen[sample.sample_id]})")
+            except DatasetError as exc:
+                report.dropped.append(str(exc))
+                if on_bad_record == "drop":
+                    log.warning("dropping bad record %s", exc)
+                continue
             seen[sample.sample_id] = lineno
             samples.append(sample)
+            report.negatives += not sample.objects
+    report.kept = len(samples)
+    if report.dropped and on_bad_record == "error":
+        shown = "\n  ".join(report.dropped[:20])
+        more = f"\n  … and {len(report.dropped) - 20} more" if len(report.dropped) > 20 else ""
+        raise DatasetError(f"{shown}{more}\n{len(report.dropped)} bad record(s) in {path}; fix them or set "
+                           "data.on_bad_record: drop to skip them (each drop is logged and counted)"
+                           if len(report.dropped) > 1 else shown)
     if not samples:
-        raise DatasetError(f"{path}: no records")
+        raise DatasetError(f"{path}: no valid records")
     return samples

@@ -11,7 +11,7 @@ import torch
 from transformers import TrainingArguments
 
 from trainer.config.schema import TrainConfig
-from trainer.data.records import Sample, load_jsonl
+from trainer.data.records import LoadReport, Sample, load_jsonl
 from trainer.data.synthetic import generate
 from trainer.extras import require
 from trainer.losses.objective import LossWeights
@@ -43,7 +43,14 @@ def load_samples(cfg: TrainConfig) -> list[Sample]:
         path = generate(Path(cfg.training.output_dir) / "data", s.num_samples, s.seed, s.min_objects,
                         s.max_objects, s.image_size, s.poly_fraction)
         return load_jsonl(path)
-    return load_jsonl(d.train_jsonl, d.image_root)
+    report = LoadReport()
+    samples = load_jsonl(d.train_jsonl, d.image_root, on_bad_record=d.on_bad_record, report=report)
+    log.info("dataset %s: %d samples kept (%d without objects), %d bad records dropped",
+             d.train_jsonl, report.kept, report.negatives, len(report.dropped))
+    out = Path(cfg.training.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "data_report.json").write_text(json.dumps(asdict(report), indent=2))
+    return samples
 
 
 def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, learning_rate: float,
