@@ -2,13 +2,14 @@
 cross-key rule, and returns a ``TrainConfig`` before any model loads.
 
 Namespaces follow the seeds: ``custom.trainer_variant``, ``custom.extra.rollout_matching.*``,
-``training.*`` (incl. packing), ``model``, ``tuner``, ``data``, ``stage1`` (warm-up). The GRPO namespaces
-(``rlhf.*``, ``custom.extra.rollout_server.*``) and ``deploy`` join this schema with their features.
+``custom.extra.rollout_server.*`` (GRPO ``swift rollout`` launch), ``rlhf.*`` (ms-swift RLHFArguments subset),
+``training.*`` (incl. packing), ``model``, ``tuner``, ``data``, ``stage1`` (warm-up), ``deploy`` (job rendering).
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import types
 import typing
 from pathlib import Path
@@ -20,7 +21,11 @@ from pydantic import Field, model_validator
 from trainer.config.base import Section
 from trainer.config.errors import ConfigError, ConfigErrors
 from trainer.config.loader import resolve_yaml
+from trainer.deploy.schema import DeployConfig
+from trainer.grpo.schema import GRPO_VARIANT, RlhfConfig, RolloutServerConfig, check_grpo
 from trainer.rollout.vllm_schema import VllmConfig
+
+log = logging.getLogger(__name__)
 
 
 class ModelConfig(Section):
@@ -164,10 +169,11 @@ class RolloutMatchingConfig(Section):
 
 class ExtraConfig(Section):
     rollout_matching: RolloutMatchingConfig | None = None
+    rollout_server: RolloutServerConfig | None = None
 
 
 class CustomConfig(Section):
-    trainer_variant: Literal["rollout_matching_sft"] = "rollout_matching_sft"
+    trainer_variant: Literal["rollout_matching_sft", "grpo_summary"] = "rollout_matching_sft"
     extra: ExtraConfig = Field(default_factory=ExtraConfig)
 
 
@@ -178,6 +184,8 @@ class TrainConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     stage1: Stage1Config = Field(default_factory=Stage1Config)
     custom: CustomConfig = Field(default_factory=CustomConfig)
+    rlhf: RlhfConfig | None = None
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
 
     @property
     def rollout_matching(self) -> RolloutMatchingConfig:
@@ -288,6 +296,18 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
         if rm.offload.enabled and not (rm.rollout_backend == "vllm" and v.mode == "colocate"):
             errs.append(ConfigError("custom.extra.rollout_matching.offload.enabled",
                                     "offload only applies to the vllm colocate backend; disable it for this backend"))
+        if cfg.rlhf is not None:
+            errs.append(ConfigError("rlhf", "only used by custom.trainer_variant grpo_summary; remove it"))
+        if cfg.custom.extra.rollout_server is not None:
+            errs.append(ConfigError("custom.extra.rollout_server",
+                                    "only used by custom.trainer_variant grpo_summary (swift rollout launch); remove it"))
+    elif variant == GRPO_VARIANT:
+        if cfg.custom.extra.rollout_matching is not None:
+            errs.append(ConfigError("custom.extra.rollout_matching", "only used by rollout_matching_sft; remove it"))
+        grpo_errors, warnings = check_grpo(cfg)
+        errs.extend(grpo_errors)
+        for w in warnings:
+            log.warning("%s", w)
     return errs
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 from trainer.config.schema import RolloutMatchingConfig
 from trainer.extras import require
@@ -14,10 +13,6 @@ from trainer.rollout.base import RolloutEngine
 VLLM_ENGINES = {"colocate": "trainer.rollout.vllm_colocate", "server": "trainer.rollout.server_client"}
 
 
-class BackendUnavailableError(RuntimeError):
-    """The configured rollout backend is not part of this build."""
-
-
 def build_rollout_engine(rm: RolloutMatchingConfig, loaded: LoadedModel, model) -> RolloutEngine:
     if rm.rollout_backend == "hf":
         from trainer.rollout.hf import HFRolloutEngine
@@ -25,11 +20,6 @@ def build_rollout_engine(rm: RolloutMatchingConfig, loaded: LoadedModel, model) 
         return HFRolloutEngine(model, loaded.tokenizer.pad_token_id, sorted(stop_token_ids(loaded.tokenizer)),
                                rm.rollout_generate_batch_size, loaded.image_token_id)
     module_name = VLLM_ENGINES[rm.vllm.mode]
-    if importlib.util.find_spec(module_name) is None:
-        raise BackendUnavailableError(
-            f"custom.extra.rollout_matching.rollout_backend: vllm (mode {rm.vllm.mode}) is not available in this "
-            "build yet; set custom.extra.rollout_matching.rollout_backend: hf"
-        )
     if rm.vllm.mode == "colocate":
         require("vllm", "custom.extra.rollout_matching.rollout_backend: vllm (colocate; or set rollout_backend: hf)")
     return importlib.import_module(module_name).engine_from_config(rm, loaded, model)

@@ -40,8 +40,14 @@ class VllmServerConfig(Section):
 
 
 class VllmSyncConfig(Section):
+    """``mode``: full (merged weights) | adapter (LoRA only) | auto. ``transport`` (server mode): nccl (GPU,
+    what swift rollout expects) | inband (our HTTP transport, any device) | auto (nccl on CUDA, else inband)."""
+
     mode: Literal["full", "adapter", "auto"] = "full"
     fallback_to_full: bool = True
+    transport: Literal["auto", "nccl", "inband"] = "auto"
+    group_port: int = Field(51216, ge=1024, le=65535)
+    bucket_mb: int = Field(512, ge=1)
 
 
 class VllmConfig(Section):
@@ -52,5 +58,6 @@ class VllmConfig(Section):
     enable_lora: bool = False
     enable_prefix_caching: bool = True
     sleep_level: Literal[0, 1, 2] = 0
+    enforce_eager: bool = False
     server: VllmServerConfig = Field(default_factory=VllmServerConfig)
     sync: VllmSyncConfig = Field(default_factory=VllmSyncConfig)

@@ -22,6 +22,7 @@ from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
 from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
 from trainer.sft.trainer import JsonlMetricsCallback, RolloutMatchingTrainer, SampleDataset
+from trainer.sync.policy import build_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,20 @@ def build_pipeline(cfg: TrainConfig, loaded: LoadedModel) -> Stage2Pipeline:
     return Stage2Pipeline(encoder, settings)
 
 
+def write_run_metadata(out: Path, cfg: TrainConfig, engine, weight_sync) -> dict:
+    """Reproducibility metadata: backend, server list, effective sync mode, rollout seed."""
+    rm = cfg.rollout_matching
+    meta = {"rollout_backend": rm.rollout_backend, "vllm_mode": rm.vllm.mode if rm.rollout_backend == "vllm" else None,
+            "rollout_seed": rm.decoding.seed, "decode_mode": "greedy" if rm.decoding.temperature <= 0 else "sampling"}
+    if hasattr(engine, "metadata"):
+        meta["engine"] = engine.metadata()
+    if weight_sync is not None:
+        meta["weight_sync"] = weight_sync.metadata()
+    (out / "run_metadata.json").write_text(json.dumps(meta, indent=2, default=str))
+    log.info("run metadata: %s", meta)
+    return meta
+
+
 def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) -> RunSummary:
     """``resume_from_checkpoint``: a stage-2 checkpoint folder or "latest"; the stage-1 warm-up is skipped."""
     rm = cfg.rollout_matching
@@ -115,6 +130,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     common = dict(pipeline=pipeline, decoding=decoding, loss_weights=weights, image_token_id=loaded.image_token_id,
                   train_dataset=dataset, processing_class=loaded.tokenizer)
     engine = build_rollout_engine(rm, loaded, model)
+    weight_sync = build_weight_sync(rm, engine, model)
+    write_run_metadata(out, cfg, engine, weight_sync)
     if cfg.stage1.steps > 0 and not resume_from_checkpoint:
         s1 = cfg.stage1
         warm = RolloutMatchingTrainer(
@@ -135,7 +152,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             engine=engine, target_source="rollout", packing=packing,
             rollout_buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1,
             packed_attn_implementation=cfg.model.attn_implementation,
-            offload=(rm.offload.offload_model, rm.offload.offload_optimizer) if rm.offload.enabled else None, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
+            offload=(rm.offload.offload_model, rm.offload.offload_optimizer) if rm.offload.enabled else None,
+            weight_sync=weight_sync, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
             **common)
         result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:

@@ -75,7 +75,7 @@ class RolloutMatchingTrainer(Trainer):
                  decoding: DecodingParams, loss_weights: LossWeights, target_source: str = "rollout",
                  image_token_id: int | None = None, packing: PackingBuffer | None = None,
                  rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None,
-                 offload: tuple[bool, bool] | None = None, **kwargs: Any):
+                 offload: tuple[bool, bool] | None = None, weight_sync: Any = None, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -93,6 +93,7 @@ class RolloutMatchingTrainer(Trainer):
         self.image_token_id = image_token_id
         self.packing = packing
         self.offload = offload
+        self.weight_sync = weight_sync
         self._resume_skip = 0
         self._steps_per_epoch = 1
         self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None)
@@ -115,6 +116,10 @@ class RolloutMatchingTrainer(Trainer):
         if self.target_source == "ground_truth":
             with self.timers.phase("target"):
                 return self.pipeline.ground_truth_targets(samples)
+        if self.weight_sync is not None:
+            with self.timers.phase("weight_sync"):
+                if self.weight_sync.ensure_fresh(self.accelerator.unwrap_model(self.model), self.state.global_step):
+                    self.counters.add({"weight_syncs": 1})
         with self.timers.phase("rollout"):
             requests, _ = self.pipeline.requests(samples)
             offload = (offload_for_rollout(self.model, self.optimizer, *self.offload) if self.offload
@@ -278,6 +283,8 @@ class RolloutMatchingTrainer(Trainer):
                 logs["rollout/match_recall"] = c.get("matched", 0.0) / c["gt"] if c.get("gt") else 0.0
             if c.get("tokens_padded"):
                 logs["batch/fill"] = c["tokens_real"] / c["tokens_padded"]
+            if c.get("weight_syncs"):
+                logs["sync/weight_syncs"] = c["weight_syncs"]
             if c.get("buffer_fresh", 0) + c.get("buffer_replay", 0):
                 logs["buffer/replayed_microbatches"] = c.get("buffer_replay", 0.0)
                 logs["buffer/max_staleness_steps"] = float(self._max_staleness)

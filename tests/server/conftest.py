@@ -1,0 +1,86 @@
+"""Run rollout-server apps for real: uvicorn on a free loopback port in a background thread."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(app, port: int | None = None):
+    """Serve ``app`` on 127.0.0.1 until the block ends; yields the base URL."""
+    import uvicorn
+
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def _scripted_server(model_dir=None, api_key=None, port=None, **engine_kwargs):
+    from trainer.server.app import create_app
+    from trainer.server.scripted import ScriptedEngine
+
+    engine = ScriptedEngine(model_dir, **engine_kwargs)
+    with serve_app(create_app(engine, api_key), port) as url:
+        yield url, engine
+
+
+@pytest.fixture(scope="session")
+def scripted_server():
+    """``scripted_server(model_dir=None, api_key=None, port=None, **engine_kwargs)`` → context manager
+    yielding ``(base_url, engine)``."""
+    return _scripted_server
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """``serve(app, port=None)`` → context manager yielding the base URL."""
+    return serve_app
+
+
+@pytest.fixture(scope="session")
+def get_free_port():
+    return free_port
+
+
+@pytest.fixture(scope="session")
+def tiny_text_dir(tmp_path_factory):
+    from trainer.modeling.fixtures import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "text", "text", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tok(tiny_text_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_text_dir)
+
+
+@pytest.fixture
+def http():
+    with httpx.Client(timeout=30) as client:
+        yield client

@@ -1,0 +1,131 @@
+"""Weight-sync building blocks: sync-mode resolution, ms-swift-layout flat buckets, and the exported weights
+(merged LoRA equals peft's own merge; the training model is left untouched)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer.sync.buckets import FlatTensorMeta, flatten, plan_buckets, unflatten
+from trainer.sync.policy import SyncModeError, resolve_sync_mode
+from trainer.sync.weights import adapter_kind, adapter_weights, full_weights, write_adapter_dir
+
+
+@pytest.mark.parametrize("requested, adapter, serves, fallback, want", [
+    ("full", "lora", True, False, "full"),
+    ("auto", "lora", True, False, "adapter"),
+    ("auto", "lora", False, False, "full"),
+    ("auto", None, True, False, "full"),
+    ("auto", "dora", True, False, "full"),
+    ("adapter", "lora", True, False, "adapter"),
+    ("adapter", "lora", False, True, "full"),
+    ("adapter", "dora", True, True, "full"),
+])
+def test_resolve_sync_mode(requested, adapter, serves, fallback, want):
+    assert resolve_sync_mode(requested, adapter, serves, fallback).mode == want
+
+
+@pytest.mark.parametrize("adapter, serves, match", [
+    (None, True, "needs a LoRA model"),
+    ("lora", False, "does not serve LoRA adapters"),
+    ("dora", True, "cannot serve DoRA"),
+])
+def test_resolve_sync_mode_errors_name_the_key(adapter, serves, match):
+    with pytest.raises(SyncModeError, match=match) as info:
+        resolve_sync_mode("adapter", adapter, serves, fallback_to_full=False)
+    assert "vllm.sync.mode" in str(info.value)
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 5), min_size=0, max_size=3)),
+                min_size=1, max_size=6))
+def test_flatten_roundtrip(specs):
+    named = []
+    for i, (dtype, shape) in enumerate(specs):
+        numel = 1
+        for s in shape:
+            numel *= s
+        named.append((f"t{i}", (torch.arange(numel) % 7 + i).to(dtype).reshape(shape)))
+    metas, bucket = flatten(named)
+    assert bucket.dtype == torch.uint8 and bucket.numel() == metas[-1].end_idx
+    back = unflatten([FlatTensorMeta.model_validate(m.model_dump()) for m in metas], bucket)
+    for name, t in named:
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t)
+    unaligned = [m.model_copy(update={"start_idx": m.start_idx + 1, "end_idx": m.end_idx + 1}) for m in metas]
+    shifted = unflatten(unaligned, torch.cat([torch.zeros(1, dtype=torch.uint8), bucket]))
+    for name, t in named:
+        assert torch.equal(shifted[name], t), "senders that do not align (ms-swift) must still decode"
+
+
+def test_bucket_plan_respects_the_limit():
+    named = {f"w{i}": torch.zeros(n, dtype=torch.float32) for i, n in enumerate([10, 10, 30, 5, 5])}
+    plan = list(plan_buckets(named, max_bytes=80))
+    assert plan == [["w0", "w1"], ["w2"], ["w3", "w4"]]
+    assert [n for b in plan for n in b] == list(named)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_text_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_text_dir, dtype=torch.float32)
+
+
+def test_full_weights_names_and_tied_head(tiny):
+    w = full_weights(tiny)
+    assert set(tiny.state_dict()) <= set(w) and "lm_head.weight" in w
+    assert torch.equal(w["lm_head.weight"], w["model.embed_tokens.weight"])
+
+
+def test_merged_lora_equals_peft_merge_and_model_is_untouched(tiny, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(copy.deepcopy(tiny), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                               init_lora_weights=False))
+    assert adapter_kind(peft_model) == "lora" and adapter_kind(tiny) is None
+    before = {k: v.clone() for k, v in peft_model.state_dict().items()}
+    merged = full_weights(peft_model)
+    base = full_weights(peft_model, merge_adapter=False)
+    assert all(torch.equal(before[k], v) for k, v in peft_model.state_dict().items())
+    reference = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    assert set(merged) == set(reference) | {"lm_head.weight"}
+    for k, v in reference.items():
+        torch.testing.assert_close(merged[k], v, rtol=0, atol=1e-6)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], base[q]) and torch.equal(base[q], tiny.state_dict()[q])
+
+    ad = adapter_weights(peft_model)
+    peft_model.save_pretrained(tmp_path / "ref")
+    from safetensors.torch import load_file
+
+    assert set(ad.tensors) == set(load_file(tmp_path / "ref" / "adapter_model.safetensors"))
+    d = write_adapter_dir(tmp_path / "ours", ad)
+    assert json.loads((d / "adapter_config.json").read_text())["r"] == 4
+    from peft import PeftModel
+
+    reloaded = PeftModel.from_pretrained(copy.deepcopy(tiny), d)
+    x = torch.tensor([[5, 6, 7]])
+    torch.testing.assert_close(reloaded(x).logits, peft_model(x).logits)
+
+
+def test_dora_full_sync_uses_peft_merge(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    dora = get_peft_model(copy.deepcopy(tiny), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True,
+                                                          init_lora_weights=False))
+    assert adapter_kind(dora) == "dora"
+    before = {k: v.clone() for k, v in dora.state_dict().items()}
+    merged = full_weights(dora)
+    reference = copy.deepcopy(dora).merge_and_unload().state_dict()
+    for k, v in reference.items():
+        torch.testing.assert_close(merged[k], v, rtol=0, atol=1e-6)
+    for k, v in dora.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=1e-6)

@@ -1,0 +1,314 @@
+"""FastAPI app speaking ms-swift's rollout protocol (``swift rollout``) in front of a server engine.
+
+Endpoints: see ``docs/VLLM_ROLLOUTS.md`` and ``shared/specs/rollout-protocol.md``. Ours, marked ``/rm/``:
+``POST /rm/update_weights_inband/?kind=full|adapter`` (body: safetensors bytes; adapters carry their peft
+config as the ``peft_config`` metadata entry) — the CPU-capable weight transport — and ``GET /rm/info/``.
+
+Engine calls run one at a time on a worker thread. As in ``swift rollout``, the NCCL update endpoints answer
+at once and receive in the background (the client broadcasts after the answer); a failure there is reported
+by the next call that waits (``/process_weights_after_loading/``, ``/infer/``, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from trainer.rollout.types import DecodingParams
+from trainer.server.engines import EngineRequestError, ServerEngine
+from trainer.server.protocol import (
+    InferBody,
+    InitCommunicatorBody,
+    RequestConfigIn,
+    UpdateAdapterFlattenedBody,
+    UpdateFlattenedParamsBody,
+    UpdateNamedParamBody,
+    rollout_output,
+)
+from trainer.sync.weights import AdapterWeights, tensors_from_safetensors
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 64 * 2**20
+DEFAULT_MAX_INBAND_BYTES = 4 * 2**30
+INBAND_PATH = "/rm/update_weights_inband/"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Answer 413 when a request body exceeds its route's limit (declared or streamed size)."""
+
+    def __init__(self, app, limit: int, inband_limit: int):
+        self.app = app
+        self.limit = limit
+        self.inband_limit = inband_limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.inband_limit if scope["path"].rstrip("/") == INBAND_PATH.rstrip("/") else self.limit
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await _too_large(send, limit)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except BodyTooLarge:
+            await _too_large(send, limit)
+
+
+async def _too_large(send, limit: int) -> None:
+    body = json.dumps({"detail": f"request body exceeds this endpoint's limit of {limit} bytes"}).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class EngineRunner:
+    """Serialises engine calls on one thread; background (fire-and-forget) failures surface on the next wait."""
+
+    def __init__(self):
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.failure: BaseException | None = None
+        self.lock = threading.Lock()
+
+    def _guarded(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run():
+            try:
+                return fn()
+            except BaseException as exc:
+                with self.lock:
+                    self.failure = exc
+                log.exception("background engine call failed")
+                raise
+        return run
+
+    def fire(self, fn: Callable[[], Any]) -> None:
+        self.pool.submit(self._guarded(fn))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        def run():
+            with self.lock:
+                failure, self.failure = self.failure, None
+            if failure is not None:
+                raise RuntimeError(f"an earlier background weight-update call failed: {failure!r}") from failure
+            return fn()
+        return await asyncio.wrap_future(self.pool.submit(run))
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def decoding_params(cfg: RequestConfigIn | None, default_max_tokens: int) -> DecodingParams:
+    """ms-swift ``RequestConfig`` → our ``DecodingParams``; unsupported settings are a 400, not ignored."""
+    cfg = cfg or RequestConfigIn()
+    unsupported = []
+    if cfg.n != 1:
+        unsupported.append(f"n={cfg.n} (one completion per request; repeat the request instead)")
+    if cfg.num_beams != 1:
+        unsupported.append(f"num_beams={cfg.num_beams}")
+    if cfg.stream:
+        unsupported.append("stream=true")
+    if cfg.stop:
+        unsupported.append("stop strings (decoding stops at the model's end-of-turn/EOS ids)")
+    if cfg.logprobs or cfg.top_logprobs or cfg.prompt_logprobs:
+        unsupported.append("logprobs")
+    if cfg.structured_outputs_regex:
+        unsupported.append("structured_outputs_regex")
+    if unsupported:
+        raise EngineRequestError("request_config not supported by this server: " + "; ".join(unsupported))
+    return DecodingParams(
+        max_new_tokens=cfg.max_tokens or default_max_tokens,
+        temperature=cfg.temperature if cfg.temperature is not None else 0.0,
+        top_p=cfg.top_p if cfg.top_p is not None else 1.0,
+        top_k=cfg.top_k if cfg.top_k is not None else -1,
+        repetition_penalty=cfg.repetition_penalty if cfg.repetition_penalty is not None else 1.0,
+        seed=cfg.seed,
+    )
+
+
+def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_tokens: int = 256,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_inband_bytes: int = DEFAULT_MAX_INBAND_BYTES) -> FastAPI:
+    """The rollout-server app for ``engine``; with ``api_key`` every endpoint but health needs the bearer token."""
+    runner = EngineRunner()
+    updates: list[dict[str, Any]] = []
+
+    def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        runner.shutdown()
+
+    app = FastAPI(title="rollout-matching rollout server", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.engine = engine
+    app.state.updates = updates
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes, inband_limit=max_inband_bytes)
+    guarded = [Depends(require_key)]
+
+    @app.exception_handler(EngineRequestError)
+    async def _bad_request(_: Request, exc: EngineRequestError):
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        return JSONResponse({"detail": "invalid request body: " + "; ".join(problems[:20]), "errors": problems},
+                            status_code=422)
+
+    @app.exception_handler(RuntimeError)
+    async def _engine_failed(_: Request, exc: RuntimeError):
+        return JSONResponse({"detail": f"engine error: {exc}"}, status_code=500)
+
+    def record(endpoint: str, transport: str, kind: str, **extra: Any) -> None:
+        updates.append({"endpoint": endpoint, "transport": transport, "kind": kind, "time": time.time(), **extra})
+
+    @app.get("/health/")
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/get_world_size/", dependencies=guarded)
+    async def get_world_size():
+        return {"world_size": engine.world_size}
+
+    @app.post("/get_engine_type/", dependencies=guarded)
+    async def get_engine_type():
+        return {"engine_type": "LLMEngine", "enable_multi_turn": False, "use_gym_env": False,
+                "enable_lora": engine.enable_lora}
+
+    @app.get("/get_model_state_keys/", dependencies=guarded)
+    async def get_model_state_keys():
+        return {"keys": await runner.call(engine.state_keys)}
+
+    @app.post("/infer/", dependencies=guarded)
+    async def infer(body: InferBody):
+        if body.adapter_request:
+            raise EngineRequestError("adapter_request is not supported; sync the adapter with the weight-update endpoints")
+        params = decoding_params(body.request_config, default_max_tokens)
+        requests = [engine.encode(r, i) for i, r in enumerate(body.infer_requests)]
+        results = await runner.call(lambda: engine.generate(requests, params)) if requests else []
+        return [rollout_output(engine.model_name, list(res.prompt_token_ids), list(res.response_token_ids),
+                               res.finish_reason, engine.decode_text(res.response_token_ids), res.extra)
+                for res in results]
+
+    @app.post("/init_communicator/", dependencies=guarded)
+    async def init_communicator(body: InitCommunicatorBody):
+        if body.world_size != engine.world_size + 1:
+            raise EngineRequestError(f"world_size must be this server's world size + 1 = {engine.world_size + 1}")
+        runner.fire(lambda: engine.nccl_init(body.host, body.port, body.world_size))
+        return {"message": "Request received, initializing communicator"}
+
+    @app.post("/update_named_param/", dependencies=guarded)
+    async def update_named_param(body: UpdateNamedParamBody):
+        runner.fire(lambda: engine.nccl_receive_named(body.name, body.dtype, body.shape))
+        record("update_named_param", "nccl", "full", num_tensors=1)
+        return {"message": "Request received, updating named parameter"}
+
+    @app.post("/update_flattened_params/", dependencies=guarded)
+    async def update_flattened_params(body: UpdateFlattenedParamsBody):
+        metas = [m.model_dump() for m in body.metadatas]
+        runner.fire(lambda: engine.nccl_receive_flattened(metas))
+        record("update_flattened_params", "nccl", "full", num_tensors=len(metas), bytes=metas[-1]["end_idx"])
+        return {"message": "Request received, updating flattened parameters"}
+
+    @app.post("/update_adapter_flattened_param/", dependencies=guarded)
+    async def update_adapter_flattened_param(body: UpdateAdapterFlattenedBody):
+        if not engine.enable_lora:
+            raise EngineRequestError("this server does not serve LoRA adapters (start it with LoRA enabled)")
+        metas = [m.model_dump() for m in body.metadatas]
+        runner.fire(lambda: engine.nccl_receive_adapter(body.peft_config, metas))
+        record("update_adapter_flattened_param", "nccl", "adapter", num_tensors=len(metas), bytes=metas[-1]["end_idx"])
+        return {"message": "Request received, updating adapter parameter"}
+
+    @app.post("/process_weights_after_loading/", dependencies=guarded)
+    async def process_weights_after_loading():
+        await runner.call(engine.finish_weights)
+        return {"message": "Weights processed after loading"}
+
+    @app.post("/reset_prefix_cache/", dependencies=guarded)
+    async def reset_prefix_cache():
+        ok = await runner.call(engine.reset_prefix_cache)
+        return {"message": f"Request received, resetting prefix cache status: {ok}"}
+
+    @app.post("/reset_encoder_cache/", dependencies=guarded)
+    @app.post("/reset_mm_cache/", dependencies=guarded)
+    async def reset_other_caches():
+        return {"message": "Request received, nothing cached beyond the prefix cache"}
+
+    @app.post("/close_communicator/", dependencies=guarded)
+    async def close_communicator():
+        runner.fire(engine.nccl_close)
+        return {"message": "Request received, closing communicator"}
+
+    @app.post(INBAND_PATH, dependencies=guarded)
+    async def update_weights_inband(request: Request, kind: Literal["full", "adapter"] = Query(...)):
+        blob = await request.body()
+        try:
+            tensors = tensors_from_safetensors(blob)
+        except Exception as exc:
+            raise EngineRequestError(f"body is not a safetensors payload: {exc}") from exc
+        if not tensors:
+            raise EngineRequestError("the safetensors payload holds no tensors")
+        if kind == "adapter":
+            if not engine.enable_lora:
+                raise EngineRequestError("this server does not serve LoRA adapters (start it with LoRA enabled)")
+            meta = _safetensors_metadata(blob)
+            if "peft_config" not in meta:
+                raise EngineRequestError("adapter payloads carry their peft config as safetensors metadata 'peft_config'")
+            adapter = AdapterWeights(json.loads(meta["peft_config"]), tensors)
+            await runner.call(lambda: engine.load_adapter(adapter))
+        else:
+            await runner.call(lambda: engine.load_full(tensors))
+        record("rm/update_weights_inband", "inband", kind, num_tensors=len(tensors), bytes=len(blob))
+        return {"message": f"{kind} weights loaded", "num_tensors": len(tensors)}
+
+    @app.get("/rm/info/", dependencies=guarded)
+    async def info():
+        return {"engine": engine.kind, "model": engine.model_name, "world_size": engine.world_size,
+                "enable_lora": engine.enable_lora, "weights_version": getattr(engine, "weights_version", None),
+                "updates": updates[-100:], "inband_path": INBAND_PATH}
+
+    return app
+
+
+def _safetensors_metadata(blob: bytes) -> dict[str, str]:
+    """The ``__metadata__`` map of a safetensors payload (its JSON header)."""
+    if len(blob) < 8:
+        return {}
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    return dict(header.get("__metadata__") or {})

@@ -1,0 +1,111 @@
+"""``python -m trainer serve``: run a rollout server (ms-swift protocol) with the vllm, hf or scripted engine."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="run a rollout server speaking the ms-swift rollout protocol",
+                              description=__doc__)
+    p.add_argument("--engine", choices=["vllm", "hf", "scripted"], required=True)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", help="HF model directory (required for vllm/hf; gives scripted its tokenizer)")
+    p.add_argument("--api-key-env", help="name of an environment variable holding the bearer token to require")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="when request_config.max_tokens is null")
+    p.add_argument("--max-body-mb", type=int, default=64, help="size limit of JSON request bodies")
+    p.add_argument("--max-inband-mb", type=int, default=4096, help="size limit of in-band weight payloads")
+    p.add_argument("--log-level", default="info")
+    v = p.add_argument_group("vllm engine")
+    v.add_argument("--max-model-len", type=int, help="required with --engine vllm")
+    v.add_argument("--tensor-parallel-size", type=int, default=1)
+    v.add_argument("--gpu-memory-utilization", type=float, default=0.45,
+                   help="fraction of GPU memory (of RAM on the CPU backend) vLLM may use")
+    v.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False)
+    v.add_argument("--max-lora-rank", type=int, default=64)
+    v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    v.add_argument("--enforce-eager", action="store_true", help="skip torch.compile/CUDA graphs (fast start-up)")
+    v.add_argument("--kv-cache-bytes", type=int, help="explicit KV-cache size (skips vLLM's memory profiling)")
+    v.add_argument("--dtype", default="auto")
+    v.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("scripted engine")
+    s.add_argument("--responses", type=Path, help="JSON {uuid: text or token ids} of answers to replay")
+    s.add_argument("--delay-s", type=float, default=0.0, help="sleep before each answer (stalled-server tests)")
+    p.set_defaults(func=serve)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_engine(args: argparse.Namespace):
+    if args.engine == "scripted":
+        from trainer.server.scripted import ScriptedEngine
+
+        responses = json.loads(args.responses.read_text()) if args.responses else None
+        return ScriptedEngine(args.model, responses=responses, delay_s=args.delay_s, enable_lora=True)
+    if not args.model:
+        raise SystemExit(f"serve --engine {args.engine} needs --model DIR (a local HF model directory)")
+    if args.engine == "hf":
+        from trainer.server.hf_engine import HFServerEngine
+
+        return HFServerEngine(args.model)
+    if args.max_model_len is None:
+        raise SystemExit("serve --engine vllm needs --max-model-len (prompt + max new tokens must fit)")
+    from trainer.extras import require
+
+    require("vllm", "serve --engine vllm")
+    from trainer.server.vllm_engine import VllmServerEngine
+
+    engine_kwargs = {}
+    if args.enforce_eager:
+        engine_kwargs["enforce_eager"] = True
+    if args.kv_cache_bytes:
+        engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
+    return VllmServerEngine(
+        args.model, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+        dtype=args.dtype, engine_kwargs=engine_kwargs)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from trainer.server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            raise SystemExit(f"--api-key-env {args.api_key_env}: that environment variable is unset or empty")
+    if not _is_loopback(args.host) and api_key is None:
+        log.warning("listening on %s without an API key: anyone who reaches port %d can overwrite the model's "
+                    "weights; pass --api-key-env", args.host, args.port)
+    engine = build_engine(args)
+    # uvicorn re-raises SIGTERM after its graceful shutdown; turning it into SystemExit lets the engine close
+    # (vLLM's engine-core process would otherwise outlive the server).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        app = create_app(engine, api_key, default_max_tokens=args.default_max_tokens,
+                         max_body_bytes=args.max_body_mb * 2**20, max_inband_bytes=args.max_inband_mb * 2**20)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()
+    return 0

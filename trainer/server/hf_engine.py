@@ -1,0 +1,70 @@
+"""The ``hf`` server engine: transformers ``generate`` on the served model (CPU or one GPU); full-weight
+updates only (no adapter serving)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
+from trainer.server.engines import EngineRequestError, LocalNcclMixin, load_codec
+from trainer.server.protocol import RolloutInferRequestIn
+from trainer.sync.weights import AdapterWeights
+
+
+class HFServerEngine(LocalNcclMixin):
+    kind = "hf"
+    world_size = 1
+    enable_lora = False
+
+    def __init__(self, model_dir: str | Path, batch_size: int = 8, dtype: str = "float32", device: str | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+        from trainer.modeling.coord_vocab import stop_token_ids
+        from trainer.modeling.loading import VL_MODEL_TYPES
+        from trainer.rollout.hf import HFRolloutEngine
+
+        self.model_name = str(model_dir)
+        self.codec = load_codec(model_dir)
+        vl = AutoConfig.from_pretrained(model_dir).model_type in VL_MODEL_TYPES
+        cls = AutoModelForImageTextToText if vl else AutoModelForCausalLM
+        self.model = cls.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        if device:
+            self.model.to(device)
+        tok = self.codec.tokenizer
+        self.rollout = HFRolloutEngine(self.model, tok.pad_token_id, sorted(stop_token_ids(tok)), batch_size,
+                                       getattr(self.model.config, "image_token_id", None))
+
+    def encode(self, request: RolloutInferRequestIn, index: int) -> RolloutRequest:
+        return self.codec.encode(request, index)
+
+    def decode_text(self, ids: Sequence[int]) -> str:
+        return self.codec.decode(ids)
+
+    def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
+        return self.rollout.generate(requests, params)
+
+    @torch.no_grad()
+    def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        state = self.model.state_dict()
+        unknown = sorted(set(tensors) - set(state))
+        if unknown:
+            raise EngineRequestError(f"{len(unknown)} weight names are not in the served model (first: {unknown[0]!r})")
+        for name, value in tensors.items():
+            if tuple(value.shape) != tuple(state[name].shape):
+                raise EngineRequestError(f"weight {name!r}: shape {list(value.shape)} != served {list(state[name].shape)}")
+            state[name].copy_(value.to(state[name].dtype))
+
+    def load_adapter(self, adapter: AdapterWeights) -> None:
+        raise EngineRequestError("the hf engine does not serve LoRA adapters; sync merged weights (sync.mode: full)")
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def state_keys(self) -> list[str]:
+        return list(self.model.state_dict())
+
+    def close(self) -> None:
+        self.nccl_close()

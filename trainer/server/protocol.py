@@ -1,0 +1,131 @@
+"""Request and response bodies of the ms-swift rollout protocol (``swift rollout``), as pydantic models.
+
+Request items mirror ms-swift's ``RolloutInferRequest`` and ``RequestConfig`` field for field; unknown keys in
+them are ignored (ms-swift adds fields between releases) while the top-level bodies are strict. Responses are
+``RolloutOutput``-shaped: ``{"response": ChatCompletionResponse, "rollout_infos": {...}}`` with the prompt ids
+and each choice's ``token_ids``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from trainer.sync.buckets import FlatTensorMeta
+
+MAX_REQUESTS_PER_CALL = 4096
+MAX_MESSAGES = 256
+MAX_IMAGES = 64
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessageIn(_Lenient):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class RolloutInferRequestIn(_Lenient):
+    """ms-swift ``RolloutInferRequest``: messages plus multimodal resources as strings (path, URL or base64)."""
+
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
+    images: list[str] = Field(default_factory=list, max_length=MAX_IMAGES)
+    audios: list[str] = Field(default_factory=list)
+    videos: list[str] = Field(default_factory=list)
+    tools: list[Any] | None = None
+    objects: dict[str, Any] = Field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    data_dict: dict[str, Any] = Field(default_factory=dict)
+    uuid: str | None = None
+    add_eos: bool | Literal["auto"] | None = None  # ms-swift: only for scoring completed responses; unused here
+
+    @field_validator("images", mode="before")
+    @classmethod
+    def _one_image_as_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class RequestConfigIn(_Lenient):
+    """ms-swift ``RequestConfig`` (None = the server's default)."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_k: int | None = Field(None, ge=-1)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    num_beams: int = Field(1, ge=1)
+    stop: list[str] | None = Field(default_factory=list)
+    seed: int | None = None
+    stream: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0)
+    n: int = Field(1, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    length_penalty: float = 1.0
+    return_details: bool = False
+    structured_outputs_regex: str | None = None
+
+
+class InferBody(_Strict):
+    infer_requests: list[RolloutInferRequestIn] = Field(max_length=MAX_REQUESTS_PER_CALL)
+    request_config: RequestConfigIn | None = None
+    metrics: Any = None
+    use_tqdm: bool | None = None
+    adapter_request: dict[str, Any] | None = None
+
+
+class InitCommunicatorBody(_Strict):
+    host: str = Field(min_length=1, max_length=255)
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    client_device_uuid: str | None = None
+
+
+class UpdateNamedParamBody(_Strict):
+    name: str = Field(min_length=1, max_length=1024)
+    dtype: str
+    shape: list[int]
+
+
+class UpdateFlattenedParamsBody(_Strict):
+    metadatas: list[FlatTensorMeta] = Field(min_length=1)
+
+
+class UpdateAdapterFlattenedBody(_Strict):
+    peft_config: dict[str, Any]
+    metadatas: list[FlatTensorMeta] = Field(min_length=1)
+
+
+def rollout_output(model: str, prompt_ids: list[int], response_ids: list[int], finish_reason: str, text: str,
+                   rollout_infos: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One ``RolloutOutput`` item wrapping a ``ChatCompletionResponse`` with token ids."""
+    response = {
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason,
+            "logprobs": None,
+            "token_ids": list(response_ids),
+        }],
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(response_ids),
+                  "total_tokens": len(prompt_ids) + len(response_ids)},
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "prompt_token_ids": list(prompt_ids),
+    }
+    return {"response": response, "rollout_infos": rollout_infos or {}}

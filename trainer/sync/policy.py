@@ -1,0 +1,141 @@
+"""Weight-sync policy: which weights go to the rollout engine (full | adapter), and when.
+
+Cadence (``WeightSync.ensure_fresh``), called only before fresh rollouts:
+- the first call syncs the base: merged weights in ``full`` mode, the frozen base weights in ``adapter`` mode
+  (covers step 0 and resume, and a base changed by a warm-up stage);
+- afterwards at most one sync per ``global_step`` (optimizer-step boundary), never per micro-step;
+- in a multi-process learner only the ranks the target asks for push (rank 0 for rollout servers, every
+  rank for colocated engines), and a barrier follows so no rank rolls out on stale weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from trainer.sync.weights import adapter_kind
+
+log = logging.getLogger(__name__)
+
+RequestedMode = Literal["full", "adapter", "auto"]
+EffectiveMode = Literal["full", "adapter"]
+
+
+class SyncModeError(ValueError):
+    """The requested sync mode cannot work with this model/engine combination."""
+
+
+@dataclass(frozen=True)
+class SyncDecision:
+    mode: EffectiveMode
+    reason: str
+
+
+def resolve_sync_mode(requested: RequestedMode, model_adapter: str | None, engine_supports_adapter: bool,
+                      fallback_to_full: bool, key: str = "custom.extra.rollout_matching.vllm.sync.mode") -> SyncDecision:
+    """Pick the effective mode. ``model_adapter`` is ``"lora"``, ``"dora"`` or None (see ``adapter_kind``)."""
+    if requested == "full":
+        return SyncDecision("full", "requested")
+    servable = model_adapter == "lora"
+    if requested == "auto":
+        if servable and engine_supports_adapter:
+            return SyncDecision("adapter", "auto: LoRA model and the engine serves adapters")
+        why = "no LoRA adapter on the model" if not servable else "the engine does not serve adapters (enable_lora off)"
+        return SyncDecision("full", f"auto: {why}")
+    if model_adapter is None:
+        raise SyncModeError(f"{key}: adapter needs a LoRA model (tuner.train_type: lora); set it to full or auto")
+    if model_adapter == "dora":
+        if fallback_to_full:
+            return SyncDecision("full", "fallback: vLLM cannot serve DoRA adapters, merged weights sent")
+        raise SyncModeError(f"{key}: vLLM cannot serve DoRA adapters; set sync.mode: full or sync.fallback_to_full: true")
+    if not engine_supports_adapter:
+        if fallback_to_full:
+            return SyncDecision("full", "fallback: the engine does not serve adapters (start it with LoRA enabled)")
+        raise SyncModeError(
+            f"{key}: adapter, but the rollout engine does not serve LoRA adapters; start the server with LoRA "
+            "enabled (swift rollout --vllm_enable_lora true / python -m trainer serve --enable-lora), "
+            "or set sync.mode: full, or sync.fallback_to_full: true"
+        )
+    return SyncDecision("adapter", "requested")
+
+
+class SyncTarget(Protocol):
+    """A rollout engine that can receive weights."""
+
+    syncs_on_every_rank: bool
+
+    def supports_adapter_sync(self) -> bool: ...
+
+    def sync_full(self, model: torch.nn.Module, merge_adapter: bool = True) -> None: ...
+
+    def sync_adapter(self, model: torch.nn.Module) -> None: ...
+
+
+def _dist_info() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class WeightSync:
+    """Keeps a rollout engine on the learner's current weights (see module docstring for the cadence)."""
+
+    def __init__(self, target: SyncTarget, decision: SyncDecision):
+        self.target = target
+        self.decision = decision
+        self.last_step: int | None = None
+        self.history: list[tuple[int, str]] = []
+
+    @classmethod
+    def for_model(cls, target: SyncTarget, model: torch.nn.Module, requested: RequestedMode = "full",
+                  fallback_to_full: bool = True) -> WeightSync:
+        decision = resolve_sync_mode(requested, adapter_kind(model), target.supports_adapter_sync(), fallback_to_full)
+        log.info("weight sync: effective mode %s (%s)", decision.mode, decision.reason)
+        return cls(target, decision)
+
+    def ensure_fresh(self, model: torch.nn.Module, global_step: int) -> bool:
+        """Sync unless already synced at ``global_step``; returns whether this call synced."""
+        if self.last_step == global_step:
+            return False
+        rank, _ = _dist_info()
+        first = self.last_step is None
+        if self.target.syncs_on_every_rank or rank == 0:
+            if self.decision.mode == "full":
+                self.target.sync_full(model)
+                kind = "full"
+            else:
+                if first:
+                    self.target.sync_full(model, merge_adapter=False)
+                self.target.sync_adapter(model)
+                kind = "base+adapter" if first else "adapter"
+            self.history.append((global_step, kind))
+        _barrier()
+        self.last_step = global_step
+        return True
+
+    def metadata(self) -> dict[str, object]:
+        return {"sync_mode": self.decision.mode, "sync_mode_reason": self.decision.reason,
+                "last_synced_step": self.last_step}
+
+
+def build_weight_sync(rm, engine, model: torch.nn.Module) -> WeightSync | None:
+    """The weight sync for the configured backend: None for ``hf`` (it decodes with the training model),
+    ``auto`` for vLLM colocate (adapter when the engine has LoRA enabled, merged weights otherwise), and
+    ``vllm.sync.mode`` / ``fallback_to_full`` for rollout servers."""
+    if rm.rollout_backend == "hf":
+        return None
+    if rm.vllm.mode == "colocate":
+        return WeightSync.for_model(engine, model, "auto", fallback_to_full=True)
+    return WeightSync.for_model(engine, model, rm.vllm.sync.mode, rm.vllm.sync.fallback_to_full)

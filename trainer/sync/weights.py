@@ -1,0 +1,173 @@
+"""What a weight sync sends: the learner's weights in HF checkpoint naming, merged or adapter-only.
+
+- ``full_weights(model)``: every base weight a rollout engine loads, LoRA deltas merged out of place (the
+  training model is not modified), names as in the HF checkpoint (``model.layers.0.self_attn.q_proj.weight``),
+  ``lm_head.weight`` present even when tied (vLLM's in-place reload only refreshes the LM head when it is sent).
+- ``adapter_weights(peft_model)``: the active LoRA adapter as peft saves it (config dict + tensors).
+- ``safetensors_bytes`` / ``tensors_from_safetensors``: the in-band wire format; ``write_adapter_dir``: the
+  on-disk adapter layout vLLM's ``LoRARequest`` loads.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load, save
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """A LoRA adapter: the peft config as a JSON-serialisable dict and its tensors (peft's saved names)."""
+
+    peft_config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _checkpoint_name(name: str) -> str:
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def _ties_embeddings(model: torch.nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return False
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return bool(getattr(cfg, "tie_word_embeddings", False) or getattr(text_cfg, "tie_word_embeddings", False))
+
+
+def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{checkpoint weight name: merged delta}`` for every LoRA-wrapped layer of the active adapters."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or module.merged:
+            continue
+        total = None
+        for adapter in module.active_adapters:
+            if adapter not in module.lora_A:
+                continue
+            if module.use_dora.get(adapter, False):
+                raise _DoraNeedsMerge()
+            delta = module.get_delta_weight(adapter)
+            total = delta if total is None else total + delta
+        if total is not None:
+            deltas[_checkpoint_name(f"{module_name}.weight")] = total
+    return deltas
+
+
+class _DoraNeedsMerge(Exception):
+    """DoRA cannot be merged as an additive delta; peft's merge/unmerge is used instead."""
+
+
+def _collect(model: torch.nn.Module, deltas: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name or ".original_module." in name:
+            continue
+        key = _checkpoint_name(name).replace(".modules_to_save.default.", ".")
+        value = tensor.detach()
+        if key in deltas:
+            value = value + deltas[key].to(value.dtype)
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        out[key] = value.contiguous()
+    return out
+
+
+@torch.no_grad()
+def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, merge_adapter: bool = True) -> dict[str, torch.Tensor]:
+    """Base weights in HF checkpoint naming (see module docstring), LoRA merged unless ``merge_adapter`` is
+    false (then the frozen base alone); the model is left unchanged."""
+    if is_peft_model(model) and not merge_adapter:
+        out = _collect(model, {}, dtype)
+    elif is_peft_model(model):
+        try:
+            out = _collect(model, _lora_deltas(model), dtype)
+        except _DoraNeedsMerge:
+            model.merge_adapter()
+            try:
+                out = {k: v.clone() for k, v in _collect(model, {}, dtype).items()}
+            finally:
+                model.unmerge_adapter()
+    else:
+        out = _collect(model, {}, dtype)
+    if _ties_embeddings(model) and "lm_head.weight" not in out:
+        embed = next((k for k in out if k.endswith("embed_tokens.weight")), None)
+        if embed is not None:
+            out["lm_head.weight"] = out[embed]
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset)):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def adapter_kind(model: torch.nn.Module) -> str | None:
+    """``"lora"``, ``"dora"`` (not servable as a vLLM adapter) or None for a model without an adapter."""
+    if not is_peft_model(model):
+        return None
+    cfg = model.peft_config[getattr(model, "active_adapter", "default")]
+    return "dora" if getattr(cfg, "use_dora", False) else "lora"
+
+
+def peft_config_dict(model: torch.nn.Module, adapter_name: str | None = None) -> dict[str, Any]:
+    name = adapter_name or getattr(model, "active_adapter", "default")
+    return _jsonable(model.peft_config[name].to_dict())
+
+
+@torch.no_grad()
+def adapter_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> AdapterWeights:
+    """The active adapter's tensors under the names ``save_pretrained`` writes, plus its config."""
+    if not is_peft_model(model):
+        raise ValueError("adapter sync needs a peft model (tuner.train_type lora/dora); use sync mode 'full'")
+    from peft import get_peft_model_state_dict
+
+    tensors = {}
+    for k, v in get_peft_model_state_dict(model).items():
+        v = v.detach()
+        if dtype is not None and v.is_floating_point():
+            v = v.to(dtype)
+        tensors[k] = v.contiguous()
+    return AdapterWeights(peft_config_dict(model), tensors)
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """Serialise CPU copies of ``tensors`` (shared storage is duplicated, so tied weights are fine)."""
+    return save({k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}, metadata=metadata)
+
+
+def tensors_from_safetensors(blob: bytes) -> dict[str, torch.Tensor]:
+    return load(blob)
+
+
+def write_adapter_dir(directory: str | Path, adapter: AdapterWeights) -> Path:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (replacing any previous adapter there)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / (ADAPTER_WEIGHTS + ".tmp")
+    tmp.write_bytes(safetensors_bytes(adapter.tensors))
+    tmp.replace(d / ADAPTER_WEIGHTS)
+    (d / ADAPTER_CONFIG).write_text(json.dumps(adapter.peft_config, indent=1))
+    return d
