@@ -1,0 +1,178 @@
+"""``python -m trainer launch {server,learner}``: start one rollout server or one learner (never both).
+
+``launch server`` checks the port is free, pins the server's GPUs and execs ``swift rollout`` or
+``python -m trainer serve``. ``launch learner`` optionally waits for every server's ``/health/`` (one
+deadline), then execs ``swift rlhf`` (``grpo_summary`` configs) or ``torchrun -m trainer train`` (stage 2).
+``--print-command`` prints the command instead of running it. Arguments after ``--`` go to that command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from trainer.config.errors import ConfigError, ConfigErrors
+from trainer.config.loader import resolve_yaml
+from trainer.grpo.schema import GRPO_VARIANT
+from trainer.launch.commands import (
+    LaunchCommand,
+    ServerOptions,
+    config_server_urls,
+    learner_command,
+    server_command,
+    server_endpoint_for,
+    trainer_variant,
+)
+from trainer.launch.gpus import parse_gpus
+from trainer.launch.health import ServersNotHealthyError, wait_until_healthy
+from trainer.launch.ports import PortInUseError, ensure_port_free
+
+EXIT_CONFIG = 2
+EXIT_PORT = 3
+EXIT_UNHEALTHY = 4
+EXIT_NOT_FOUND = 127
+
+INSTALL_HINTS = {"swift": "ms-swift is not installed here: pip install 'rollout-matching[swift]' (or use the "
+                          "rollout-server / learner image)"}
+
+
+def _say(msg: str) -> None:
+    print(f"launch: {msg}", file=sys.stderr, flush=True)
+
+
+def _load(path: str) -> dict[str, Any]:
+    """The resolved config mapping, after the full schema check (every problem listed with its key path;
+    GRPO warnings such as ignored ``rlhf.vllm_*`` fields are logged by the schema)."""
+    from trainer.config.schema import validate_config
+
+    config = resolve_yaml(path)
+    try:
+        validate_config(config, source=path)
+    except ConfigErrors as exc:
+        raise ConfigError("", str(exc)) from None
+    return config
+
+
+def _exec(cmd: LaunchCommand) -> int:
+    _say(f"exec {cmd.shell()}")
+    sys.stdout.flush()
+    try:
+        os.execvpe(cmd.argv[0], cmd.argv, {**os.environ, **cmd.env})
+    except FileNotFoundError:
+        _say(f"{cmd.argv[0]!r} not found on PATH. {INSTALL_HINTS.get(cmd.argv[0], '')}".rstrip())
+        return EXIT_NOT_FOUND
+    return 0  # pragma: no cover (exec does not return)
+
+
+def _split_extra(argv_extra: list[str]) -> list[str]:
+    return argv_extra[1:] if argv_extra[:1] == ["--"] else argv_extra
+
+
+def run_server(args: argparse.Namespace) -> int:
+    try:
+        config = _load(args.config) if args.config else None
+        opts = ServerOptions(
+            engine=args.engine, host=args.host, port=args.port,
+            gpus=parse_gpus(args.gpus) if args.gpus else None, model=args.model,
+            tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+            enable_lora=args.enable_lora, model_type=args.model_type, template=args.template,
+            extra=_split_extra(args.extra))
+        cmd = server_command(opts, config)
+        host, port = server_endpoint_for(opts, config)
+    except (ConfigError, ValueError) as exc:
+        _say(str(exc))
+        return EXIT_CONFIG
+    if args.print_command:
+        print(cmd.shell())
+        return 0
+    try:
+        ensure_port_free(host, port)
+    except PortInUseError as exc:
+        _say(str(exc))
+        return EXIT_PORT
+    return _exec(cmd)
+
+
+def run_learner(args: argparse.Namespace) -> int:
+    try:
+        config = _load(args.config)
+        gpus = parse_gpus(args.gpus) if args.gpus else None
+        if gpus is None and trainer_variant(config) == GRPO_VARIANT:
+            listed = (((config.get("custom") or {}).get("extra") or {}).get("rollout_server") or {}).get("learner_gpus")
+            gpus = list(listed) if listed else None
+        nproc = args.nproc_per_node or (len(gpus) if gpus else 1)
+        if gpus is not None and nproc != len(gpus):
+            raise ConfigError("--nproc-per-node", f"{nproc} process(es) for {len(gpus)} GPU(s) {gpus}; "
+                                                  "one process per learner GPU")
+        cmd = learner_command(args.config, config, nproc, gpus, _split_extra(args.extra))
+        urls: list[str] = []
+        if args.wait_for_servers == "config":
+            urls = config_server_urls(config)
+            if not urls:
+                raise ConfigError("--wait-for-servers", "config: this config names no rollout servers (not server mode)")
+        elif args.wait_for_servers:
+            urls = [u.strip().rstrip("/") for u in args.wait_for_servers.split(",") if u.strip()]
+    except (ConfigError, ValueError) as exc:
+        _say(str(exc))
+        return EXIT_CONFIG
+    if args.print_command:
+        print(cmd.shell())
+        return 0
+    if urls:
+        _say(f"waiting up to {args.health_timeout_s:g}s for {len(urls)} server(s): {', '.join(urls)}")
+        try:
+            wait_until_healthy(urls, args.health_timeout_s, interval_s=args.health_interval_s, log=_say)
+        except ServersNotHealthyError as exc:
+            _say(str(exc))
+            return EXIT_UNHEALTHY
+    return _exec(cmd)
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("launch", help="start a rollout server or a learner (separately)", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="launch_what", metavar="{server,learner}")
+    sub.required = True
+
+    s = sub.add_parser("server", help="start one rollout server on its GPUs (fails fast if the port is taken)")
+    s.add_argument("--engine", choices=["swift", "vllm", "hf", "scripted"], required=True,
+                   help="swift: ms-swift's `swift rollout`; vllm/hf/scripted: `python -m trainer serve`")
+    s.add_argument("--config", help="training config; swift: server settings from custom.extra.rollout_server")
+    s.add_argument("--host", help="bind address (default: the config's, else 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default: the config's, else 8000)")
+    s.add_argument("--gpus", help="GPU indices for CUDA_VISIBLE_DEVICES, e.g. 0,1,2,3,4,5")
+    s.add_argument("--model", help="local model directory (default: the config's model.path)")
+    s.add_argument("--tensor-parallel-size", type=int)
+    s.add_argument("--data-parallel-size", type=int, help="swift only: engine replicas in this server")
+    s.add_argument("--gpu-memory-utilization", type=float)
+    s.add_argument("--max-model-len", type=int)
+    s.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)
+    s.add_argument("--model-type", help="swift only: ms-swift model type, e.g. qwen3_vl (default: rlhf.model_type)")
+    s.add_argument("--template", help="swift only: ms-swift template (default: rlhf.template)")
+    s.add_argument("--print-command", action="store_true", help="print the command and exit")
+    s.add_argument("extra", nargs=argparse.REMAINDER, help="-- ARGS… passed to the server command")
+    s.set_defaults(func=run_server)
+
+    learner = sub.add_parser("learner", help="start the learner (after optional server health checks)")
+    learner.add_argument("--config", required=True)
+    learner.add_argument("--nproc-per-node", type=int, help="learner processes (default: number of --gpus, else 1)")
+    learner.add_argument("--gpus", help="GPU indices for CUDA_VISIBLE_DEVICES, e.g. 6,7 "
+                                        "(GRPO default: custom.extra.rollout_server.learner_gpus)")
+    learner.add_argument("--wait-for-servers", metavar="URL,…|config",
+                         help="base URLs whose GET /health/ must answer 200 first; 'config' = the config's servers")
+    learner.add_argument("--health-timeout-s", type=_positive_float, default=600.0,
+                         help="one deadline for all servers (default 600)")
+    learner.add_argument("--health-interval-s", type=_positive_float, default=2.0, help="poll interval (default 2)")
+    learner.add_argument("--print-command", action="store_true", help="print the command and exit")
+    learner.add_argument("extra", nargs=argparse.REMAINDER, help="-- ARGS… passed to the learner command")
+    learner.set_defaults(func=run_learner)
