@@ -154,18 +154,11 @@ def test_validate_cli_prints_resolved_config_and_fails_with_key(tmp_path):
 
 
 def test_missing_extras_fail_with_the_extra_named(monkeypatch):
-    import builtins
+    import sys
 
     from trainer.extras import MissingExtraError, require
 
-    real_import = builtins.__import__
-
-    def fake_import(name, *a, **kw):
-        if name.split(".")[0] == "deepspeed":
-            raise ImportError("No module named 'deepspeed'")
-        return real_import(name, *a, **kw)
-
-    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(MissingExtraError, match=r"training.deepspeed.*'deepspeed'.*pip install -e '.\[deepspeed\]'"):
         require("deepspeed", "training.deepspeed (ds.json)")
 
