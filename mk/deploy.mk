@@ -1,0 +1,53 @@
+# Deployment: images, Kubernetes job rendering, chart tests. Included by the top-level Makefile.
+#   make base-image                       local Python base image (debootstrap + docker import; no registry pulls)
+#   make images                           learner + rollout-server images on the local base (CPU torch, light extras)
+#   make images IMAGE_BASE=official       the GPU images on the official PyTorch / vLLM bases (needs a registry)
+#   make job CONFIG=configs/x.yaml        render the Jobs and submit them (DRY_RUN=1: print the YAML instead)
+#   make chart-test                       chart lint/render + job rendering checks (no Docker needed)
+
+.PHONY: base-image images job chart-test docker-context
+
+DOCKER ?= docker
+IMAGE_TAG ?= 0.1.0
+IMAGE_REPO ?= rollout-matching
+LEARNER_IMAGE ?= $(IMAGE_REPO)/learner:$(IMAGE_TAG)
+SERVER_IMAGE ?= $(IMAGE_REPO)/rollout-server:$(IMAGE_TAG)
+LOCAL_BASE_IMAGE ?= $(IMAGE_REPO)/python-base:bookworm
+IMAGE_BASE ?= local
+TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
+DEPLOY_TEST_PACKAGES ?= helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 kubernetes==37.0.2 testcontainers==4.15.0 docker==7.2.0
+
+ifeq ($(IMAGE_BASE),local)
+IMAGE_EXTRAS ?=
+IMAGE_WHEELS := $(TORCH_WHEEL)
+IMAGE_BUILD_ARGS = --build-arg BASE_IMAGE=$(LOCAL_BASE_IMAGE) --build-arg EXTRAS=$(IMAGE_EXTRAS)
+IMAGE_PREREQS := base-image
+else
+IMAGE_WHEELS :=
+IMAGE_BUILD_ARGS = $(if $(IMAGE_EXTRAS),--build-arg EXTRAS=$(IMAGE_EXTRAS))
+IMAGE_PREREQS :=
+endif
+
+extra-setup::
+	$(PIP) install -q $(DEPLOY_TEST_PACKAGES)
+
+base-image:
+	DOCKER=$(DOCKER) bash images/base/build.sh $(LOCAL_BASE_IMAGE)
+
+images: $(IMAGE_PREREQS)
+	@if [ "$(IMAGE_BASE)" = local ] && [ -z "$(TORCH_WHEEL)" ]; then \
+	  echo "images on the local base need the CPU torch wheel: make images TORCH_WHEEL=/path/torch-2.13.0+cpu-...whl" >&2; exit 2; fi
+	@set -e; index=$$(bash images/context.sh $(IMAGE_WHEELS)); \
+	for spec in "learner $(LEARNER_IMAGE)" "rollout-server $(SERVER_IMAGE)"; do \
+	  set -- $$spec; start=$$(date +%s); \
+	  $(DOCKER) build --network host $(IMAGE_BUILD_ARGS) $${index:+--build-arg PIP_INDEX_URL=$$index} \
+	    -f images/$$1/Dockerfile -t $$2 . ; \
+	  echo "built $$2 in $$(( $$(date +%s) - start ))s"; \
+	done
+
+job: setup
+	@test -n "$(CONFIG)" || { echo "usage: make job CONFIG=configs/<name>.yaml [DRY_RUN=1]" >&2; exit 2; }
+	$(PY) -m trainer render-job --config $(CONFIG)
+
+chart-test: setup
+	$(PY) -m pytest -q tests/deploy -m "not docker"

@@ -1,0 +1,66 @@
+"""Helpers for the deployment tests: chart rendering through Helm's Go SDK and manifest validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "rollout-matching"
+TOPOLOGY_FILES = ("values-6v2.yaml", "values-3v1.yaml", "values-colocate.yaml")
+# Versions the manifests must validate against: the chart's minimum (kubeVersion) and the newest schema shipped.
+KUBE_VERSIONS = ("1.27.0", "1.37.0")
+
+
+def load_values(name: str | None) -> dict[str, Any]:
+    """Values of a repository-root topology file (``None``: the chart defaults alone)."""
+    if name is None:
+        return {}
+    return helm.values_from_yaml((REPO / name).read_text())
+
+
+def render_chart(values: dict[str, Any], name: str = "stage2", namespace: str = "ml") -> dict[str, str]:
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.render(values, name=name, namespace=namespace, is_install=True)
+
+
+def manifests_of(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    return [doc for path, text in sorted(rendered.items()) if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def assert_valid_kubernetes(docs: list[dict[str, Any]]) -> None:
+    """Every manifest validates (strict: no unknown fields) against the Kubernetes OpenAPI schemas."""
+    assert docs, "nothing rendered"
+    for doc in docs:
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                raise AssertionError(f"{doc['kind']} {doc['metadata']['name']} invalid for Kubernetes {version}: "
+                                     f"{exc.message} at {list(exc.path)}") from None
+
+
+def workload(docs: list[dict[str, Any]], component: str) -> list[dict[str, Any]]:
+    def labels(doc):
+        tpl = doc if doc["kind"] == "Pod" else doc["spec"]["template"]
+        return (tpl.get("metadata") or {}).get("labels") or {}
+    return [d for d in docs if d["kind"] in ("Pod", "Job", "Deployment")
+            and labels(d).get("app.kubernetes.io/component") == component]
+
+
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
+
+
+def args_of(doc: dict[str, Any]) -> list[str]:
+    return [str(a) for a in pod_spec(doc)["containers"][0].get("args") or []]
+
+
+def flag(args: list[str], name: str) -> str:
+    assert name in args, f"{name} missing from {args}"
+    return args[args.index(name) + 1]

@@ -1,0 +1,275 @@
+"""``python -m trainer render-job``: training config → Kubernetes Job specs (jobs/*.j2), dry run and submission."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import yaml
+from deploy_helpers import REPO, args_of, assert_valid_kubernetes, flag, pod_spec, workload
+
+from trainer.cli import main
+from trainer.config.errors import ConfigErrors
+from trainer.config.loader import resolve_yaml
+from trainer.deploy import submit as submit_mod
+from trainer.deploy.checks import check_manifests
+from trainer.deploy.cli import build_manifests
+from trainer.deploy.render import render_manifests, to_yaml
+from trainer.deploy.schema import DeployConfig
+from trainer.deploy.topology import plan_topology
+
+CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").glob("*.yaml"))
+TEMPLATE = (REPO / "configs" / "rollout_matching_sft_template.yaml").as_posix()
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster(monkeypatch, tmp_path):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("DRY_RUN", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+def test_configs_directory_is_not_empty():
+    assert CONFIGS, "configs/*.yaml is empty"
+
+
+def _extended_by(config: str) -> list[str]:
+    """Configs under configs/ that extend ``config`` (so it may be a partial base)."""
+    target = (REPO / config).resolve()
+    out = []
+    for other in CONFIGS:
+        bases = (yaml.safe_load((REPO / other).read_text()) or {}).get("extends") or []
+        bases = [bases] if isinstance(bases, str) else bases
+        if any(((REPO / other).parent / b).resolve() == target for b in bases):
+            out.append(other)
+    return out
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_config_renders_valid_jobs(config, monkeypatch):
+    monkeypatch.chdir(REPO)
+    try:
+        manifests, deploy = build_manifests(config)
+    except ConfigErrors as exc:
+        users = _extended_by(config)
+        if users:
+            pytest.skip(f"{config} is a base extended by {users} and not runnable on its own: {exc}")
+        raise
+    assert_valid_kubernetes(manifests)
+    assert check_manifests(manifests, deploy.node_gpus) == []
+    kinds = [d["kind"] for d in manifests]
+    assert kinds[0] == "ConfigMap" and kinds[-1] == "Job" and set(kinds) == {"ConfigMap", "Job"}
+    mounted = yaml.safe_load(manifests[0]["data"]["train.yaml"])
+    resolved = resolve_yaml(config)
+    assert "extends" not in mounted and "deploy" not in mounted
+    assert mounted == {k: v for k, v in resolved.items() if k != "deploy"}
+
+
+def _stage2_server_config(tmp_path, servers, deploy=""):
+    urls = "".join(f"\n                    - base_url: http://127.0.0.1:{p}" for p in servers)
+    return _write(tmp_path, "stage2_server.yaml", f"""
+        extends: {TEMPLATE}
+        model: {{path: /models/policy, tiny: null}}
+        custom:
+          extra:
+            rollout_matching:
+              rollout_backend: vllm
+              vllm:
+                mode: server
+                server:
+                  servers:{urls}
+        {deploy}
+        """)
+
+
+def test_stage2_server_mode_renders_one_server_job_per_url_and_a_waiting_learner(tmp_path):
+    path = _stage2_server_config(tmp_path, [8000, 8001, 8002], "deploy: {node_gpus: 4, node_name: gpu-a}")
+    manifests, _ = build_manifests(str(path))
+    assert_valid_kubernetes(manifests)
+    servers, (learner,) = workload(manifests, "rollout-server"), workload(manifests, "learner")
+    assert [flag(args_of(s), "--port") for s in servers] == ["8000", "8001", "8002"]
+    assert [s["spec"]["template"]["metadata"]["annotations"]["rollout-matching/node-gpus"] for s in servers] == ["0", "1", "2"]
+    assert all(flag(args_of(s), "--engine") == "vllm" and flag(args_of(s), "--model") == "/models/policy" for s in servers)
+    assert learner["spec"]["template"]["metadata"]["annotations"]["rollout-matching/node-gpus"] == "3"
+    assert flag(args_of(learner), "--wait-for-servers") == "http://127.0.0.1:8000,http://127.0.0.1:8001,http://127.0.0.1:8002"
+    assert flag(args_of(learner), "--nproc-per-node") == "1"
+    for d in manifests[1:]:
+        assert pod_spec(d)["nodeSelector"] == {"kubernetes.io/hostname": "gpu-a"}
+        assert pod_spec(d)["hostNetwork"] is True
+
+
+def _grpo_summary_config():
+    """The shape the GRPO configs use (seed 004): rlhf.* connectivity + custom.extra.rollout_server.* sizes."""
+    return {
+        "model": {"path": "/models/Qwen3-VL-4B"},
+        "rlhf": {"rlhf_type": "grpo", "use_vllm": True, "vllm_mode": "server",
+                 "vllm_server_host": ["127.0.0.1"], "vllm_server_port": [8080], "vllm_server_timeout": 240},
+        "custom": {"extra": {"rollout_server": {"vllm_tensor_parallel_size": 1, "vllm_data_parallel_size": 6,
+                                                "vllm_max_model_len": 8192, "vllm_gpu_memory_utilization": 0.6,
+                                                "vllm_enable_lora": False}}},
+    }
+
+
+def test_grpo_server_mode_is_six_gpu_swift_rollout_plus_two_gpu_learner():
+    config = _grpo_summary_config()
+    deploy = DeployConfig()
+    manifests = render_manifests(plan_topology(config, deploy, "summary-1024"), deploy, config)
+    assert_valid_kubernetes(manifests)
+    assert check_manifests(manifests, 8) == []
+    (server,), (learner,) = workload(manifests, "rollout-server"), workload(manifests, "learner")
+    args = args_of(server)
+    assert args[:2] == ["launch", "server"]
+    assert (flag(args, "--engine"), flag(args, "--port"), flag(args, "--gpus")) == ("swift", "8080", "0,1,2,3,4,5")
+    assert (flag(args, "--tensor-parallel-size"), flag(args, "--data-parallel-size")) == ("1", "6")
+    assert (flag(args, "--max-model-len"), flag(args, "--gpu-memory-utilization")) == ("8192", "0.6")
+    assert "--enable-lora" not in args
+    assert pod_spec(server)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 6
+    assert pod_spec(learner)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert flag(args_of(learner), "--wait-for-servers") == "http://127.0.0.1:8080"
+    assert flag(args_of(learner), "--gpus") == "0,1"
+
+
+@pytest.mark.parametrize(
+    ("patch", "key"),
+    [
+        ({"rlhf": {"vllm_server_host": ["10.0.0.5"]}}, "rlhf.vllm_server_host"),
+        ({"rlhf": {"vllm_server_port": [8080, 8080], "vllm_server_host": ["127.0.0.1"]}}, "rlhf.vllm_server_host"),
+        ({"deploy_node_gpus": 7}, "deploy.learner.nproc_per_node"),
+        ({"model": {"path": None}}, "deploy.server.model"),
+        ({"deploy_engine": "vllm"}, "deploy.server.engine"),
+    ],
+    ids=["remote-host", "duplicate-port", "too-few-gpus", "no-model", "dp-needs-swift"],
+)
+def test_topology_errors_name_the_key(patch, key):
+    from trainer.config.errors import ConfigError
+    from trainer.config.loader import deep_merge
+
+    config = _grpo_summary_config()
+    node_gpus = patch.pop("deploy_node_gpus", 8)
+    engine = patch.pop("deploy_engine", "auto")
+    config = deep_merge(config, patch)
+    deploy = DeployConfig(node_gpus=node_gpus, learner={"nproc_per_node": 2}, server={"engine": engine})
+    with pytest.raises(ConfigError) as err:
+        plan_topology(config, deploy, "x")
+    assert err.value.key_path == key
+
+
+def test_bad_deploy_section_is_reported_with_key_paths(tmp_path, capsys):
+    path = _stage2_server_config(tmp_path, [8000], "deploy: {imagez: {}, learner: {gpus: [0]}, namespace: Bad_NS}")
+    assert main(["render-job", "--config", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "deploy.imagez" in err and "deploy.namespace" in err
+
+
+def test_overlapping_learner_gpus_are_refused(tmp_path, capsys):
+    path = _stage2_server_config(tmp_path, [8000, 8001], "deploy: {learner: {gpus: [1]}}")
+    assert main(["render-job", "--config", str(path), "--dry-run"]) == 2
+    assert "deploy.learner.gpus: GPU(s) [1] are also rollout-server GPUs" in capsys.readouterr().err
+
+
+def test_invalid_training_config_is_reported_before_rendering(tmp_path, capsys):
+    path = _write(tmp_path, "typo.yaml", f"""
+        extends: {TEMPLATE}
+        training: {{pakcing: true}}
+        """)
+    assert main(["render-job", "--config", str(path), "--dry-run"]) == 2
+    assert "training.pakcing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["env", "flag"])
+def test_dry_run_prints_the_manifests_as_yaml(how, tmp_path, monkeypatch, capsys):
+    path = _stage2_server_config(tmp_path, [8000, 8001])
+    argv = ["render-job", "--config", str(path)]
+    if how == "env":
+        monkeypatch.setenv("DRY_RUN", "1")
+    else:
+        argv.append("--dry-run")
+    assert main(argv) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("ConfigMap", "stage2-server-config"), ("Job", "stage2-server-server-0"), ("Job", "stage2-server-server-1"),
+        ("Job", "stage2-server-learner")]
+    assert_valid_kubernetes(docs)
+
+
+def test_missing_cluster_credentials_give_a_clear_error(tmp_path, capsys):
+    path = _stage2_server_config(tmp_path, [8000])
+    assert main(["render-job", "--config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "no Kubernetes credentials" in captured.err
+    assert "KUBECONFIG" in captured.err and "DRY_RUN=1" in captured.err
+
+
+def test_submission_creates_configmap_then_servers_then_learner(tmp_path, monkeypatch, capsys):
+    created = []
+    monkeypatch.setattr(submit_mod, "_client", lambda: "api-client")
+    import kubernetes.utils
+
+    monkeypatch.setattr(kubernetes.utils, "create_from_dict",
+                        lambda api, doc, namespace: created.append((api, namespace, doc["kind"], doc["metadata"]["name"])))
+    path = _stage2_server_config(tmp_path, [8000, 8001], "deploy: {namespace: training}")
+    assert main(["render-job", "--config", str(path)]) == 0
+    assert created == [("api-client", "training", "ConfigMap", "stage2-server-config"),
+                       ("api-client", "training", "Job", "stage2-server-server-0"),
+                       ("api-client", "training", "Job", "stage2-server-server-1"),
+                       ("api-client", "training", "Job", "stage2-server-learner")]
+    assert "created Job/stage2-server-learner in namespace training" in capsys.readouterr().out
+
+
+def test_submission_conflict_says_how_to_clean_up(tmp_path, monkeypatch, capsys):
+    import kubernetes.utils
+    from kubernetes.client.exceptions import ApiException
+
+    monkeypatch.setattr(submit_mod, "_client", lambda: "api-client")
+
+    def conflict(api, doc, namespace):
+        raise kubernetes.utils.FailToCreateError([ApiException(status=409, reason="AlreadyExists")])
+
+    monkeypatch.setattr(kubernetes.utils, "create_from_dict", conflict)
+    path = _stage2_server_config(tmp_path, [8000])
+    assert main(["render-job", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "409 AlreadyExists" in err and "kubectl delete jobs,configmaps -l rollout-matching/run=stage2-server" in err
+
+
+def test_values_are_escaped_not_interpolated():
+    config = _grpo_summary_config()
+    tricky = 'a: "b"\n- c # {{ not jinja }}'
+    deploy = DeployConfig(env={"TRICKY": tricky}, server={"extra_args": ["--flag", tricky]})
+    manifests = render_manifests(plan_topology(config, deploy, "x"), deploy, config)
+    again = list(yaml.safe_load_all(to_yaml(manifests)))
+    (server,) = workload(again, "rollout-server")
+    env = {e["name"]: e["value"] for e in pod_spec(server)["containers"][0]["env"]}
+    assert env["TRICKY"] == tricky
+    assert args_of(server)[-2:] == ["--flag", tricky]
+
+
+def test_config_errors_are_config_errors(tmp_path):
+    with pytest.raises(ConfigErrors):
+        build_manifests(str(tmp_path / "missing.yaml"))
+
+
+def test_summary_1024_is_six_gpu_swift_server_and_two_gpu_learner():
+    config = resolve_yaml(REPO / "configs" / "summary_1024.yaml")
+    deploy = DeployConfig.model_validate(config.get("deploy") or {})
+    topology = plan_topology(config, deploy, "summary-1024")
+    manifests = render_manifests(topology, deploy, config)
+    assert_valid_kubernetes(manifests)
+    assert check_manifests(manifests, deploy.node_gpus) == []
+    (server,), (learner,) = workload(manifests, "rollout-server"), workload(manifests, "learner")
+    assert (flag(args_of(server), "--engine"), flag(args_of(server), "--data-parallel-size")) == ("swift", "6")
+    assert pod_spec(server)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 6
+    assert pod_spec(learner)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert flag(args_of(learner), "--wait-for-servers") == server_url(server)
+
+
+def server_url(server):
+    return f"http://{flag(args_of(server), '--host')}:{flag(args_of(server), '--port')}"
