@@ -112,7 +112,8 @@ def test_two_learner_ranks_use_their_own_servers(scripted_server, tiny_text_dir,
 
 def test_stalled_server_times_out_naming_it(scripted_server, tiny_tok):
     with scripted_server(delay_s=5.0) as (slow, _), scripted_server() as (fast, _):
-        client = ServerRolloutEngine([ServerEndpoint(fast), ServerEndpoint(slow)], timeout_s=10, infer_timeout_s=0.5)
+        client = ServerRolloutEngine([ServerEndpoint(fast), ServerEndpoint(slow)], timeout_s=10, infer_timeout_s=0.5,
+                                     max_retries=0)
         t0 = time.monotonic()
         with pytest.raises(RolloutServerError, match=rf"{slow}.*timed out.*infer_timeout_s=0.5"):
             client.generate(encoded_requests(tiny_tok, 2), PARAMS)
@@ -226,3 +227,26 @@ def test_hf_engine_server_decodes_like_hf_and_takes_full_weights(serve, tiny_tex
         assert sync.decision.mode == "full"
         sync.ensure_fresh(learner, 0)
         assert [r.response_token_ids for r in client.generate(reqs, PARAMS)] == hf(learner, reqs)
+
+
+def test_failed_chunk_is_retried_on_the_healthy_servers_in_order(scripted_server, tiny_tok):
+    with scripted_server(delay_s=5.0) as (slow, _), scripted_server() as (a, _), scripted_server() as (b, _):
+        client = ServerRolloutEngine([ServerEndpoint(a), ServerEndpoint(slow), ServerEndpoint(b)], timeout_s=10,
+                                     infer_timeout_s=0.5, max_retries=1)
+        reqs = encoded_requests(tiny_tok, 7)
+        res = client.generate(reqs, PARAMS)
+        assert [r.sample_id for r in res] == [r.sample_id for r in reqs]
+        assert slow not in {r.extra["server"] for r in res} and client.quarantined == {slow}
+        again = client.generate(reqs, PARAMS)
+        assert [r.response_token_ids for r in again] == [r.response_token_ids for r in res]
+        assert {r.extra["server"] for r in again} == {a, b}
+        assert client.metadata()["quarantined"] == [slow]
+
+
+def test_retries_exhausted_names_servers_and_samples(scripted_server, tiny_tok):
+    with scripted_server(delay_s=5.0) as (slow1, _), scripted_server(delay_s=5.0) as (slow2, _):
+        client = ServerRolloutEngine([ServerEndpoint(slow1), ServerEndpoint(slow2)], timeout_s=10,
+                                     infer_timeout_s=0.3, max_retries=1)
+        reqs = encoded_requests(tiny_tok, 3)
+        with pytest.raises(RolloutServerError, match=rf"3 sample\(s\).*{reqs[0].sample_id}.*max_retries.*{slow1}"):
+            client.generate(reqs, PARAMS)

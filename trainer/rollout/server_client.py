@@ -135,7 +135,7 @@ class ServerRolloutEngine:
     def __init__(self, servers: Sequence[ServerEndpoint], *, timeout_s: float = 240.0,
                  infer_timeout_s: float | None = None, rank: int | None = None, world_size: int | None = None,
                  transport: str = "auto", group_port: int = 51216, bucket_bytes: int = 512 * 2**20,
-                 inline_images: bool = False, wait: bool = True):
+                 inline_images: bool = False, wait: bool = True, max_retries: int = 1):
         import torch.distributed as dist
 
         if not servers:
@@ -154,6 +154,8 @@ class ServerRolloutEngine:
         self.bucket_bytes = bucket_bytes
         self._transport: WeightTransport | None = None
         self._engine_types: list[dict[str, Any]] | None = None
+        self.max_retries = max_retries
+        self.quarantined: set[str] = set()
         if wait:
             self.wait_healthy(timeout_s)
 
@@ -205,17 +207,46 @@ class ServerRolloutEngine:
         return [result_from_item(r, it, url) for r, it in zip(chunk, items)]
 
     def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
+        """Chunk over this rank's healthy servers; a failed chunk is re-chunked deterministically over the servers
+        that are still healthy, up to ``max_retries`` rounds. A failed server is quarantined for the rest of the
+        run (it may have restarted with stale weights). Exhausted → ``RolloutServerError`` naming servers and
+        sample ids. Results keep request order."""
         if not requests:
             return []
         cfg = request_config(params)
-        spans = [(a, b) for a, b in contiguous_chunks(len(requests), len(self.mine))]
-        work = [(s, requests[a:b]) for s, (a, b) in zip(self.mine, spans) if b > a]
-        with ThreadPoolExecutor(max_workers=len(work)) as pool:
-            futures = [pool.submit(self._post_infer, s, chunk, cfg) for s, chunk in work]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            raise RolloutServerError("; ".join(str(e) for e in errors)) from errors[0]
-        return [res for f in futures for res in f.result()]
+        results: list[RolloutResult | None] = [None] * len(requests)
+        pending = list(range(len(requests)))
+        failures: list[str] = []
+        for _ in range(self.max_retries + 1):
+            healthy = [s for s in self.mine if s.base_url not in self.quarantined]
+            if not healthy:
+                break
+            spans = contiguous_chunks(len(pending), len(healthy))
+            work = [(s, pending[a:b]) for s, (a, b) in zip(healthy, spans) if b > a]
+            with ThreadPoolExecutor(max_workers=len(work)) as pool:
+                futures = [pool.submit(self._post_infer, s, [requests[i] for i in idx], cfg) for s, idx in work]
+            for (server, idx), fut in zip(work, futures):
+                if fut.exception() is not None:
+                    failures.append(str(fut.exception()))
+                    self._quarantine(server)
+                    continue
+                for i, res in zip(idx, fut.result()):
+                    results[i] = res
+            pending = [i for i in pending if results[i] is None]
+            if not pending:
+                return [r for r in results if r is not None]
+        ids = [requests[i].sample_id for i in pending]
+        raise RolloutServerError(
+            f"rollouts failed for {len(ids)} sample(s) {ids[:10]}{' …' if len(ids) > 10 else ''} after "
+            f"{self.max_retries} retr{'y' if self.max_retries == 1 else 'ies'} ({KEY}.max_retries); "
+            f"quarantined servers: {sorted(self.quarantined)}; errors: " + "; ".join(failures))
+
+    def _quarantine(self, server: ServerEndpoint) -> None:
+        if server.base_url not in self.quarantined:
+            log.warning("quarantining rollout server %s for the rest of the run", server.base_url)
+            self.quarantined.add(server.base_url)
+            if self._transport is not None and self._transport.name == "inband":
+                self._transport = None
 
     def engine_types(self) -> list[dict[str, Any]]:
         if self._engine_types is None:
@@ -239,7 +270,8 @@ class ServerRolloutEngine:
             if choice == "nccl":
                 self._transport = NcclTransport(self.servers, self.group_port, self.timeout_s, self.bucket_bytes)
             elif choice == "inband":
-                self._transport = InbandTransport(self.servers, timeout_s=max(self.timeout_s, 600.0))
+                live = [s for s in self.servers if s.base_url not in self.quarantined]
+                self._transport = InbandTransport(live, timeout_s=max(self.timeout_s, 600.0))
             else:
                 raise ValueError(f"unknown weight transport {choice!r}; use auto, nccl or inband")
             log.info("weight transport: %s to %s", self._transport.name, [s.base_url for s in self.servers])
@@ -254,7 +286,8 @@ class ServerRolloutEngine:
     def metadata(self) -> dict[str, Any]:
         return {"servers": [s.base_url for s in self.servers], "servers_this_rank": [s.base_url for s in self.mine],
                 "rank": self.rank, "world_size": self.world_size,
-                "transport": self._transport.name if self._transport else self.transport_choice}
+                "transport": self._transport.name if self._transport else self.transport_choice,
+                "max_retries": self.max_retries, "quarantined": sorted(self.quarantined)}
 
     def close(self) -> None:
         if self._transport is not None:
@@ -283,7 +316,8 @@ def engine_from_config(rm, loaded, model) -> ServerRolloutEngine:
     sync = v.sync
     engine = ServerRolloutEngine(
         endpoints_from_config(v.server), timeout_s=v.server.timeout_s, infer_timeout_s=v.server.infer_timeout_s,
-        transport=sync.transport, group_port=sync.group_port, bucket_bytes=sync.bucket_mb * 2**20)
+        transport=sync.transport, group_port=sync.group_port, bucket_bytes=sync.bucket_mb * 2**20,
+        max_retries=v.server.max_retries)
     log.info("rollout servers %s (this rank: %s), sync.mode %s, fallback_to_full %s, rollout seed %s",
              engine.metadata()["servers"], engine.metadata()["servers_this_rank"], sync.mode, sync.fallback_to_full,
              rm.decoding.seed)

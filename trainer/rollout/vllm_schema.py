@@ -22,6 +22,7 @@ class VllmServerConfig(Section):
     port: list[int] | None = None
     timeout_s: float = Field(240.0, gt=0)
     infer_timeout_s: float | None = Field(None, gt=0)
+    max_retries: int = Field(1, ge=0)
 
     @model_validator(mode="after")
     def _one_form(self) -> VllmServerConfig:
