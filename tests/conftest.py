@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded tokenizer, parse vocab and tiny models (built in code, no hub)."""
+"""Shared fixtures: the embedded tokenizer, parse vocab and a saved tiny model directory (built in code, no hub)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,17 @@ def vocab(tokenizer):
     from trainer.modeling.coord_vocab import build_parse_vocab
 
     return build_parse_vocab(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_dir(tmp_path_factory):
+    from trainer.modeling.fixtures import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "text", "text", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tok(tiny_text_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_text_dir)

@@ -66,20 +66,6 @@ def get_free_port():
     return free_port
 
 
-@pytest.fixture(scope="session")
-def tiny_text_dir(tmp_path_factory):
-    from trainer.modeling.fixtures import save_tiny_model
-
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "text", "text", seed=0)
-
-
-@pytest.fixture(scope="session")
-def tiny_tok(tiny_text_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_text_dir)
-
-
 @pytest.fixture
 def http():
     with httpx.Client(timeout=30) as client:

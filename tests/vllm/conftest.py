@@ -18,20 +18,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def tiny_text_dir(tmp_path_factory):
-    from trainer.modeling.fixtures import save_tiny_model
-
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "text", "text", seed=0)
-
-
-@pytest.fixture(scope="session")
-def tiny_tok(tiny_text_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_text_dir)
-
-
-@pytest.fixture(scope="session")
 def stop_ids(tiny_tok):
     from trainer.modeling.coord_vocab import stop_token_ids
 
