@@ -19,8 +19,8 @@ from trainer.modeling.prompts import PromptEncoder
 from trainer.packing.packed_batch import pack_targets
 from trainer.packing.varlen_attention import packed_attention, register_varlen_attention, varlen_available
 from trainer.sft.batching import pad_targets
+from trainer.sft.forward import LOSS_KEYS
 from trainer.sft.stage2 import Stage2Pipeline
-from trainer.sft.trainer import LOSS_KEYS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not varlen_available(), reason="needs CUDA + torch varlen attention")]
 

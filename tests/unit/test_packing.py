@@ -20,8 +20,8 @@ from trainer.packing.buffer import PackingBuffer, PackingBufferFull
 from trainer.packing.packed_batch import block_causal_mask, pack_targets
 from trainer.packing.select import SegmentTooLongError, fifo_greedy, select_segments
 from trainer.sft.batching import pad_targets
+from trainer.sft.forward import LOSS_KEYS
 from trainer.sft.stage2 import Stage2Pipeline
-from trainer.sft.trainer import LOSS_KEYS
 
 
 def fake(sample_id: str, n: int) -> TrainTarget:

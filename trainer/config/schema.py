@@ -137,6 +137,10 @@ class LossConfig(Section):
     coord_w1_weight: float = Field(1.0, ge=0.0)
     coord_gate_weight: float = Field(1.0, ge=0.0)
     coord_sigma: float = Field(2.0, gt=0.0)
+    supervised_logits_only: bool = Field(
+        True, description="project the LM head only at positions that carry a CE label or a coord slot (prompt, "
+                          "image and unsupervised rollout-prefix tokens get no logits); with coord_gate_weight 0 the "
+                          "coord rows use only the coord-token columns. false: full [B, T, V] logits")
 
 
 class PolyConfig(Section):
@@ -155,9 +159,27 @@ class OffloadConfig(Section):
     offload_optimizer: bool = True
 
 
+class HfRolloutConfig(Section):
+    """``custom.extra.rollout_matching.hf``: speed knobs of the HF ``generate`` backend. Greedy results do not
+    depend on them (tests/unit/test_rollout_hf.py); ``compile`` needs the static cache (fixed decoding shapes)."""
+
+    cache_implementation: Literal["dynamic", "static"] = "dynamic"
+    compile: bool = False
+    compile_mode: Literal["reduce-overhead", "default", "max-autotune", "max-autotune-no-cudagraphs"] = "reduce-overhead"
+    prompt_pad_multiple: int = Field(1, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _compile_needs_static(self) -> HfRolloutConfig:
+        if self.compile and self.cache_implementation != "static":
+            raise ValueError("compile: true needs cache_implementation: static (compiled decoding needs fixed shapes; "
+                             "with the dynamic cache every step would recompile)")
+        return self
+
+
 class RolloutMatchingConfig(Section):
     rollout_backend: Literal["vllm", "hf"] = "vllm"
     rollout_generate_batch_size: int = Field(1, ge=1)
+    hf: HfRolloutConfig = Field(default_factory=HfRolloutConfig)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     matching: MatchingConfig = Field(default_factory=MatchingConfig)
     loss: LossConfig = Field(default_factory=LossConfig)

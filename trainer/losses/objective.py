@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.losses.coord import coord_loss
+from trainer.losses.supervised_logits import SupervisedRows, rows_from_logits
 
 
 @dataclass(frozen=True)
@@ -19,21 +20,18 @@ class LossWeights:
     coord_sigma: float = 2.0
 
 
-def _rows(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Logit rows that predict the tokens at ``index`` (row, col): position col - 1."""
-    return logits[index[:, 0], index[:, 1] - 1]
-
-
-def objective(logits: torch.Tensor, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor,
-              w: LossWeights) -> tuple[torch.Tensor, dict[str, float]]:
-    """Total loss (mean CE over CE tokens + mean coord loss over coord slots) and detached terms."""
-    ce_rows = _rows(logits, batch["ce_index"])
+def objective_from_rows(rows: SupervisedRows, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor,
+                        w: LossWeights) -> tuple[torch.Tensor, dict[str, float]]:
+    """Total loss (mean CE over CE tokens + mean coord loss over coord slots) and detached terms (no
+    ``loss/coord_gate`` term for coord-only rows: the gate is not computed there)."""
+    ce_rows = rows.ce
+    labels = batch["ce_labels"].to(ce_rows.device)
     if ce_rows.shape[0]:
-        ce = F.cross_entropy(ce_rows.float(), batch["ce_labels"])
+        ce = F.cross_entropy(ce_rows.float(), labels)
     else:
-        ce = logits.sum() * 0.0
-    coord = coord_loss(_rows(logits, batch["coord_index"]), coord_ids, batch["coord_targets"], w.coord_sigma,
-                       w.coord_softce, w.coord_w1, w.coord_gate)
+        ce = ce_rows.sum() * 0.0 + rows.coord.sum() * 0.0
+    coord = coord_loss(rows.coord, coord_ids.to(rows.coord.device), batch["coord_targets"].to(rows.coord.device),
+                       w.coord_sigma, w.coord_softce, w.coord_w1, w.coord_gate, coord_only=rows.coord_only)
     total = w.text_ce * ce + coord.total
     terms = {
         "loss/ce": float(ce.detach()),
@@ -44,7 +42,15 @@ def objective(logits: torch.Tensor, batch: dict[str, torch.Tensor], coord_ids: t
         "tokens/ce": float(ce_rows.shape[0]),
         "tokens/coord": float(coord.count),
     }
+    if rows.coord_only:
+        del terms["loss/coord_gate"]
     return total, terms
+
+
+def objective(logits: torch.Tensor, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor,
+              w: LossWeights) -> tuple[torch.Tensor, dict[str, float]]:
+    """``objective_from_rows`` on the rows gathered from full ``[B, T, V]`` logits."""
+    return objective_from_rows(rows_from_logits(logits, batch), batch, coord_ids, w)
 
 
 def per_segment_losses(logits: torch.Tensor, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor,

@@ -22,7 +22,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from trainer.buffering.offload import offload_for_rollout
 from trainer.buffering.rollout_buffer import RepeatingLoader, RolloutBuffer, repeated_length
 from trainer.data.records import Sample
-from trainer.losses.objective import LossWeights, objective
+from trainer.losses.objective import LossWeights
 from trainer.matching.targets import TrainTarget
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
@@ -30,11 +30,10 @@ from trainer.packing.varlen_attention import choose_packed_attention, packed_att
 from trainer.rollout.base import RolloutEngine
 from trainer.rollout.types import DecodingParams
 from trainer.sft.batching import pad_targets
+from trainer.sft.forward import forward_loss
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.telemetry import Counters, JsonlWriter, PhaseTimers, gpu_memory_snapshot
 
-LOSS_KEYS = ("ce_index", "ce_labels", "ce_segment", "coord_index", "coord_targets", "coord_segment", "num_segments",
-             "sample_ids", "rollout_steps")
 ROLLOUT_STATE = "rollout_state.pt"
 LEDGER = "ledger.jsonl"
 
@@ -75,7 +74,8 @@ class RolloutMatchingTrainer(Trainer):
                  decoding: DecodingParams, loss_weights: LossWeights, target_source: str = "rollout",
                  image_token_id: int | None = None, packing: PackingBuffer | None = None,
                  rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None,
-                 offload: tuple[bool, bool] | None = None, weight_sync: Any = None, **kwargs: Any):
+                 offload: tuple[bool, bool] | None = None, weight_sync: Any = None, supervised_logits: bool = True,
+                 **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -94,6 +94,7 @@ class RolloutMatchingTrainer(Trainer):
         self.packing = packing
         self.offload = offload
         self.weight_sync = weight_sync
+        self.supervised_logits = supervised_logits
         self._resume_skip = 0
         self._steps_per_epoch = 1
         self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None)
@@ -175,13 +176,13 @@ class RolloutMatchingTrainer(Trainer):
         return inputs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        model_inputs = {k: v for k, v in inputs.items() if k not in LOSS_KEYS}
+        unwrapped = self.accelerator.unwrap_model(model)
         layout = contextlib.nullcontext()
-        if self.packed_attn is not None and "position_ids" in model_inputs:
-            layout = packed_attention(self.accelerator.unwrap_model(model), self.packed_attn)
+        if self.packed_attn is not None and "position_ids" in inputs:
+            layout = packed_attention(unwrapped, self.packed_attn)
         with self.timers.phase("forward"), layout:
-            outputs = model(**model_inputs, use_cache=False)
-            loss, terms = objective(outputs.logits, inputs, self.coord_ids.to(outputs.logits.device), self.loss_weights)
+            loss, terms, outputs = forward_loss(model, inputs, self.coord_ids, self.loss_weights,
+                                                self.supervised_logits, unwrapped)
         self._loss_terms.append(terms)
         self._record_ledger(inputs.get("sample_ids"), inputs.get("rollout_steps"))
         return (loss, outputs) if return_outputs else loss

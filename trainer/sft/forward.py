@@ -1,0 +1,35 @@
+"""One teacher-forced forward and the stage-2 loss, shared by the trainer and the benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer.losses.objective import LossWeights, objective_from_rows
+from trainer.losses.supervised_logits import capture_lm_head_input, output_embedding, rows_from_logits, supervised_rows
+
+LOSS_KEYS = ("ce_index", "ce_labels", "ce_segment", "coord_index", "coord_targets", "coord_segment", "num_segments",
+             "sample_ids", "rollout_steps")
+
+
+def forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torch.Tensor, weights: LossWeights,
+                 supervised_logits: bool = True, unwrapped: torch.nn.Module | None = None
+                 ) -> tuple[torch.Tensor, dict[str, float], Any]:
+    """Loss, detached terms and the model outputs for a padded or packed batch.
+
+    ``model`` may be a wrapper (DDP, DeepSpeed); ``unwrapped`` is the module that owns the LM head (default:
+    ``model``). With ``supervised_logits`` the returned outputs carry zero-length logits.
+    """
+    model_inputs = {k: v for k, v in inputs.items() if k not in LOSS_KEYS}
+    if supervised_logits:
+        owner = model if unwrapped is None else unwrapped
+        with capture_lm_head_input(owner) as captured:
+            outputs = model(**model_inputs, use_cache=False)
+        rows = supervised_rows(captured.hidden, output_embedding(owner), inputs, coord_ids,
+                               coord_only=weights.coord_gate == 0)
+    else:
+        outputs = model(**model_inputs, use_cache=False)
+        rows = rows_from_logits(outputs.logits, inputs)
+    loss, terms = objective_from_rows(rows, inputs, coord_ids, weights)
+    return loss, terms, outputs
