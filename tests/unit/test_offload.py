@@ -55,3 +55,34 @@ def test_zero3_partitioned_parameters_are_refused():
     with pytest.raises(OffloadUnsupportedError, match="ZeRO-3"):
         with offload_for_rollout(model, None):
             pass
+
+
+def test_simulated_device_moves_copy_and_restore(monkeypatch):
+    """CPU-only hosts: with simulated moves every tensor really leaves its storage, so the restore is exercised."""
+    from trainer.buffering import offload
+
+    monkeypatch.setattr(offload, "_SIMULATE_DEVICE_MOVES", True)
+    model, opt, _ = _setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    state_ptrs = [s["exp_avg"].data_ptr() for s in opt.state.values()]
+    with pytest.raises(RuntimeError, match="decode failed"):
+        with offload_for_rollout(model, opt) as stats:
+            assert all(p.data_ptr() != q for p, q in zip(model.parameters(), ptrs))
+            assert all(s["exp_avg"].data_ptr() != q for s, q in zip(opt.state.values(), state_ptrs))
+            raise RuntimeError("decode failed")
+    assert stats.moved_param_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert stats.moved_optimizer_bytes > 0 and stats.backend == "torch"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.step()
+
+
+def test_zero_optimizer_with_bare_module_is_refused():
+    from trainer.buffering.offload import check_offloadable
+
+    DeepSpeedZeroOptimizer = type("DeepSpeedZeroOptimizer", (), {"__module__": "deepspeed.runtime.zero.stage_1_and_2"})
+    wrapper = type("DeepSpeedOptimizerWrapper", (), {})()
+    wrapper.optimizer = DeepSpeedZeroOptimizer()
+    with pytest.raises(OffloadUnsupportedError, match="model_wrapped"):
+        check_offloadable(torch.nn.Linear(2, 2), wrapper)
+    check_offloadable(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))

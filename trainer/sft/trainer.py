@@ -123,7 +123,7 @@ class RolloutMatchingTrainer(Trainer):
                     self.counters.add({"weight_syncs": 1})
         with self.timers.phase("rollout"):
             requests, _ = self.pipeline.requests(samples)
-            offload = (offload_for_rollout(self.model, self.optimizer, *self.offload) if self.offload
+            offload = (offload_for_rollout(self.model_wrapped, self.optimizer, *self.offload) if self.offload
                        else contextlib.nullcontext(None))
             with self.timers.phase("generate"), offload as moved:
                 results = self.engine.generate(requests, self.rollout_params())
