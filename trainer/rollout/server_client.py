@@ -10,7 +10,12 @@ Contracts:
   sample id as ``uuid``) with a ``RequestConfig`` asking for token ids (``return_details``);
 - ``timeout_s`` bounds start-up health waits and control calls, ``infer_timeout_s`` each ``/infer/`` post;
 - weight sync: rank 0 pushes to every server (``WeightSync`` adds the barrier), through our in-band HTTP
-  transport or NCCL (``sync.transport``).
+  transport or NCCL (``sync.transport``);
+- faults: a server whose chunk fails (or whose weight push fails) is quarantined: it gets no rollouts and no
+  weight pushes (NCCL: dropped from the collective group). With ``readmit_after_s`` set, a quarantined server is
+  probed on ``/health/`` at weight-sync points, first ``readmit_after_s`` after the failure, then with the wait
+  doubling up to ``readmit_max_interval_s``; once it answers, ``WeightSync`` pushes it the full current weights
+  alone (in-band: one POST; NCCL: a fresh communicator first) and only then does it serve rollouts again.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import httpx
 import torch
 
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
-from trainer.sync.transports import InbandTransport, NcclTransport, WeightTransport
+from trainer.sync.transports import InbandTransport, NcclTransport, WeightTransport, WeightTransportError
 from trainer.sync.weights import adapter_weights, full_weights
 
 log = logging.getLogger(__name__)
@@ -135,7 +140,9 @@ class ServerRolloutEngine:
     def __init__(self, servers: Sequence[ServerEndpoint], *, timeout_s: float = 240.0,
                  infer_timeout_s: float | None = None, rank: int | None = None, world_size: int | None = None,
                  transport: str = "auto", group_port: int = 51216, bucket_bytes: int = 512 * 2**20,
-                 inline_images: bool = False, wait: bool = True, max_retries: int = 1):
+                 inline_images: bool = False, wait: bool = True, max_retries: int = 1,
+                 readmit_after_s: float | None = None, readmit_max_interval_s: float = 300.0,
+                 communicator: Any = None, clock: Any = time.monotonic):
         import torch.distributed as dist
 
         if not servers:
@@ -156,6 +163,12 @@ class ServerRolloutEngine:
         self._engine_types: list[dict[str, Any]] | None = None
         self.max_retries = max_retries
         self.quarantined: set[str] = set()
+        self.readmit_after_s = readmit_after_s
+        self.readmit_max_interval_s = max(readmit_max_interval_s, readmit_after_s or 0.0)
+        self._probe: dict[str, tuple[float, float]] = {}  # url -> (next probe time, current wait)
+        self.readmissions: list[dict[str, Any]] = []
+        self.communicator = communicator
+        self.clock = clock
         if wait:
             self.wait_healthy(timeout_s)
 
@@ -208,8 +221,8 @@ class ServerRolloutEngine:
 
     def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
         """Chunk over this rank's healthy servers; a failed chunk is re-chunked deterministically over the servers
-        that are still healthy, up to ``max_retries`` rounds. A failed server is quarantined for the rest of the
-        run (it may have restarted with stale weights). Exhausted → ``RolloutServerError`` naming servers and
+        that are still healthy, up to ``max_retries`` rounds. A failed server is quarantined (it may come back
+        with stale weights) until ``WeightSync`` re-syncs and re-admits it (``readmit_after_s``). Exhausted → ``RolloutServerError`` naming servers and
         sample ids. Results keep request order."""
         if not requests:
             return []
@@ -228,7 +241,7 @@ class ServerRolloutEngine:
             for (server, idx), fut in zip(work, futures):
                 if fut.exception() is not None:
                     failures.append(str(fut.exception()))
-                    self._quarantine(server)
+                    self._quarantine(server, str(fut.exception()))
                     continue
                 for i, res in zip(idx, fut.result()):
                     results[i] = res
@@ -241,12 +254,96 @@ class ServerRolloutEngine:
             f"{self.max_retries} retr{'y' if self.max_retries == 1 else 'ies'} ({KEY}.max_retries); "
             f"quarantined servers: {sorted(self.quarantined)}; errors: " + "; ".join(failures))
 
-    def _quarantine(self, server: ServerEndpoint) -> None:
-        if server.base_url not in self.quarantined:
-            log.warning("quarantining rollout server %s for the rest of the run", server.base_url)
-            self.quarantined.add(server.base_url)
-            if self._transport is not None and self._transport.name == "inband":
-                self._transport = None
+    def _endpoint(self, url: str) -> ServerEndpoint:
+        return next(s for s in self.servers if s.base_url == url)
+
+    def _quarantine(self, server: ServerEndpoint, reason: str = "") -> None:
+        if server.base_url in self.quarantined:
+            return
+        when = (f"probed for re-admission in {self.readmit_after_s:g}s ({KEY}.readmit_after_s)"
+                if self.readmit_after_s else f"for the rest of the run ({KEY}.readmit_after_s is off)")
+        log.warning("quarantining rollout server %s (%s): no rollouts or weight pushes until re-admitted; %s",
+                    server.base_url, reason[:300] or "failed", when)
+        self.quarantined.add(server.base_url)
+        if self.readmit_after_s:
+            self._probe[server.base_url] = (self.clock() + self.readmit_after_s, self.readmit_after_s)
+        if self._transport is not None:
+            self._transport.drop(server.base_url)
+
+    def set_quarantined(self, urls: set[str] | Sequence[str]) -> None:
+        """Adopt a quarantine set decided elsewhere (rank 0 in a multi-rank learner): new members are quarantined,
+        missing ones re-admitted (rank 0 re-synced them)."""
+        urls = set(urls)
+        known = {s.base_url for s in self.servers}
+        for url in sorted(urls - self.quarantined):
+            if url in known:
+                self._quarantine(self._endpoint(url), "failed on another learner rank")
+        for url in sorted(self.quarantined - urls):
+            self._readmitted(url)
+
+    def _readmitted(self, url: str) -> None:
+        self.quarantined.discard(url)
+        self._probe.pop(url, None)
+        transport = self._transport
+        if transport is not None and url not in {s.base_url for s in transport.servers}:
+            transport.readmit(self._endpoint(url))
+
+    def answering_quarantined(self) -> list[str]:
+        """Quarantined servers due for a probe that answer ``/health/`` now (they still need a re-sync); a probe
+        that fails doubles the wait, up to ``readmit_max_interval_s``."""
+        if not self.readmit_after_s:
+            return []
+        now = self.clock()
+        answering = []
+        for url in sorted(self.quarantined):
+            due, wait = self._probe.get(url, (now, self.readmit_after_s))
+            if due > now:
+                continue
+            try:
+                ok = self.client.get(url + "/health/", timeout=min(5.0, self.timeout_s)).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                answering.append(url)
+            else:
+                wait = min(wait * 2, self.readmit_max_interval_s)
+                self._probe[url] = (now + wait, wait)
+                log.info("quarantined rollout server %s still down; next probe in %.0fs", url, wait)
+        return answering
+
+    def resync_and_readmit(self, urls: Sequence[str], model: torch.nn.Module, mode: str) -> list[str]:
+        """Push the current weights to each of ``urls`` alone (``mode`` full: merged weights; adapter: base +
+        adapter); each server that took them is re-admitted. A failure keeps the server quarantined (logged, next
+        probe after the backed-off wait). Returns the re-admitted urls."""
+        if not urls:
+            return []
+        transport = self.transport()
+        full = full_weights(model, merge_adapter=(mode == "full"))
+        adapter = adapter_weights(model) if mode == "adapter" else None
+        done = []
+        for url in urls:
+            server = self._endpoint(url)
+            t0 = time.monotonic()
+            try:
+                transport.readmit(server)
+                transport.push_full(full, only=[url])
+                if adapter is not None:
+                    transport.push_adapter(adapter, only=[url])
+            except Exception as exc:  # noqa: BLE001 - any failure: the server stays quarantined
+                transport.drop(url)
+                _, wait = self._probe.get(url, (0.0, self.readmit_after_s or 1.0))
+                wait = min(wait * 2, self.readmit_max_interval_s)
+                self._probe[url] = (self.clock() + wait, wait)
+                log.warning("rollout server %s answers again but its weight re-sync failed, so it stays quarantined "
+                            "(next try in %.0fs): %s", url, wait, exc)
+                continue
+            self._readmitted(url)
+            self.readmissions.append({"server": url, "mode": mode, "transport": transport.name,
+                                      "seconds": round(time.monotonic() - t0, 3)})
+            log.warning("rollout server %s re-admitted after a full weight re-sync (%s, %s transport, %.1fs)",
+                        url, mode, transport.name, time.monotonic() - t0)
+            done.append(url)
+        return done
 
     def engine_types(self) -> list[dict[str, Any]]:
         if self._engine_types is None:
@@ -267,27 +364,47 @@ class ServerRolloutEngine:
             choice = self.transport_choice
             if choice == "auto":
                 choice = "nccl" if torch.cuda.is_available() else "inband"
+            live = [s for s in self.servers if s.base_url not in self.quarantined]
             if choice == "nccl":
-                self._transport = NcclTransport(self.servers, self.group_port, self.timeout_s, self.bucket_bytes)
+                transport: WeightTransport = NcclTransport(live, self.group_port, self.timeout_s, self.bucket_bytes,
+                                                           communicator=self.communicator)
             elif choice == "inband":
-                live = [s for s in self.servers if s.base_url not in self.quarantined]
-                self._transport = InbandTransport(live, timeout_s=max(self.timeout_s, 600.0))
+                transport = InbandTransport(live, timeout_s=max(self.timeout_s, 600.0))
             else:
                 raise ValueError(f"unknown weight transport {choice!r}; use auto, nccl or inband")
-            log.info("weight transport: %s to %s", self._transport.name, [s.base_url for s in self.servers])
+            self._transport = transport
+            log.info("weight transport: %s to %s", transport.name, [s.base_url for s in live])
         return self._transport
 
+    def _push(self, fn) -> None:
+        """Push to the active servers; servers the push failed on are quarantined (the others got the whole
+        update). Raises only when it failed on every server it was sent to (a config problem, usually)."""
+        transport = self.transport()
+        sent = len(transport.servers)
+        try:
+            fn(transport)
+        except WeightTransportError as exc:
+            if not exc.failed:
+                raise
+            for url in exc.failed:
+                self._quarantine(self._endpoint(url), f"weight push failed: {exc.failed[url]}")
+            if len(exc.failed) >= sent:
+                raise
+
     def sync_full(self, model: torch.nn.Module, merge_adapter: bool = True) -> None:
-        self.transport().push_full(full_weights(model, merge_adapter=merge_adapter))
+        tensors = full_weights(model, merge_adapter=merge_adapter)
+        self._push(lambda t: t.push_full(tensors))
 
     def sync_adapter(self, model: torch.nn.Module) -> None:
-        self.transport().push_adapter(adapter_weights(model))
+        adapter = adapter_weights(model)
+        self._push(lambda t: t.push_adapter(adapter))
 
     def metadata(self) -> dict[str, Any]:
         return {"servers": [s.base_url for s in self.servers], "servers_this_rank": [s.base_url for s in self.mine],
                 "rank": self.rank, "world_size": self.world_size,
                 "transport": self._transport.name if self._transport else self.transport_choice,
-                "max_retries": self.max_retries, "quarantined": sorted(self.quarantined)}
+                "max_retries": self.max_retries, "readmit_after_s": self.readmit_after_s,
+                "quarantined": sorted(self.quarantined), "readmissions": list(self.readmissions)}
 
     def close(self) -> None:
         if self._transport is not None:
@@ -317,7 +434,8 @@ def engine_from_config(rm, loaded, model) -> ServerRolloutEngine:
     engine = ServerRolloutEngine(
         endpoints_from_config(v.server), timeout_s=v.server.timeout_s, infer_timeout_s=v.server.infer_timeout_s,
         transport=sync.transport, group_port=sync.group_port, bucket_bytes=sync.bucket_mb * 2**20,
-        max_retries=v.server.max_retries)
+        max_retries=v.server.max_retries, readmit_after_s=v.server.readmit_after_s,
+        readmit_max_interval_s=v.server.readmit_max_interval_s)
     log.info("rollout servers %s (this rank: %s), sync.mode %s, fallback_to_full %s, rollout seed %s",
              engine.metadata()["servers"], engine.metadata()["servers_this_rank"], sync.mode, sync.fallback_to_full,
              rm.decoding.seed)

@@ -15,7 +15,15 @@ class VllmServerEntry(Section):
 
 
 class VllmServerConfig(Section):
-    """``servers`` (preferred) or the strict legacy paired lists ``host`` + ``port`` (same length)."""
+    """``servers`` (preferred) or the strict legacy paired lists ``host`` + ``port`` (same length).
+
+    Faults: a chunk that fails (down, stalled past ``infer_timeout_s``, bad answer) is retried on the other
+    servers up to ``max_retries`` rounds and the server is quarantined (no rollouts, no weight pushes; NCCL:
+    dropped from the group). ``readmit_after_s``: seconds after the failure before a quarantined server is probed
+    on ``/health/`` (at the next weight sync); a failed probe doubles the wait up to ``readmit_max_interval_s``;
+    a server that answers gets the full current weights pushed to it alone and serves again only once that
+    succeeded. ``null`` keeps failed servers quarantined for the rest of the run.
+    """
 
     servers: list[VllmServerEntry] = Field(default_factory=list)
     host: list[str] | None = None
@@ -23,6 +31,8 @@ class VllmServerConfig(Section):
     timeout_s: float = Field(240.0, gt=0)
     infer_timeout_s: float | None = Field(None, gt=0)
     max_retries: int = Field(1, ge=0)
+    readmit_after_s: float | None = Field(30.0, gt=0)
+    readmit_max_interval_s: float = Field(300.0, gt=0)
 
     @model_validator(mode="after")
     def _one_form(self) -> VllmServerConfig:

@@ -167,30 +167,40 @@ class LocalNcclReceiver:
     (GPU only); received tensors are collected until ``finish`` hands them to ``apply``.
     """
 
-    def __init__(self):
+    def __init__(self, communicator=None):
+        """``communicator(group, device)``: the server side of a group (default vLLM's ``PyNcclCommunicator`` on
+        CUDA; ``trainer.sync.transports.StoreBroadcastCommunicator`` stands in on CPU for tests)."""
         self.comm = None
+        self.communicator = communicator
         self.pending: dict[str, torch.Tensor] = {}
 
     def init(self, host: str, port: int, world_size: int) -> None:
-        if not torch.cuda.is_available():
+        if self.communicator is None and not torch.cuda.is_available():
             raise EngineRequestError(
                 "NCCL weight sync needs a CUDA GPU on the server; on CPU use our in-band transport "
                 "(POST /rm/update_weights_inband/)"
             )
         if world_size != 2:
             raise EngineRequestError(f"this server has world size 1, so the group must have 2 ranks (got {world_size})")
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
+        self.close()
         group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size)
-        self.comm = PyNcclCommunicator(group, device=torch.device("cuda", torch.cuda.current_device()))
+        if self.communicator is None:
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+            self.comm = PyNcclCommunicator(group, device=torch.device("cuda", torch.cuda.current_device()))
+        else:
+            self.comm = self.communicator(group, torch.device("cpu"))
 
     def receive(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.comm is None:
             raise EngineRequestError("communicator not initialised: call /init_communicator/ first")
         buf = torch.empty(shape, dtype=dtype, device=self.comm.device)
-        self.comm.broadcast(buf, src=1, stream=torch.cuda.current_stream())
-        torch.cuda.synchronize()
+        cuda = buf.is_cuda
+        self.comm.broadcast(buf, src=1, stream=torch.cuda.current_stream() if cuda else None)
+        if cuda:
+            torch.cuda.synchronize()
         self.comm.group.barrier()
         return buf
 
