@@ -17,8 +17,11 @@ def build_rollout_engine(rm: RolloutMatchingConfig, loaded: LoadedModel, model) 
     if rm.rollout_backend == "hf":
         from trainer.rollout.hf import HFRolloutEngine
 
+        hf = rm.hf
         return HFRolloutEngine(model, loaded.tokenizer.pad_token_id, sorted(stop_token_ids(loaded.tokenizer)),
-                               rm.rollout_generate_batch_size, loaded.image_token_id)
+                               rm.rollout_generate_batch_size, loaded.image_token_id,
+                               cache_implementation=hf.cache_implementation, compile=hf.compile,
+                               compile_mode=hf.compile_mode, prompt_pad_multiple=hf.prompt_pad_multiple)
     module_name = VLLM_ENGINES[rm.vllm.mode]
     if rm.vllm.mode == "colocate":
         require("vllm", "custom.extra.rollout_matching.rollout_backend: vllm (colocate; or set rollout_backend: hf)")

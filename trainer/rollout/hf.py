@@ -1,12 +1,29 @@
-"""HF ``generate`` rollout backend: microbatched (padded, left padding), no grad, stop-trimmed."""
+"""HF ``generate`` rollout backend: microbatched (padded, left padding), no grad, stop-trimmed.
+
+Speed knobs (``custom.extra.rollout_matching.hf``):
+
+- ``cache_implementation``: ``dynamic`` (HF default, grows per step) or ``static`` (preallocated
+  ``[batch, max_len]`` KV cache, fixed shapes per decoding step).
+- ``compile``: ``torch.compile`` the decoding forward (HF compiles the per-token step, not the prefill). Needs
+  the static cache (fixed shapes); otherwise HF would keep recompiling. Without ``compile`` the static cache is
+  used eagerly (HF's automatic compile on CUDA is switched off so the knob means what it says).
+- ``prompt_pad_multiple``: left-pad every microbatch's prompt width up to a multiple of this, and with
+  ``compile`` the last partial microbatch is filled to ``batch_size`` with copies of its first request (their
+  results are dropped). Both keep the number of distinct shapes (and so recompiles) small.
+
+Greedy results do not depend on these knobs: extra left padding is masked, and rows of a batch are independent.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
+
+CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
 class HFRolloutEngine:
@@ -19,17 +36,54 @@ class HFRolloutEngine:
     name = "hf"
 
     def __init__(self, model: torch.nn.Module, pad_id: int, stop_ids: Sequence[int], batch_size: int = 1,
-                 image_token_id: int | None = None):
+                 image_token_id: int | None = None, *, cache_implementation: str = "dynamic",
+                 compile: bool = False, compile_mode: str | None = "reduce-overhead",
+                 compile_backend: str = "inductor", prompt_pad_multiple: int = 1):
         if batch_size < 1:
             raise ValueError("rollout_generate_batch_size must be >= 1")
+        if cache_implementation not in CACHE_IMPLEMENTATIONS:
+            raise ValueError(f"hf.cache_implementation must be one of {CACHE_IMPLEMENTATIONS}, "
+                             f"got {cache_implementation!r}")
+        if compile and cache_implementation != "static":
+            raise ValueError("hf.compile needs hf.cache_implementation: static (compiled decoding needs fixed "
+                             "shapes; with the dynamic cache every step would recompile)")
+        if prompt_pad_multiple < 1:
+            raise ValueError("hf.prompt_pad_multiple must be >= 1")
         self.model = model
         self.pad_id = pad_id
         self.stop_ids = frozenset(stop_ids)
         self.batch_size = batch_size
         self.image_token_id = image_token_id
+        self.cache_implementation = cache_implementation
+        self.compile = compile
+        self.compile_mode = compile_mode
+        self.compile_backend = compile_backend
+        self.prompt_pad_multiple = prompt_pad_multiple
+        self._compile_config: Any = None
+        if cache_implementation == "static":
+            self._check_static_cache_support()
+
+    def _check_static_cache_support(self) -> None:
+        """Fail at construction, not mid-training: HF silently ignores ``cache_implementation`` for models without
+        ``Cache`` support, and compiled decoding needs a model that compiles without graph breaks."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        name = type(base).__name__
+        supports_cache = getattr(base, "_supports_default_dynamic_cache", None)
+        if supports_cache is not None and not supports_cache():
+            raise ValueError(f"hf.cache_implementation: static is not supported by {name} (no Cache support in this "
+                             "transformers version); use hf.cache_implementation: dynamic")
+        if self.compile and not getattr(base, "_can_compile_fullgraph", False):
+            raise ValueError(f"hf.compile is not supported by {name} in this transformers version "
+                             "(_can_compile_fullgraph is False); set hf.compile: false (the static cache still works)")
+
+    def metadata(self) -> dict[str, Any]:
+        return {"backend": "hf", "batch_size": self.batch_size, "cache_implementation": self.cache_implementation,
+                "compile": self.compile, "compile_mode": self.compile_mode if self.compile else None,
+                "prompt_pad_multiple": self.prompt_pad_multiple}
 
     def _batch_inputs(self, requests: Sequence[RolloutRequest], device: torch.device) -> dict[str, torch.Tensor]:
         width = max(len(r.prompt_token_ids) for r in requests)
+        width = -(-width // self.prompt_pad_multiple) * self.prompt_pad_multiple
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(requests), width), dtype=torch.long)
         for i, r in enumerate(requests):
@@ -44,11 +98,32 @@ class HFRolloutEngine:
                 batch["mm_token_type_ids"] = (batch["input_ids"] == self.image_token_id).long() * batch["attention_mask"]
         return batch
 
+    def _cache_kwargs(self) -> dict[str, Any]:
+        if self.cache_implementation == "dynamic":
+            return {}
+        kwargs: dict[str, Any] = {"cache_implementation": "static"}
+        if not self.compile:
+            kwargs["disable_compile"] = True
+            return kwargs
+        if self._compile_config is None:
+            from transformers.generation import CompileConfig
+
+            # dynamic=False: one graph per (batch, cache length); the fixed shapes keep that number small.
+            self._compile_config = CompileConfig(fullgraph=False, dynamic=False, backend=self.compile_backend,
+                                                 mode=self.compile_mode if self.compile_backend == "inductor" else None)
+            self._compile_config._compile_all_devices = True  # HF compiles on CUDA only by default; the knob is explicit
+        kwargs.update(compile_config=self._compile_config, disable_compile=False)
+        return kwargs
+
     def _generate_batch(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
         device = next(self.model.parameters()).device
+        real = len(requests)
+        if self.compile and real < self.batch_size:
+            requests = list(requests) + [requests[0]] * (self.batch_size - real)
         batch = self._batch_inputs(requests, device)
         kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=self.pad_id,
-                      eos_token_id=sorted(self.stop_ids), repetition_penalty=params.repetition_penalty)
+                      eos_token_id=sorted(self.stop_ids), repetition_penalty=params.repetition_penalty,
+                      **self._cache_kwargs())
         if params.greedy:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
@@ -57,7 +132,7 @@ class HFRolloutEngine:
         out = self.model.generate(**batch, **kwargs)
         width = batch["input_ids"].shape[1]
         results = []
-        for i, r in enumerate(requests):
+        for i, r in enumerate(requests[:real]):
             prompt = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
             response: list[int] = []
             finish = "length"
