@@ -283,3 +283,75 @@ def test_chart_rendered_3v1_pods_talk_to_each_other(images, assets, tmp_path):
     finally:
         for ctr in started:
             _remove(ctr)
+
+
+@pytest.mark.slow
+def test_training_survives_a_server_container_killed_mid_run(images, assets, tmp_path):
+    """Three scripted-server containers; one is SIGKILLed once step 1 has started. Its chunks are re-rolled on the
+    other two, it is quarantined (no weight pushes to a dead server), training finishes, and the ledger shows each
+    of the 12 samples trained exactly once (4 steps x 3 = one epoch)."""
+    import threading
+    from collections import Counter
+
+    ports = [free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    data = str(assets["data"])
+    servers = [
+        DockerContainer(images["rollout-server"])
+        .with_command(["serve", "--engine", "scripted", "--host", "127.0.0.1", "--port", str(p),
+                       "--model", "/models/policy"])
+        .with_volume_mapping(str(assets["model"]), "/models/policy", "ro")
+        .with_volume_mapping(data, data, "ro")
+        .with_kwargs(network_mode="host", read_only=True, user="1000:1000")
+        .with_tmpfs_mount("/tmp").with_tmpfs_mount("/home/app/.cache")
+        for p in ports
+    ]
+    run_dir = tmp_path / "run"
+    ledger_path = run_dir / "stage2" / "ledger.jsonl"
+    killed: dict[str, object] = {}
+    done = threading.Event()
+
+    def kill_in_step_1() -> None:
+        while not done.is_set():
+            rows = ledger_path.read_text().splitlines() if ledger_path.exists() else []
+            if any(json.loads(r)["step"] >= 1 for r in rows if r.strip()):
+                servers[1].get_wrapped_container().kill()
+                killed["after_rows"] = len(rows)
+                return
+            time.sleep(0.05)
+
+    try:
+        for server in servers:
+            server.start()
+        for server, url in zip(servers, urls):
+            wait_healthy(url, server)
+        cfg = _stage2_config(assets["data"], run_dir, urls)
+        cfg["training"]["max_steps"] = 4
+        cfg["custom"]["extra"]["rollout_matching"]["vllm"]["server"].update(infer_timeout_s=30, max_retries=1)
+        config = tmp_path / "train.yaml"
+        config.write_text(json.dumps(cfg))
+        killer = threading.Thread(target=kill_in_step_1, daemon=True)
+        killer.start()
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "trainer", "train", "--config", str(config)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""})
+        done.set()
+        killer.join(5)
+        print(f"training with a killed server container: {time.monotonic() - t0:.0f}s")
+        output = proc.stdout[-6000:] + proc.stderr[-6000:]
+        assert "after_rows" in killed, f"training ended before step 1 started; the kill never landed:\n{output}"
+        assert proc.returncode == 0, output
+        rows = [json.loads(r) for r in ledger_path.read_text().splitlines() if r.strip()]
+        assert len(rows) > killed["after_rows"], "no sample was trained after the kill"
+        want = [json.loads(r)["id"] for r in (assets["data"] / "train.jsonl").read_text().splitlines()]
+        counts = Counter(r["sample_id"] for r in rows)
+        assert sorted(counts) == sorted(want) and set(counts.values()) == {1}, f"each sample exactly once: {counts}"
+        assert f"quarantining rollout server {urls[1]}" in proc.stderr, output
+        survivors = [logs(s) for i, s in enumerate(servers) if i != 1]
+        for url, server_log in zip([urls[0], urls[2]], survivors):
+            assert server_log.count('"POST /infer/ HTTP/1.1" 200') >= 3, f"{url} did not keep serving:\n{server_log[-2000:]}"
+    finally:
+        done.set()
+        for server in servers:
+            _remove(server)
