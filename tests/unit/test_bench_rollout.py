@@ -28,6 +28,7 @@ def test_batching_bench_decodes_full_length_for_every_variant():
     assert [r["calls"] for r in runs] == [2, 2, 1] * 2
     for r in runs:
         assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["seconds"])
+        assert r["one_time_s"] == pytest.approx(max(0.0, r["warmup_s"] - r["seconds"] / r["calls"]))
         per_sample = next(x for x in runs if x["variant"] == r["variant"] and x["batch_size"] == 1)
         assert r["speedup_vs_per_sample"] == pytest.approx(r["tokens_per_s"] / per_sample["tokens_per_s"])
     assert res["config"]["model"]["hidden_size"] == 64 and res["config"]["model"]["num_hidden_layers"] == 1
