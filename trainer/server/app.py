@@ -46,8 +46,12 @@ DEFAULT_MAX_INBAND_BYTES = 4 * 2**30
 INBAND_PATH = "/rm/update_weights_inband/"
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(HTTPException):
+    """Raised while a body streams in past its limit; an ``HTTPException`` so FastAPI's body parsing re-raises it
+    (as 413) instead of turning it into a generic 400."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body exceeds this endpoint's limit of {limit} bytes")
 
 
 class BodyLimitMiddleware:
@@ -73,7 +77,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise BodyTooLarge()
+                    raise BodyTooLarge(limit)
             return message
 
         try:
@@ -115,6 +119,8 @@ class EngineRunner:
         def run():
             with self.lock:
                 failure, self.failure = self.failure, None
+            if isinstance(failure, EngineRequestError):
+                raise EngineRequestError(f"an earlier background weight-update call was refused: {failure}") from failure
             if failure is not None:
                 raise RuntimeError(f"an earlier background weight-update call failed: {failure!r}") from failure
             return fn()
