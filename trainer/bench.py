@@ -1,14 +1,25 @@
-"""``python -m trainer bench``: packed vs padded teacher-forced forward+backward, measured side by side.
+"""``python -m trainer bench``: stage-2 teacher-forced forward+backward, padded vs packed, side by side.
 
-Builds random-weight Qwen3 models of a given size, a batch of variable-length segments drawn like stage-2
-``Y_train`` lengths, and times forward+backward for (a) the padded batch and (b) the same segments packed into
-rows of ``packing_length`` (block-diagonal attention, or varlen when flash-attn is present). Writes
-``docs/benchmarks/packing.json`` and ``packing.png``. Ratios are from one run on one device.
+A random-weight Qwen3-0.6B-shaped model (bf16 on CUDA, gradient checkpointing) trains on stage-2-shaped
+segments: lengths uniform in [min_len, max_len], micro-batch ``micro_batch``; each segment is a prompt (image +
+instruction, no labels) followed by a rollout prefix whose coord slots are supervised and an appended tail with CE
+labels. Every variant runs the trainer's own ``forward_loss`` on the same micro-batches:
+
+* ``padded/full``: one target per row, HF padding mask, full ``[B, T, V]`` logits (the un-packed baseline);
+* ``padded/supervised``: the same rows, LM head only at supervised positions;
+* ``packed-varlen/full`` and ``packed-varlen/supervised``: all segments of a micro-batch in one row, PyTorch varlen
+  attention (``rm_varlen``), restarting position ids;
+* ``packed-varlen/supervised+coord-only``: ``coord_gate_weight: 0``, coord rows over the 1000 coord columns only;
+* ``packed-mask/supervised``: the dense block-diagonal mask fallback (sdpa).
+
+Real tokens/s, ratios against ``padded/full`` and MFU (model FLOPs of a full causal-LM forward+backward over the
+real tokens, recompute not counted, over ``peak_tflops``) go to ``docs/benchmarks/packing.json`` + ``packing.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
@@ -16,106 +27,164 @@ from pathlib import Path
 
 import torch
 
-from trainer.packing.packed_batch import block_causal_mask
-from trainer.packing.select import select_segments
+from trainer.losses.objective import LossWeights
+from trainer.matching.targets import IGNORE_INDEX, TrainTarget
+from trainer.packing.packed_batch import pack_targets
 from trainer.packing.varlen_attention import packed_attention, register_varlen_attention, varlen_available
+from trainer.sft.batching import pad_targets
+from trainer.sft.forward import forward_loss
+
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+TINY = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=64, tie_word_embeddings=True)
+H100_BF16_TFLOPS = 989.0
+OBJECT_TOKENS, COORDS_PER_OBJECT = 13, 4
 
 
-def _model(hidden: int, layers: int, vocab: int, device: str, dtype: torch.dtype, attn: str):
+def _model(shape: dict, device: str, dtype: torch.dtype, gradient_checkpointing: bool):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                      num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 512), head_dim=128,
-                      max_position_embeddings=32768, attn_implementation=attn)
-    return Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).train()
+    cfg = Qwen3Config(**shape, max_position_embeddings=32768, attn_implementation="sdpa")
+    model = Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).train()
+    if gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
-def _time(fn, device: str, repeats: int) -> float:
-    fn()
+def stage2_segment(rng: random.Random, sample_id: str, length: int, vocab: int, coord_ids: list[int],
+                   tail_fraction: float = 0.25) -> TrainTarget:
+    """A target shaped like stage 2's: prompt (30-60 %, no labels), rollout prefix (coord slots only), tail (CE)."""
+    prompt = max(1, int(length * rng.uniform(0.3, 0.6)))
+    response = length - prompt
+    tail = int(response * tail_fraction)
+    ids = [rng.randrange(vocab - len(coord_ids)) for _ in range(length)]
+    labels = [IGNORE_INDEX] * length
+    coord_positions, coord_targets = [], []
+    for i in range(response):
+        pos = prompt + i
+        if i % OBJECT_TOKENS >= OBJECT_TOKENS - COORDS_PER_OBJECT - 1 and i % OBJECT_TOKENS < OBJECT_TOKENS - 1:
+            b = rng.randrange(len(coord_ids))
+            ids[pos] = coord_ids[b]
+            coord_positions.append(pos)
+            coord_targets.append(float(b))
+        elif i >= response - tail:
+            labels[pos] = ids[pos]
+    return TrainTarget(sample_id, ids, labels, coord_positions, coord_targets, prompt, response - tail, tail)
+
+
+def model_flops(shape: dict, lengths: list[int]) -> float:
+    """Forward+backward FLOPs of a causal LM over segments (6·N·tokens + causal attention), no recompute."""
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    d_q = shape["num_attention_heads"] * shape["head_dim"]
+    d_kv = shape["num_key_value_heads"] * shape["head_dim"]
+    per_layer = h * d_q * 2 + h * d_kv * 2 + 3 * h * shape["intermediate_size"]
+    n = layers * per_layer + h * shape["vocab_size"]
+    return sum(6 * n * L + 6 * layers * L * L * d_q for L in lengths)
+
+
+def _to(batch: dict, device: str) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _timed(step, device: str, repeats: int) -> tuple[float, float | None]:
+    step()
     if device == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(repeats):
-        fn()
+        step()
     if device == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return (time.perf_counter() - start) / repeats, peak
 
 
-def run_bench(hidden: int, layers: int, n_segments: int, packing_length: int, min_len: int, max_len: int,
-              repeats: int, seed: int = 0) -> dict:
+def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int = 16, min_len: int = 300,
+              max_len: int = 2000, repeats: int = 3, gradient_checkpointing: bool = True, seed: int = 0,
+              peak_tflops: float = H100_BF16_TFLOPS) -> dict:
+    """Every variant trains the same ``segments`` targets once per pass (forward+backward, no optimizer step).
+
+    ``micro_batch`` segments per forward is the configuration under test; ``wide`` segments per forward is the
+    same samples per optimizer step in fewer forwards (e.g. micro-batch 4 × accumulation 4 vs micro-batch 16).
+    """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rng = random.Random(seed)
-    lengths = [rng.randint(min_len, max_len) for _ in range(n_segments)]
-    vocab = 32000
-    model = _model(hidden, layers, vocab, device, dtype, "sdpa")
-    tokens = sum(lengths)
+    vocab = shape["vocab_size"]
+    coord_list = list(range(vocab - 1000, vocab)) if vocab > 2000 else list(range(vocab - 256, vocab))
+    coord_ids = torch.tensor(coord_list, device=device)
+    targets = [stage2_segment(rng, f"s{i}", rng.randint(min_len, max_len), vocab, coord_list) for i in range(segments)]
+    lengths = [t.length for t in targets]
+    supervised = sum(sum(lab != IGNORE_INDEX for lab in t.labels) + len(t.coord_positions) for t in targets)
+    torch.manual_seed(seed)
+    model = _model(shape, device, dtype, gradient_checkpointing)
+    impl = register_varlen_attention() if varlen_available() else None
 
-    def padded_step():
-        width = max(lengths)
-        ids = torch.randint(0, vocab, (len(lengths), width), device=device)
-        mask = torch.zeros_like(ids)
-        for i, n in enumerate(lengths):
-            mask[i, :n] = 1
-        out = model(input_ids=ids, attention_mask=mask).logits
-        out.mean().backward()
-        model.zero_grad(set_to_none=True)
+    def groups(k: int) -> list[list[TrainTarget]]:
+        return [targets[i:i + k] for i in range(0, len(targets), k)]
 
-    rows: list[list[int]] = []
-    pending = list(lengths)
-    while pending:
-        chosen = select_segments(pending, packing_length)
-        rows.append([pending[i] for i in chosen])
-        pending = [n for i, n in enumerate(pending) if i not in set(chosen)]
+    layouts = {}
+    for k in (micro_batch, wide):
+        layouts[("padded", k)] = [_to(pad_targets(g, 0), device) for g in groups(k)]
+        layouts[("packed-mask", k)] = [_to(pack_targets(g, "sdpa"), device) for g in groups(k)]
+        if impl:
+            layouts[("packed-varlen", k)] = [_to(pack_targets(g, impl), device) for g in groups(k)]
+    default_w, no_gate = LossWeights(), LossWeights(coord_gate=0.0)
+    variants = [("padded", micro_batch, "full", default_w), ("padded", micro_batch, "supervised", default_w),
+                ("packed-varlen", micro_batch, "full", default_w), ("packed-varlen", micro_batch, "supervised", default_w),
+                ("packed-varlen", micro_batch, "supervised+coord-only", no_gate),
+                ("packed-mask", micro_batch, "supervised", default_w),
+                ("padded", wide, "full", default_w), ("padded", wide, "supervised", default_w),
+                ("packed-varlen", wide, "supervised", default_w)]
+    if not impl:
+        variants.append(("packed-mask", wide, "supervised", default_w))
+    flops = model_flops(shape, lengths)
+    results = []
+    for layout, k, logits, w in variants:
+        if (layout, k) not in layouts:
+            continue
+        ctx = (lambda: packed_attention(model, impl)) if layout == "packed-varlen" else contextlib.nullcontext
 
-    def packed_step():
-        for row in rows:
-            n = sum(row)
-            ids = torch.randint(0, vocab, (1, n), device=device)
-            pos = torch.cat([torch.arange(k) for k in row])[None].to(device)
-            mask = block_causal_mask(row).to(device)
-            out = model(input_ids=ids, position_ids=pos, attention_mask=mask).logits
-            out.mean().backward()
-        model.zero_grad(set_to_none=True)
+        def step(rows=layouts[(layout, k)], logits=logits, w=w, ctx=ctx):
+            for batch in rows:
+                with ctx():
+                    loss, _, _ = forward_loss(model, batch, coord_ids, w, supervised_logits=logits != "full")
+                    loss.backward()
+            model.zero_grad(set_to_none=True)
 
-    def packed_varlen_step():
-        impl = register_varlen_attention()
-        with packed_attention(model, impl):
-            for row in rows:
-                n = sum(row)
-                ids = torch.randint(0, vocab, (1, n), device=device)
-                pos = torch.cat([torch.arange(k) for k in row])[None].to(device)
-                cu = torch.tensor([0, *torch.cumsum(torch.tensor(row), 0).tolist()], dtype=torch.int32, device=device)
-                out = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                            max_length_q=max(row), max_length_k=max(row)).logits
-                out.mean().backward()
-        model.zero_grad(set_to_none=True)
-
-    padded_s = _time(padded_step, device, repeats)
-    packed_s = _time(packed_step, device, repeats)
-    varlen_s = _time(packed_varlen_step, device, repeats) if varlen_available() else None
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        padded_step()
-        padded_peak = torch.cuda.max_memory_allocated() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-        (packed_varlen_step if varlen_s else packed_step)()
-        packed_peak = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        padded_peak = packed_peak = None
+        try:
+            seconds, peak = _timed(step, device, repeats)
+        except torch.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            results.append({"variant": f"{layout}/{logits} ×{k}", "layout": layout, "segments_per_forward": k,
+                            "logits": logits, "error": "out of memory"})
+            continue
+        name = f"{layout}/{logits} ×{k}"
+        print(f"{name}: {sum(lengths) / seconds:.0f} real tok/s, peak {peak} GiB", flush=True)
+        results.append({"variant": name, "layout": layout, "segments_per_forward": k, "logits": logits,
+                        "forwards_per_pass": len(layouts[(layout, k)]), "s_per_pass": seconds,
+                        "real_tokens_per_s": sum(lengths) / seconds,
+                        "mfu": flops / seconds / (peak_tflops * 1e12) if device == "cuda" else None,
+                        "peak_gib": peak})
+    base = results[0]["real_tokens_per_s"]
+    for r in results:
+        if "real_tokens_per_s" in r:
+            r["speedup_vs_padded_full"] = r["real_tokens_per_s"] / base
+    padded_tokens = {k: sum(len(g) * max(t.length for t in g) for g in groups(k)) for k in (micro_batch, wide)}
     return {
-        "packed_varlen_s_per_step": varlen_s,
-        "packed_varlen_tokens_per_s": tokens / varlen_s if varlen_s else None,
-        "speedup_varlen_vs_padded": padded_s / varlen_s if varlen_s else None,
-        "padded_peak_gib": padded_peak, "packed_peak_gib": packed_peak,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "dtype": str(dtype), "hidden": hidden, "layers": layers, "segments": n_segments,
-        "segment_len_range": [min_len, max_len], "real_tokens": tokens, "packing_length": packing_length,
-        "packed_rows": len(rows), "padded_tokens": len(lengths) * max(lengths),
-        "padded_s_per_step": padded_s, "packed_s_per_step": packed_s,
-        "padded_tokens_per_s": tokens / padded_s, "packed_tokens_per_s": tokens / packed_s,
-        "speedup_packed_vs_padded": padded_s / packed_s,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
+        "torch": torch.__version__, "model_shape": shape, "gradient_checkpointing": gradient_checkpointing,
+        "micro_batch": micro_batch, "wide_segments_per_forward": wide, "segments_per_pass": segments,
+        "segment_len_range": [min_len, max_len], "real_tokens_per_pass": sum(lengths),
+        "padded_tokens_per_pass": {str(k): v for k, v in padded_tokens.items()},
+        "supervised_positions_fraction": supervised / sum(lengths), "model_tflops_per_pass": flops / 1e12,
+        "peak_tflops": peak_tflops, "repeats": repeats, "results": results,
     }
 
 
@@ -124,7 +193,9 @@ def offload_bench(hidden: int, layers: int, engine_gib: float) -> dict:
     and the cost of moving the training state out and back (seconds)."""
     from trainer.buffering.offload import offload_for_rollout
 
-    model = _model(hidden, layers, 32000, "cuda", torch.bfloat16, "sdpa")
+    shape = dict(QWEN3_0_6B, vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 3,
+                 num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 512))
+    model = _model(shape, "cuda", torch.bfloat16, gradient_checkpointing=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model(input_ids=torch.randint(0, 32000, (1, 256), device="cuda")).logits.mean().backward()
     opt.step()
@@ -147,25 +218,25 @@ def offload_bench(hidden: int, layers: int, engine_gib: float) -> dict:
             "peak_with_offload_gib": with_offload, "offload_s": moved_out, "restore_s": moved_back}
 
 
-def plot(results: list[dict], out_png: Path) -> None:
+def plot(result: dict, out_png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['segment_len_range'][0]}-{r['segment_len_range'][1]} tok" for r in results]
-    x = range(len(results))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    w = 0.27
-    ax.bar([i - w for i in x], [r["padded_tokens_per_s"] for r in results], width=w, label="padded")
-    ax.bar(list(x), [r["packed_tokens_per_s"] for r in results], width=w, label="packed (sdpa + block mask)")
-    if results[0]["packed_varlen_tokens_per_s"]:
-        ax.bar([i + w for i in x], [r["packed_varlen_tokens_per_s"] for r in results], width=w,
-               label="packed (torch varlen)")
-    ax.set_xticks(list(x), labels)
-    ax.set_ylabel("real tokens / s (fwd+bwd)")
-    ax.set_title(f"post-rollout packing on {results[0]['device']}")
-    ax.legend()
+    rows = [r for r in result["results"] if "real_tokens_per_s" in r]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    bars = ax.barh([r["variant"] for r in rows][::-1], [r["real_tokens_per_s"] for r in rows][::-1],
+                   color=["#888" if r["layout"] == "padded" else "#2a7" for r in rows][::-1])
+    for bar, r in zip(bars, rows[::-1]):
+        mfu = f", MFU {100 * r['mfu']:.0f}%" if r["mfu"] is not None else ""
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['speedup_vs_padded_full']:.2f}×{mfu}",
+                va="center", fontsize=8)
+    ax.set_xlabel("real tokens / s (forward + backward)")
+    lo, hi = result["segment_len_range"]
+    ax.set_title(f"stage-2 teacher-forced fwd+bwd, {result['device']}: lengths {lo}-{hi}; ×k = segments per "
+                 "forward", fontsize=9)
+    ax.set_xlim(0, max(r["real_tokens_per_s"] for r in rows) * 1.3)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -174,32 +245,36 @@ def plot(results: list[dict], out_png: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ranges = [(64, 512), (128, 2048), (256, 4096)] if not args.quick else [(16, 64)]
-    results = [run_bench(args.hidden, args.layers, args.segments, args.packing_length, lo, hi, args.repeats)
-               for lo, hi in ranges]
-    (out / "packing.json").write_text(json.dumps(results, indent=2))
-    if torch.cuda.is_available():
-        off = offload_bench(args.hidden, args.layers, engine_gib=8.0)
+    if args.quick:
+        result = run_bench(TINY, micro_batch=2, segments=8, wide=4, min_len=16, max_len=64, repeats=1)
+    else:
+        result = run_bench(QWEN3_0_6B, args.micro_batch, args.segments, args.wide, args.min_len, args.max_len,
+                           args.repeats, gradient_checkpointing=not args.no_gradient_checkpointing)
+    (out / "packing.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "packing.png")
+    for r in result["results"]:
+        if "error" in r:
+            print(f"{r['variant']:40s} {r['error']}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        print(f"{r['variant']:40s} {r['real_tokens_per_s']:10.0f} tok/s  x{r['speedup_vs_padded_full']:.2f}  "
+              f"MFU {mfu}  peak {r['peak_gib']} GiB")
+    if torch.cuda.is_available() and not args.quick:
+        off = offload_bench(2048, 16, engine_gib=8.0)
         (out / "offload.json").write_text(json.dumps(off, indent=2))
-        print(f"offload: peak {off['peak_without_offload_gib']:.1f} GiB -> {off['peak_with_offload_gib']:.1f} GiB "
-              f"(moved {off['params_gib'] + off['optimizer_gib']:.1f} GiB in {off['offload_s']:.2f}s, "
-              f"back in {off['restore_s']:.2f}s)")
-    plot(results, out / "packing.png")
-    for r in results:
-        print(f"{r['segment_len_range']}: padded {r['padded_tokens_per_s']:.0f} tok/s, packed(mask) "
-              f"{r['packed_tokens_per_s']:.0f} tok/s x{r['speedup_packed_vs_padded']:.2f}, packed(varlen) "
-              f"{r['packed_varlen_tokens_per_s'] or 0:.0f} tok/s x{r['speedup_varlen_vs_padded'] or 0:.2f}; "
-              f"peak GiB padded {r['padded_peak_gib']} packed {r['packed_peak_gib']}")
+        print(f"offload: peak {off['peak_without_offload_gib']:.1f} GiB -> {off['peak_with_offload_gib']:.1f} GiB")
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("bench", help="packed vs padded forward+backward benchmark (JSON + PNG)")
+    p = subparsers.add_parser("bench", help="stage-2 packed vs padded forward+backward benchmark (JSON + PNG)")
     p.add_argument("--out", default="docs/benchmarks")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--segments", type=int, default=16)
-    p.add_argument("--packing-length", type=int, default=8192)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--segments", type=int, default=32, help="targets trained per timed pass")
+    p.add_argument("--wide", type=int, default=16, help="segments per forward of the wide variants")
+    p.add_argument("--min-len", type=int, default=300)
+    p.add_argument("--max-len", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.set_defaults(func=run)

@@ -6,6 +6,7 @@ Run: ``python -m pytest -m gpu tests/gpu``."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 
 import pytest
@@ -51,3 +52,51 @@ def test_varlen_packed_matches_padded(kind):
     a = per_segment_losses(lp, padded, coord_ids, LossWeights())
     b = per_segment_losses(lk, packed, coord_ids, LossWeights())
     assert torch.allclose(a, b, rtol=2e-2, atol=2e-2), (a, b)
+
+
+
+def test_varlen_packed_gradients_match_padded_with_activation_checkpointing():
+    """The packed layout must stay on through backward: checkpointing recomputes the forward there."""
+    from trainer.sft.forward import forward_loss
+
+    samples = load_jsonl(generate(tempfile.mkdtemp(), 4, seed=6, max_objects=3))
+    model, tok = build_tiny_model("text", seed=2)
+    pipe = Stage2Pipeline(PromptEncoder(tok))
+    targets = pipe.ground_truth_targets(samples)
+    coord_ids = torch.tensor(sorted(pipe.coord_bin_by_id, key=pipe.coord_bin_by_id.get), device="cuda")
+    impl = register_varlen_attention()
+    model = model.to("cuda", torch.bfloat16).train()
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def grads(batch, layout):
+        model.zero_grad(set_to_none=True)
+        batch = {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        with layout:
+            loss, _, _ = forward_loss(model, batch, coord_ids, LossWeights(), supervised_logits=True)
+            loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    g_packed = grads(pack_targets(targets, impl), packed_attention(model, impl))
+    g_padded = grads(pad_targets(targets, tok.pad_token_id), contextlib.nullcontext())
+    assert g_packed.keys() == g_padded.keys() and g_packed
+
+    def rel_err(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+    worst = max(rel_err(g_packed[n], g) for n, g in g_padded.items())
+    assert worst < 0.05, worst
+
+    model.zero_grad(set_to_none=True)
+    packed = {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in pack_targets(targets, impl).items()}
+    with packed_attention(model, impl):
+        loss, _, _ = forward_loss(model, packed, coord_ids, LossWeights(), supervised_logits=True)
+    try:
+        loss.backward()
+    except Exception as exc:  # checkpoint recompute without the layout: a tensor-count mismatch
+        assert "checkpoint" in type(exc).__module__ + str(exc).lower()
+    else:
+        outside = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert max(rel_err(outside[n], g) for n, g in g_padded.items()) > 0.05, "backward outside the layout differs"

@@ -95,6 +95,7 @@ class RolloutMatchingTrainer(Trainer):
         self.offload = offload
         self.weight_sync = weight_sync
         self.supervised_logits = supervised_logits
+        self._layout_stack: contextlib.ExitStack | None = None
         self._resume_skip = 0
         self._steps_per_epoch = 1
         self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None)
@@ -180,6 +181,9 @@ class RolloutMatchingTrainer(Trainer):
         layout = contextlib.nullcontext()
         if self.packed_attn is not None and "position_ids" in inputs:
             layout = packed_attention(unwrapped, self.packed_attn)
+            if self._layout_stack is not None:
+                self._layout_stack.enter_context(layout)
+                layout = contextlib.nullcontext()
         with self.timers.phase("forward"), layout:
             loss, terms, outputs = forward_loss(model, inputs, self.coord_ids, self.loss_weights,
                                                 self.supervised_logits, unwrapped)
@@ -258,7 +262,14 @@ class RolloutMatchingTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         start = time.perf_counter()
         before = dict(self.timers.seconds)
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        with contextlib.ExitStack() as stack:
+            # the packed attention layout entered by compute_loss stays on through backward: activation
+            # checkpointing recomputes the forward there and must see the same segment-isolating attention
+            self._layout_stack = stack
+            try:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self._layout_stack = None
         spent = time.perf_counter() - start
         inner = sum(self.timers.seconds.get(k, 0.0) - before.get(k, 0.0) for k in ("rollout", "forward", "target"))
         self.timers.seconds["backward"] += max(0.0, spent - inner)
