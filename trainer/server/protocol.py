@@ -97,7 +97,27 @@ class InitCommunicatorBody(_Strict):
 class UpdateNamedParamBody(_Strict):
     name: str = Field(min_length=1, max_length=1024)
     dtype: str
-    shape: list[int]
+    shape: list[int] = Field(max_length=8)
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        from trainer.sync.buckets import torch_dtype
+
+        torch_dtype(v)  # checked here: the receive itself runs in the background, after the answer
+        return v
+
+    @field_validator("shape")
+    @classmethod
+    def _sane_shape(cls, v: list[int]) -> list[int]:
+        if any(d < 0 for d in v):
+            raise ValueError(f"shape {v} has a negative dimension")
+        numel = 1
+        for d in v:
+            numel *= d
+        if numel > 2**40:
+            raise ValueError(f"shape {v} has more than 2**40 elements")
+        return v
 
 
 class UpdateFlattenedParamsBody(_Strict):
