@@ -245,6 +245,12 @@ def plot(result: dict, out_png: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.only in ("all", "rollout"):
+        from trainer.bench_rollout import run_rollout_benches
+
+        run_rollout_benches(out, quick=args.quick)
+    if args.only == "rollout":
+        return 0
     if args.quick:
         result = run_bench(TINY, micro_batch=2, segments=8, wide=4, min_len=16, max_len=64, repeats=1)
     else:
@@ -267,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("bench", help="stage-2 packed vs padded forward+backward benchmark (JSON + PNG)")
+    p = subparsers.add_parser("bench", help="stage-2 benchmarks: packing, rollout batching, rollout buffer (JSON + PNG)")
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--segments", type=int, default=32, help="targets trained per timed pass")
@@ -276,5 +282,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--only", choices=("all", "packing", "rollout"), default="all",
+                   help="packing: packed vs padded fwd+bwd (+ offload); rollout: HF rollout batching + rollout buffer")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.set_defaults(func=run)
