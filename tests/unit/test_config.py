@@ -172,3 +172,22 @@ def test_server_backend_without_a_healthy_server_fails_naming_it():
             "servers": [{"base_url": "http://127.0.0.1:9"}], "timeout_s": 1}}}}}))
     with pytest.raises(RolloutServerError, match="127.0.0.1:9"):
         build_rollout_engine(cfg.rollout_matching, loaded=None, model=None)
+
+
+def test_deepspeed_presets_and_files_validate_and_resolve(tmp_path):
+    from transformers import TrainingArguments
+
+    from trainer.sft.deepspeed_config import PRESETS, resolve
+
+    [(key, message)] = errors_for(merged(training={"deepspeed": "zero5"}))
+    assert key == "training.deepspeed" and "zero2_offload" in message and "JSON file" in message
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text('{"zero_optimization": {"stage": 2}}')
+    for value in (*PRESETS, str(ds_json)):
+        assert validate_config(merged(training={"deepspeed": value})).training.deepspeed == value
+    assert resolve(str(ds_json)) == str(ds_json)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), deepspeed=resolve("zero3_offload"), use_cpu=True,
+                             per_device_train_batch_size=4, gradient_accumulation_steps=2, report_to=[])
+    ds = args.hf_deepspeed_config.config
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 2

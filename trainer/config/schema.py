@@ -284,6 +284,12 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
     errs: list[ConfigError] = []
     t = cfg.training
     variant = cfg.custom.trainer_variant
+    if t.deepspeed is not None:
+        from trainer.sft.deepspeed_config import problem
+
+        why = problem(t.deepspeed)
+        if why:
+            errs.append(ConfigError("training.deepspeed", why))
     if variant == "rollout_matching_sft":
         rm = cfg.custom.extra.rollout_matching
         if rm is None:

@@ -20,6 +20,7 @@ from trainer.modeling.prompts import PromptEncoder
 from trainer.packing.buffer import PackingBuffer
 from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
+from trainer.sft import deepspeed_config
 from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
 from trainer.sft.trainer import JsonlMetricsCallback, RolloutMatchingTrainer, SampleDataset
 from trainer.sync.policy import build_weight_sync
@@ -79,7 +80,7 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         dataloader_num_workers=t.dataloader_num_workers,
         report_to=report_to,
         disable_tqdm=t.disable_tqdm,
-        deepspeed=t.deepspeed,
+        deepspeed=deepspeed_config.resolve(t.deepspeed),
         use_cpu=not torch.cuda.is_available(),
     )
 
