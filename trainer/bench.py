@@ -29,6 +29,7 @@ import torch
 
 from trainer.losses.objective import LossWeights
 from trainer.matching.targets import IGNORE_INDEX, TrainTarget
+from trainer.modeling.compile import compile_decoder_layers, decoder_layers
 from trainer.packing.packed_batch import pack_targets
 from trainer.packing.varlen_attention import packed_attention, register_varlen_attention, varlen_available
 from trainer.sft.batching import pad_targets
@@ -106,11 +107,13 @@ def _timed(step, device: str, repeats: int) -> tuple[float, float | None]:
 
 def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int = 16, min_len: int = 300,
               max_len: int = 2000, repeats: int = 3, gradient_checkpointing: bool = True, seed: int = 0,
-              peak_tflops: float = H100_BF16_TFLOPS) -> dict:
+              peak_tflops: float = H100_BF16_TFLOPS, compile_layers: bool = False) -> dict:
     """Every variant trains the same ``segments`` targets once per pass (forward+backward, no optimizer step).
 
     ``micro_batch`` segments per forward is the configuration under test; ``wide`` segments per forward is the
     same samples per optimizer step in fewer forwards (e.g. micro-batch 4 × accumulation 4 vs micro-batch 16).
+    ``compile_layers`` adds the main variants again with ``training.compile_decoder_layers`` (run last: compiling
+    is in place).
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -143,11 +146,18 @@ def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int =
                 ("packed-varlen", wide, "supervised", default_w)]
     if not impl:
         variants.append(("packed-mask", wide, "supervised", default_w))
+    variants = [(*v, False) for v in variants]
+    if compile_layers:
+        packed = "packed-varlen" if impl else "packed-mask"
+        variants += [("padded", micro_batch, "full", default_w, True), (packed, micro_batch, "supervised", default_w, True),
+                     ("padded", wide, "supervised", default_w, True), (packed, wide, "supervised", default_w, True)]
     flops = model_flops(shape, lengths)
     results = []
-    for layout, k, logits, w in variants:
+    for layout, k, logits, w, compiled in variants:
         if (layout, k) not in layouts:
             continue
+        if compiled and not any(layer._compiled_call_impl is not None for layer in decoder_layers(model)):
+            compile_decoder_layers(model)
         ctx = (lambda: packed_attention(model, impl)) if layout == "packed-varlen" else contextlib.nullcontext
 
         def step(rows=layouts[(layout, k)], logits=logits, w=w, ctx=ctx):
@@ -157,17 +167,21 @@ def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int =
                     loss.backward()
             model.zero_grad(set_to_none=True)
 
+        name = f"{layout}/{logits} ×{k}" + (" compiled" if compiled else "")
         try:
+            compile_s = time.perf_counter()
+            step()
+            compile_s = time.perf_counter() - compile_s
             seconds, peak = _timed(step, device, repeats)
         except torch.OutOfMemoryError:
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-            results.append({"variant": f"{layout}/{logits} ×{k}", "layout": layout, "segments_per_forward": k,
-                            "logits": logits, "error": "out of memory"})
+            results.append({"variant": name, "layout": layout, "segments_per_forward": k, "logits": logits,
+                            "compiled": compiled, "error": "out of memory"})
             continue
-        name = f"{layout}/{logits} ×{k}"
         print(f"{name}: {sum(lengths) / seconds:.0f} real tok/s, peak {peak} GiB", flush=True)
         results.append({"variant": name, "layout": layout, "segments_per_forward": k, "logits": logits,
+                        "compiled": compiled, "first_pass_s": compile_s,
                         "forwards_per_pass": len(layouts[(layout, k)]), "s_per_pass": seconds,
                         "real_tokens_per_s": sum(lengths) / seconds,
                         "mfu": flops / seconds / (peak_tflops * 1e12) if device == "cuda" else None,
@@ -255,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_bench(TINY, micro_batch=2, segments=8, wide=4, min_len=16, max_len=64, repeats=1)
     else:
         result = run_bench(QWEN3_0_6B, args.micro_batch, args.segments, args.wide, args.min_len, args.max_len,
-                           args.repeats, gradient_checkpointing=not args.no_gradient_checkpointing)
+                           args.repeats, gradient_checkpointing=not args.no_gradient_checkpointing,
+                           compile_layers=not args.no_compile)
     (out / "packing.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "packing.png")
     for r in result["results"]:
@@ -282,6 +297,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled-decoder-layer variants")
     p.add_argument("--only", choices=("all", "packing", "rollout"), default="all",
                    help="packing: packed vs padded fwd+bwd (+ offload); rollout: HF rollout batching + rollout buffer")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")

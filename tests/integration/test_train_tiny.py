@@ -78,3 +78,45 @@ def test_rollout_buffer_reuses_rollouts_and_trains_every_sample(tmp_path):
     assert sum(r.get("rollout/samples", 0) for r in rows) == 8, "every sample rolled out exactly once"
     assert sum(r.get("buffer/replayed_microbatches", 0) for r in rows) == 8
     assert max(r.get("buffer/max_staleness_steps", 0) for r in rows) == 2
+
+
+@pytest.mark.slow
+def test_compiled_decoder_layers_train_with_packing_and_eager_rollouts(tmp_path, monkeypatch):
+    """training.compile_decoder_layers: the layers are compiled for the teacher-forced step, HF rollouts run eager
+    (no recompiles for generation shapes), and the run trains with packing."""
+    import torch
+
+    from trainer.modeling import compile as compile_mod
+
+    stances = []
+    real_eager = compile_mod.eager_rollouts
+
+    def spy(enabled):
+        stances.append(enabled)
+        return real_eager(enabled)
+
+    monkeypatch.setattr("trainer.sft.trainer.eager_rollouts", spy)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    data = config(tmp_path, "text", max_steps=3, compile_decoder_layers=True, packing=True, packing_length=2048)
+    summary = run_training(validate_config(data))
+    assert counters["stats"]["unique_graphs"] > 0, "the teacher-forced step ran compiled layers"
+    rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
+    assert len(rows) == 3 and all(r["grad_norm"] > 0 and r["loss"] == r["loss"] for r in rows)
+    assert stances == [True, True, True], "every rollout ran under the eager stance"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(summary.final_model_dir)
+    assert sum(p.numel() for p in model.parameters()) > 0
+    ids = torch.randint(0, 200, (1, 40))
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+    layers = compile_mod.decoder_layers(model)
+    assert compile_mod.compile_decoder_layers(model) == len(layers)
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    with torch.no_grad():
+        with torch.compiler.set_stance("force_eager"):
+            forced = model(input_ids=ids).logits
+        compiled = model(input_ids=ids).logits
+    assert torch.allclose(compiled, eager, rtol=1e-4, atol=1e-4) and torch.equal(forced, eager)

@@ -96,6 +96,9 @@ class TrainingConfig(Section):
     save_total_limit: int | None = Field(None, ge=1)
     bf16: bool = False
     gradient_checkpointing: bool = False
+    compile_decoder_layers: bool = Field(
+        False, description="torch.compile each decoder layer (dynamic shapes) for the teacher-forced step; HF-backend "
+                           "rollouts stay eager unless rollout_matching.hf.compile is on")
     dataloader_num_workers: int = Field(0, ge=0)
     report_to: list[Literal["tensorboard", "jsonl"]] = Field(default_factory=lambda: ["jsonl", "tensorboard"])
     deepspeed: str | None = None

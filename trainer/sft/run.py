@@ -15,6 +15,7 @@ from trainer.data.records import LoadReport, Sample, load_jsonl
 from trainer.data.synthetic import generate
 from trainer.extras import require
 from trainer.losses.objective import LossWeights
+from trainer.modeling.compile import compile_decoder_layers
 from trainer.modeling.loading import LoadedModel, apply_tuner, load_model
 from trainer.modeling.prompts import PromptEncoder
 from trainer.packing.buffer import PackingBuffer
@@ -119,6 +120,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     samples = load_samples(cfg)
     loaded = load_model(cfg.model, out)
     model = apply_tuner(loaded.model, cfg.tuner, loaded.multimodal)
+    if cfg.training.compile_decoder_layers:
+        log.info("compiled %d decoder layers (training.compile_decoder_layers)", compile_decoder_layers(model))
     pipeline = build_pipeline(cfg, loaded)
     dataset = SampleDataset(samples)
     report = [r for r in cfg.training.report_to if r != "jsonl"]
@@ -156,6 +159,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             packed_attn_implementation=cfg.model.attn_implementation,
             offload=(rm.offload.offload_model, rm.offload.offload_optimizer) if rm.offload.enabled else None,
             weight_sync=weight_sync, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
+            eager_rollouts=cfg.training.compile_decoder_layers and rm.rollout_backend == "hf" and not rm.hf.compile,
             **common)
         result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:

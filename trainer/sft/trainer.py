@@ -24,6 +24,7 @@ from trainer.buffering.rollout_buffer import RepeatingLoader, RolloutBuffer, rep
 from trainer.data.records import Sample
 from trainer.losses.objective import LossWeights
 from trainer.matching.targets import TrainTarget
+from trainer.modeling.compile import eager_rollouts
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
 from trainer.packing.varlen_attention import choose_packed_attention, packed_attention
@@ -75,7 +76,7 @@ class RolloutMatchingTrainer(Trainer):
                  image_token_id: int | None = None, packing: PackingBuffer | None = None,
                  rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None,
                  offload: tuple[bool, bool] | None = None, weight_sync: Any = None, supervised_logits: bool = True,
-                 **kwargs: Any):
+                 eager_rollouts: bool = False, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -95,6 +96,7 @@ class RolloutMatchingTrainer(Trainer):
         self.offload = offload
         self.weight_sync = weight_sync
         self.supervised_logits = supervised_logits
+        self.eager_rollouts = eager_rollouts
         self._layout_stack: contextlib.ExitStack | None = None
         self._resume_skip = 0
         self._steps_per_epoch = 1
@@ -126,7 +128,7 @@ class RolloutMatchingTrainer(Trainer):
             requests, _ = self.pipeline.requests(samples)
             offload = (offload_for_rollout(self.model_wrapped, self.optimizer, *self.offload) if self.offload
                        else contextlib.nullcontext(None))
-            with self.timers.phase("generate"), offload as moved:
+            with self.timers.phase("generate"), offload as moved, eager_rollouts(self.eager_rollouts):
                 results = self.engine.generate(requests, self.rollout_params())
             if moved is not None:
                 self.counters.add({"offload_param_bytes": moved.moved_param_bytes,
