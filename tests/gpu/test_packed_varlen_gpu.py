@@ -26,8 +26,18 @@ from trainer.sft.stage2 import Stage2Pipeline
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not varlen_available(), reason="needs CUDA + torch varlen attention")]
 
 
-@pytest.mark.parametrize("kind", ["text"])
-def test_varlen_packed_matches_padded(kind):
+@pytest.mark.parametrize("kind", ["text", "vl"])
+def test_varlen_packed_matches_padded(kind, monkeypatch):
+    import torch.nn.attention.varlen as varlen_mod
+
+    calls = []
+    real = varlen_mod.varlen_attn
+
+    def counting(*args, **kwargs):
+        calls.append(args[3].tolist())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(varlen_mod, "varlen_attn", counting)
     samples = load_jsonl(generate(tempfile.mkdtemp(), 4, seed=4, max_objects=3))
     model, tok = build_tiny_model(kind, seed=2)
     pipe = Stage2Pipeline(PromptEncoder(tok, build_tiny_image_processor() if kind == "vl" else None))
@@ -47,8 +57,12 @@ def test_varlen_packed_matches_padded(kind):
         packed["pixel_values"] = packed["pixel_values"].to(torch.bfloat16)
     with torch.no_grad():
         lp = model(**{k: v for k, v in padded.items() if k not in LOSS_KEYS}).logits.float()
-        with packed_attention(model, impl):
+        with packed_attention(model, impl, packed.get("packed_cu_seq_lens"), packed.get("packed_max_length")):
             lk = model(**{k: v for k, v in packed.items() if k not in LOSS_KEYS}).logits.float()
+    assert ("packed_cu_seq_lens" in packed) == (kind == "vl") and ("cu_seq_lens_q" in packed) == (kind == "text")
+    cu = [0, *torch.cumsum(torch.tensor([t.length for t in targets]), 0).tolist()]
+    layers = model.config.get_text_config().num_hidden_layers
+    assert calls == [cu] * layers, "every text layer ran the varlen kernel with the segment boundaries"
     a = per_segment_losses(lp, padded, coord_ids, LossWeights())
     b = per_segment_losses(lk, packed, coord_ids, LossWeights())
     assert torch.allclose(a, b, rtol=2e-2, atol=2e-2), (a, b)

@@ -112,3 +112,27 @@ def test_packed_and_unpacked_losses_match(kind, impl):
     a = per_segment_losses(lp, padded, coord_ids, LossWeights())
     b = per_segment_losses(lk, packed, coord_ids, LossWeights())
     assert torch.allclose(a, b, atol=1e-4), (a, b)
+
+
+def test_multimodal_varlen_rows_use_the_side_channel_not_model_kwargs():
+    from trainer.packing import varlen_attention as va
+
+    samples = load_jsonl(generate(tempfile.mkdtemp(), 2, seed=4, max_objects=2))
+    model, tok = build_tiny_model("vl", seed=2)
+    pipe = Stage2Pipeline(PromptEncoder(tok, build_tiny_image_processor()))
+    targets = pipe.ground_truth_targets(samples)
+    batch = pack_targets(targets, va.VARLEN_IMPL, model, model.config.image_token_id)
+    lengths = [t.length for t in targets]
+    assert batch["packed_cu_seq_lens"].tolist() == [0, lengths[0], sum(lengths)]
+    assert batch["packed_max_length"] == max(lengths)
+    assert not {"cu_seq_lens_q", "max_length_q"} & batch.keys(), "varlen kwargs would reach the vision encoder"
+    assert {"packed_cu_seq_lens", "packed_max_length"} <= set(LOSS_KEYS), "not passed to the model"
+    text_cfg, vision_before = model.config.get_text_config(), model.config.vision_config._attn_implementation
+    text_before = text_cfg._attn_implementation
+    with pytest.raises(RuntimeError, match="boom"):
+        with va.packed_attention(model, "eager", batch["packed_cu_seq_lens"], batch["packed_max_length"]):
+            assert text_cfg._attn_implementation == "eager"
+            assert model.config.vision_config._attn_implementation == vision_before
+            assert va._SIDE_CHANNEL["max_len"] == max(lengths)
+            raise RuntimeError("boom")
+    assert not va._SIDE_CHANNEL and text_cfg._attn_implementation == text_before

@@ -2,7 +2,8 @@
 loss indices shifted by each segment's offset.
 
 Attention layouts: ``flash_attention_2`` and ``rm_varlen`` (PyTorch varlen) get restarting ``position_ids`` plus
-``cu_seq_lens_q/k`` and ``max_length_q/k`` (no mask is materialised); ``sdpa`` gets a boolean block-diagonal causal
+``cu_seq_lens_q/k`` and ``max_length_q/k`` (no mask is materialised; multimodal ``rm_varlen`` batches carry them as
+``packed_cu_seq_lens`` / ``packed_max_length`` for ``packed_attention``'s side channel instead); ``sdpa`` gets a boolean block-diagonal causal
 mask; ``eager`` the additive form of that mask.
 For Qwen-VL models the 3-D mRoPE position ids are computed per segment (``model.get_rope_index``) and the
 image tensors are concatenated in segment order.
@@ -68,7 +69,11 @@ def pack_targets(targets: Sequence[TrainTarget], attn_implementation: str, model
         batch["mm_token_type_ids"] = (ids == image_token_id).long()
     else:
         batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
-    if attn_implementation in VARLEN_LAYOUTS:
+    if attn_implementation == VARLEN_IMPL and "pixel_values" in batch:
+        batch["packed_cu_seq_lens"] = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()],
+                                                   dtype=torch.int32)
+        batch["packed_max_length"] = max(lengths)
+    elif attn_implementation in VARLEN_LAYOUTS:
         cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int32)
         batch["cu_seq_lens_q"] = cu
         batch["cu_seq_lens_k"] = cu.clone()

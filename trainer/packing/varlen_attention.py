@@ -2,8 +2,11 @@
 ``torch.nn.attention.varlen.varlen_attn`` registered as a transformers attention implementation.
 
 ``packed_attention(model, impl)`` swaps the text model's attention implementation only around the packed
-forward (rollout generation keeps its own, padded, implementation). The packed batch carries
-``cu_seq_lens_q/k`` and ``max_length_q/k``; attention never crosses a segment boundary.
+forward and its backward (rollout generation keeps its own, padded, implementation). Text batches carry
+``cu_seq_lens_q/k`` and ``max_length_q/k`` as model kwargs. Multimodal batches carry them as
+``packed_cu_seq_lens`` / ``packed_max_length`` instead, handed to ``packed_attention`` (a process-wide side channel,
+visible to the autograd threads that recompute checkpointed layers): as model kwargs they would reach the vision
+encoder, which keeps its own attention. Attention never crosses a segment boundary.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 VARLEN_IMPL = "rm_varlen"
 _REGISTERED = False
+_SIDE_CHANNEL: dict[str, object] = {}
 
 
 def varlen_available() -> bool:
@@ -40,6 +44,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
 
     cu = kwargs.get("cu_seq_lens_q")
     max_len = kwargs.get("max_length_q")
+    if cu is None and "cu" in _SIDE_CHANNEL:
+        cu, max_len = _SIDE_CHANNEL["cu"], _SIDE_CHANNEL["max_len"]
     if cu is None or max_len is None:
         raise ValueError("rm_varlen attention needs cu_seq_lens_q and max_length_q (a packed batch)")
     if query.shape[0] != 1:
@@ -71,33 +77,42 @@ def register_varlen_attention() -> str:
 
 
 def choose_packed_attention(configured: str | None, multimodal: bool = False) -> str:
-    """The attention implementation for packed rows: the configured one, else flash-attn, else PyTorch
-    varlen on CUDA (text models only: with transformers 5.17 the varlen kwargs break the Qwen3-VL vision
-    encoder), else sdpa with a block-diagonal mask (correct everywhere, slower for long rows)."""
+    """The attention implementation for packed rows: the configured one, else flash-attn (text models), else
+    PyTorch varlen on CUDA (text and multimodal: the latter through the side channel), else sdpa with a
+    block-diagonal mask (correct everywhere, slower for long rows)."""
     if configured:
         return configured
-    if torch.cuda.is_available() and not multimodal:
-        try:
-            import flash_attn  # noqa: F401
+    if torch.cuda.is_available():
+        if not multimodal:
+            try:
+                import flash_attn  # noqa: F401
 
-            return "flash_attention_2"
-        except ImportError:
-            pass
+                return "flash_attention_2"
+            except ImportError:
+                pass
         if varlen_available():
             return register_varlen_attention()
     return "sdpa"
 
 
 @contextmanager
-def packed_attention(model, impl: str) -> Iterator[None]:
-    """Temporarily set the language model's attention implementation (restored on exceptions too)."""
+def packed_attention(model, impl: str, cu_seq_lens: torch.Tensor | None = None,
+                     max_length: int | None = None) -> Iterator[None]:
+    """Temporarily set the language model's attention implementation (restored on exceptions too); with
+    ``cu_seq_lens`` the varlen kernel reads the segment boundaries from the side channel."""
     text_cfg = model.config.get_text_config()
-    configs = {id(c): c for c in (model.config, text_cfg)}.values()
+    multimodal = text_cfg is not model.config
+    configs = [text_cfg] if multimodal else [model.config]
     before = [(c, c._attn_implementation) for c in configs]
+    if cu_seq_lens is not None and _SIDE_CHANNEL:
+        raise RuntimeError("packed_attention side channel already in use (nested packed forwards)")
     try:
         for c, _ in before:
             c._attn_implementation = impl
+        if cu_seq_lens is not None:
+            _SIDE_CHANNEL.update(cu=cu_seq_lens, max_len=int(max_length))
         yield
     finally:
+        _SIDE_CHANNEL.clear()
         for c, old in before:
             c._attn_implementation = old

@@ -182,7 +182,8 @@ class RolloutMatchingTrainer(Trainer):
         unwrapped = self.accelerator.unwrap_model(model)
         layout = contextlib.nullcontext()
         if self.packed_attn is not None and "position_ids" in inputs:
-            layout = packed_attention(unwrapped, self.packed_attn)
+            layout = packed_attention(unwrapped, self.packed_attn, inputs.get("packed_cu_seq_lens"),
+                                      inputs.get("packed_max_length"))
             if self._layout_stack is not None:
                 self._layout_stack.enter_context(layout)
                 layout = contextlib.nullcontext()
