@@ -67,7 +67,11 @@ def test_killed_and_resumed_run_trains_the_same_sequence(tmp_path, packing, buff
     train(killed, kill_after_checkpoint=3)
     partial = ledger(killed)
     assert partial and max(row[2] for row in partial) >= 2
-    assert not (tmp_path / "killed" / "stage2" / "checkpoint-6").exists(), "killed before the next checkpoint"
+    incomplete = tmp_path / "killed" / "stage2" / "checkpoint-6"
+    assert not incomplete.exists(), "killed before the next checkpoint"
+    incomplete.mkdir()
+    (incomplete / "trainer_state.json").write_text('{"global_step": 6}')
+    (incomplete / "rank0-rollout_state.pt.tmp").write_bytes(b"torn write")
     train(killed, "--resume-from-checkpoint", "latest")
     expected = ledger(straight)
     assert max(row[2] for row in expected) == 9

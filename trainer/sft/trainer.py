@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trainer.buffering.offload import offload_for_rollout
 from trainer.buffering.rollout_buffer import RepeatingLoader, RolloutBuffer, repeated_length
@@ -37,6 +38,7 @@ from trainer.telemetry import Counters, JsonlWriter, PhaseTimers, gpu_memory_sna
 
 ROLLOUT_STATE = "rollout_state.pt"
 LEDGER = "ledger.jsonl"
+logger = logging.getLogger(__name__)
 
 
 class SampleDataset(Dataset):
@@ -223,14 +225,31 @@ class RolloutMatchingTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        torch.save(self.rollout_state(), os.path.join(folder, f"rank{self.args.process_index}-{ROLLOUT_STATE}"))
+        path = os.path.join(folder, f"rank{self.args.process_index}-{ROLLOUT_STATE}")
+        torch.save(self.rollout_state(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def latest_complete_checkpoint(self) -> str | None:
+        """Newest ``checkpoint-*`` whose rollout state (written last, atomically) exists for this rank: a process
+        killed while saving leaves an incomplete folder, which is skipped with a warning."""
+        root = self.args.output_dir
+        steps = sorted((int(d.rsplit("-", 1)[1]) for d in os.listdir(root) if d.startswith(f"{PREFIX_CHECKPOINT_DIR}-")
+                        and d.rsplit("-", 1)[1].isdigit()), reverse=True) if os.path.isdir(root) else []
+        for step in steps:
+            folder = os.path.join(root, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+            if os.path.isfile(os.path.join(folder, f"rank{self.args.process_index}-{ROLLOUT_STATE}")):
+                return folder
+            logger.warning("skipping %s: incomplete (no rank%d-%s; the run was stopped while saving it)", folder,
+                           self.args.process_index, ROLLOUT_STATE)
+        return None
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
-        """``resume_from_checkpoint``: a checkpoint folder, or True / "latest" for the newest in ``output_dir``."""
+        """``resume_from_checkpoint``: a checkpoint folder, or True / "latest" for the newest complete one in
+        ``output_dir``."""
         if resume_from_checkpoint in (True, "latest"):
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = self.latest_complete_checkpoint()
             if resume_from_checkpoint is None:
-                raise FileNotFoundError(f"no checkpoint-* folder in {self.args.output_dir} to resume from")
+                raise FileNotFoundError(f"no complete checkpoint-* folder in {self.args.output_dir} to resume from")
         if resume_from_checkpoint:
             path = os.path.join(resume_from_checkpoint, f"rank{self.args.process_index}-{ROLLOUT_STATE}")
             if not os.path.isfile(path):
