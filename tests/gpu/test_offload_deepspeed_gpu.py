@@ -41,12 +41,25 @@ def run_worker(*args: str) -> dict:
     return report
 
 
+def _keep(name: str, rep: dict) -> None:
+    """On the device machine, $OUT comes back: keep the full report there for reading after the run."""
+    out = os.environ.get("OUT")
+    if out and os.path.isdir(out):
+        Path(out, f"{name}.json").write_text(json.dumps(rep, indent=1))
+
+
 @pytest.mark.parametrize("stage,optim", [("1", "torch"), ("2", "torch"), ("3", "torch"), ("3", "fused")])
 def test_offload_round_trip_and_step_equivalence_on_gpu(stage, optim):
     rep = run_worker("--stage", stage, "--optim", optim)
     print(json.dumps({k: v for k, v in rep.items() if k != "points"}))
+    _keep(f"round_trip_zero{stage}_{optim}", rep)
     for point in rep["points"]:
+        # devices of the tensors holding the values (ZeRO-3: p.ds_tensor; its p.data is an empty placeholder that
+        # DeepSpeed leaves on the GPU, see ds_offload_worker.param_data_devices)
         assert point["inside_param_devices"] == ["cpu"], point
+        assert point["inside_gathered_zero3_params"] == 0, point
+        if stage == "3":
+            assert point["inside_accelerator_bytes"] == {}, point
         assert point["after_offloaded_states"] == [] and point["round_trip_diff"] == [] and point["views_intact"]
         assert point["cuda_bytes_inside"] < point["cuda_bytes_before"], point
     assert rep["points"][2]["raised"]
@@ -58,6 +71,7 @@ def test_offload_round_trip_and_step_equivalence_on_gpu(stage, optim):
 def test_offload_bench_on_gpu(stage):
     """~117M params (bf16 + fp32 master + AdamW): bytes moved, seconds each way, memory left inside the block."""
     rep = run_worker("--stage", stage, "--bench", "--hidden", "4096", "--layers", "7")
+    _keep(f"bench_zero{stage}", rep)
     print("BENCH", json.dumps(rep))
     moved = rep["param_bytes"] + rep["optimizer_bytes"]
     assert moved >= 14 * rep["params"] * 0.99  # 2 (bf16) + 4 (fp32 master) + 8 (AdamW), per parameter

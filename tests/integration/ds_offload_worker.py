@@ -126,6 +126,44 @@ def views_intact(engine) -> bool:
     return True
 
 
+def param_data_devices(engine) -> list[str]:
+    """Devices of the tensors that hold each parameter's values. Under ZeRO-3 that is the partition ``p.ds_tensor``:
+    ``p.data`` of a released ZeRO-3 parameter is a 0-element placeholder DeepSpeed keeps on the accelerator (it holds
+    no memory, and gathering allocates on the accelerator whatever its device), so ``p.device`` says cuda:0 even when
+    every byte is on the host. DeepSpeed's own ``get_state_devices(lp_params)`` looks at ``ds_tensor`` too."""
+    return sorted({str((p.ds_tensor if hasattr(p, "ds_tensor") else p).device) for p in engine.module.parameters()})
+
+
+def gathered_zero3_params(engine) -> int:
+    """ZeRO-3 parameters whose ``p.data`` holds values (gathered, not released): a full copy that would stay put."""
+    return sum(1 for p in engine.module.parameters() if hasattr(p, "ds_tensor") and p.data.numel() > 0)
+
+
+def accelerator_state_bytes(engine) -> dict:
+    """Bytes of training state on an accelerator, per kind, by the tensors' real devices (not the --simulate switch,
+    so on CPU hosts this is always empty; on a GPU it names whatever the offload left behind)."""
+    import torch
+
+    z = engine.optimizer
+    params = list(engine.module.parameters())
+    kinds = {
+        "params": [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in params],
+        "gathered_zero3_params": [p.data for p in params if hasattr(p, "ds_tensor")],
+        "param_grads": [p.grad for p in params],
+        "lp_flat": list(getattr(z, "bit16_groups_flat", None) or [getattr(z, "lp_param_buffer", None)]),
+        "hp_params": list(getattr(z, "fp32_partitioned_groups_flat", None) or z.single_partition_of_fp32_groups),
+        "optim_states": [v for s in z.optimizer.state.values() for v in s.values()],
+        "lp_grads": [getattr(z, "grad_partitions_flat_buffer", None)]
+        + [t for g in getattr(z, "averaged_gradients", {}).values() for t in (g or [])],
+    }
+    out = {}
+    for kind, tensors in kinds.items():
+        n = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu")
+        if n:
+            out[kind] = n
+    return out
+
+
 def host_storage_ids(engine) -> dict:
     z = engine.optimizer
     flats = getattr(z, "bit16_groups_flat", None) or [z.lp_param_buffer]
@@ -157,7 +195,9 @@ def scenario(stage: int, optim: str) -> dict:
             with offload_for_rollout(eng, eng.optimizer, True, True) as stats:
                 point["inside_offloaded_states"] = sorted(s.value for s in eng.optimizer.offloaded_states)
                 point["inside_lp_storage_changed"] = host_storage_ids(eng) != ptr_before
-                point["inside_param_devices"] = sorted({str(p.device) for p in eng.module.parameters()})
+                point["inside_param_devices"] = param_data_devices(eng)
+                point["inside_gathered_zero3_params"] = gathered_zero3_params(eng)
+                point["inside_accelerator_bytes"] = accelerator_state_bytes(eng)
                 if cuda:
                     point["cuda_bytes_inside"] = torch.cuda.memory_allocated()
                 if i == 2:

@@ -61,7 +61,9 @@ def test_round_trip_is_exact_at_every_point(stage, optim):
     assert len(rep["points"]) == 4
     for point in rep["points"]:
         assert set(point["inside_offloaded_states"]) == expected, point
-        assert point["inside_param_devices"] == ["cpu"], point
+        assert point["inside_param_devices"] == ["cpu"], point  # ZeRO-3: p.ds_tensor (p.data is a placeholder)
+        assert point["inside_gathered_zero3_params"] == 0, point  # no full ZeRO-3 copy left gathered
+        assert point["inside_accelerator_bytes"] == {}, point  # by real device: meaningful on the GPU run only
         assert point["after_offloaded_states"] == [], point
         assert point["round_trip_diff"] == [], f"state changed by the round trip at micro {point['micro']}"
         assert point["views_intact"], f"ZeRO bf16 params no longer views of the flat buffer at {point['micro']}"
