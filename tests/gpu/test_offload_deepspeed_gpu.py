@@ -58,8 +58,11 @@ def test_offload_round_trip_and_step_equivalence_on_gpu(stage, optim):
         # DeepSpeed leaves on the GPU, see ds_offload_worker.param_data_devices)
         assert point["inside_param_devices"] == ["cpu"], point
         assert point["inside_gathered_zero3_params"] == 0, point
-        if stage == "3":
-            assert point["inside_accelerator_bytes"] == {}, point
+        # what is still on the GPU inside the block, by real device. ZeRO-1 keeps a pending (GA) gradient in the
+        # unpartitioned bf16 p.grad of its managed params, which DeepSpeed's ZeRO-1 offload_states does not move:
+        # a known gap, pinned here so a change shows up
+        left = {"param_grads"} if stage == "1" and point["micro"] in (1, 3) else set()
+        assert set(point["inside_accelerator_bytes"]) == left, point
         assert point["after_offloaded_states"] == [] and point["round_trip_diff"] == [] and point["views_intact"]
         assert point["cuda_bytes_inside"] < point["cuda_bytes_before"], point
     assert rep["points"][2]["raised"]

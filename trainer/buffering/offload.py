@@ -15,6 +15,14 @@ Exception-safe (restored in ``finally``). Supported:
   two are moved here, by replacing ``.data`` of the fp32 partitions and of the optimizer state tensors in place.
   Its ``lp_params`` offload also fails when the module has frozen parameters (it maps every partition onto the
   trainable flat buffer); then that move is done here with DeepSpeed's trainable mapping, and reload stays its own.
+  What moves under ZeRO-3 is each parameter's partition ``p.ds_tensor``: ``p.data`` of a released ZeRO-3 parameter
+  is a 0-element placeholder that stays on the accelerator (no memory; gathering allocates on the accelerator
+  whatever its device), so ``p.device`` still says cuda inside the block. Every gathered parameter (persistent ones
+  included) is released first (``empty_partition_cache``) and gathered again by the next forward.
+
+Known gaps (DeepSpeed's ZeRO-1/2 ``offload_states`` has no state type for them): inside a gradient-accumulation
+window ZeRO-1 keeps the pending gradient in the unpartitioned bf16 ``p.grad`` of its parameters, and ZeRO-1/2 keep
+their reduction bucket buffers (``reduce_bucket_size`` elements, fp32 under ZeRO-1); both stay on the accelerator.
 
 Not supported (``OffloadUnsupportedError`` with advice): a DeepSpeed engine without a ZeRO optimizer (stage 0),
 ZeRO-3 ``offload_param`` (parameters already live off the accelerator), and a DeepSpeed too old for
