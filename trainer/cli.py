@@ -19,13 +19,20 @@ SUBCOMMAND_MODULES = (
     "trainer.demo",
     "trainer.bench",
 )
+# the module owning each subcommand: ``main`` imports only that one (a server or benchmark machine needs none of
+# the other subcommands' dependencies, e.g. scipy for ``bench``)
+COMMAND_MODULES = {"validate": "trainer.config.cli", "train": "trainer.sft.cli", "serve": "trainer.server.cli",
+                   "launch": "trainer.launch.cli", "render-job": "trainer.deploy.cli", "demo": "trainer.demo",
+                   "bench": "trainer.bench"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand's parser, or with ``command`` only the module owning it (when known)."""
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for name in SUBCOMMAND_MODULES:
+    modules = (COMMAND_MODULES[command],) if command in COMMAND_MODULES else SUBCOMMAND_MODULES
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -37,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -142,7 +142,7 @@ class ServerRolloutEngine:
                  transport: str = "auto", group_port: int = 51216, bucket_bytes: int = 512 * 2**20,
                  inline_images: bool = False, wait: bool = True, max_retries: int = 1,
                  readmit_after_s: float | None = None, readmit_max_interval_s: float = 300.0,
-                 communicator: Any = None, clock: Any = time.monotonic):
+                 communicator: Any = None, clock: Any = time.monotonic, nccl_backend: str = "auto"):
         import torch.distributed as dist
 
         if not servers:
@@ -168,6 +168,7 @@ class ServerRolloutEngine:
         self._probe: dict[str, tuple[float, float]] = {}  # url -> (next probe time, current wait)
         self.readmissions: list[dict[str, Any]] = []
         self.communicator = communicator
+        self.nccl_backend = nccl_backend
         self.clock = clock
         if wait:
             self.wait_healthy(timeout_s)
@@ -367,7 +368,7 @@ class ServerRolloutEngine:
             live = [s for s in self.servers if s.base_url not in self.quarantined]
             if choice == "nccl":
                 transport: WeightTransport = NcclTransport(live, self.group_port, self.timeout_s, self.bucket_bytes,
-                                                           communicator=self.communicator)
+                                                           communicator=self.communicator, backend=self.nccl_backend)
             elif choice == "inband":
                 transport = InbandTransport(live, timeout_s=max(self.timeout_s, 600.0))
             else:
@@ -433,7 +434,8 @@ def engine_from_config(rm, loaded, model) -> ServerRolloutEngine:
     sync = v.sync
     engine = ServerRolloutEngine(
         endpoints_from_config(v.server), timeout_s=v.server.timeout_s, infer_timeout_s=v.server.infer_timeout_s,
-        transport=sync.transport, group_port=sync.group_port, bucket_bytes=sync.bucket_mb * 2**20,
+        transport=sync.transport, nccl_backend=sync.nccl_backend, group_port=sync.group_port,
+        bucket_bytes=sync.bucket_mb * 2**20,
         max_retries=v.server.max_retries, readmit_after_s=v.server.readmit_after_s,
         readmit_max_interval_s=v.server.readmit_max_interval_s)
     log.info("rollout servers %s (this rank: %s), sync.mode %s, fallback_to_full %s, rollout seed %s",

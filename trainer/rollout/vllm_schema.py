@@ -52,13 +52,24 @@ class VllmServerConfig(Section):
 
 class VllmSyncConfig(Section):
     """``mode``: full (merged weights) | adapter (LoRA only) | auto. ``transport`` (server mode): nccl (GPU,
-    what swift rollout expects) | inband (our HTTP transport, any device) | auto (nccl on CUDA, else inband)."""
+    what swift rollout expects) | inband (our HTTP transport, any device) | auto (nccl on CUDA, else inband).
+    ``nccl_backend`` (nccl transport): pynccl (vLLM's PyNcclCommunicator, what swift rollout speaks; needs vLLM
+    on the learner) | torch (a ProcessGroupNCCL built without the default process group; no vLLM needed; our
+    servers only) | auto (pynccl when vLLM is importable on the learner, else torch)."""
 
     mode: Literal["full", "adapter", "auto"] = "full"
     fallback_to_full: bool = True
     transport: Literal["auto", "nccl", "inband"] = "auto"
+    nccl_backend: Literal["auto", "pynccl", "torch"] = "auto"
     group_port: int = Field(51216, ge=1024, le=65535)
     bucket_mb: int = Field(512, ge=1)
+
+    @model_validator(mode="after")
+    def _backend_needs_nccl(self) -> VllmSyncConfig:
+        if self.transport == "inband" and self.nccl_backend != "auto":
+            raise ValueError(f"sync.nccl_backend: {self.nccl_backend} only applies to sync.transport nccl (or auto); "
+                             "the inband transport has no communicator — drop nccl_backend or set transport: nccl")
+        return self
 
 
 class VllmConfig(Section):

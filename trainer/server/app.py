@@ -37,6 +37,7 @@ from trainer.server.protocol import (
     UpdateNamedParamBody,
     rollout_output,
 )
+from trainer.sync.transports import vllm_available
 from trainer.sync.weights import AdapterWeights, tensors_from_safetensors
 
 log = logging.getLogger(__name__)
@@ -235,7 +236,14 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
     async def init_communicator(body: InitCommunicatorBody):
         if body.world_size != engine.world_size + 1:
             raise EngineRequestError(f"world_size must be this server's world size + 1 = {engine.world_size + 1}")
-        runner.fire(lambda: engine.nccl_init(body.host, body.port, body.world_size))
+        if body.backend is None:  # ms-swift's call (PyNccl): engines keep their three-argument nccl_init
+            runner.fire(lambda: engine.nccl_init(body.host, body.port, body.world_size))
+        else:
+            offered = nccl_backends()
+            if body.backend not in offered:
+                raise EngineRequestError(f"NCCL backend {body.backend!r} is not available on this server (it offers "
+                                         f"{offered}; pynccl needs vLLM and a GPU, torch-nccl a GPU)")
+            runner.fire(lambda: engine.nccl_init(body.host, body.port, body.world_size, backend=body.backend))
         return {"message": "Request received, initializing communicator"}
 
     @app.post("/update_named_param/", dependencies=guarded)
@@ -306,9 +314,29 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
     async def info():
         return {"engine": engine.kind, "model": engine.model_name, "world_size": engine.world_size,
                 "enable_lora": engine.enable_lora, "weights_version": getattr(engine, "weights_version", None),
-                "updates": updates[-100:], "inband_path": INBAND_PATH}
+                "updates": updates[-100:], "inband_path": INBAND_PATH, "nccl_backends": nccl_backends()}
+
+    @app.get("/rm/weights_checksum/", dependencies=guarded)
+    async def weights_checksum():
+        """Per-tensor checksums of the served weights (``trainer.sync.weights.tensor_checksums``), to check that a
+        weight sync arrived bit-exact."""
+        fn = getattr(engine, "weights_checksums", None)
+        if fn is None:
+            raise EngineRequestError(f"the {engine.kind} engine does not report weight checksums")
+        return {"checksums": await runner.call(fn)}
 
     return app
+
+
+def nccl_backends() -> list[str]:
+    """The ``/init_communicator/`` backends this server process can build (reported by ``/rm/info/``)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    out = ["pynccl"] if cuda and vllm_available() else []
+    if cuda and hasattr(torch.distributed, "ProcessGroupNCCL"):
+        out.append("torch-nccl")
+    return [*out, "torch-gloo"]
 
 
 def _safetensors_metadata(blob: bytes) -> dict[str, str]:

@@ -26,6 +26,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-body-mb", type=int, default=64, help="size limit of JSON request bodies")
     p.add_argument("--max-inband-mb", type=int, default=4096, help="size limit of in-band weight payloads")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--dtype", default="auto",
+                   help="weights dtype (vllm: passed on; hf: auto = float32, else e.g. bfloat16)")
+    p.add_argument("--device", help="hf engine: the device to serve on (e.g. cuda:0; default CPU)")
     v = p.add_argument_group("vllm engine")
     v.add_argument("--max-model-len", type=int, help="required with --engine vllm")
     v.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -36,7 +39,6 @@ def register(subparsers) -> None:
     v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     v.add_argument("--enforce-eager", action="store_true", help="skip torch.compile/CUDA graphs (fast start-up)")
     v.add_argument("--kv-cache-bytes", type=int, help="explicit KV-cache size (skips vLLM's memory profiling)")
-    v.add_argument("--dtype", default="auto")
     v.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("scripted engine")
     s.add_argument("--responses", type=Path, help="JSON {uuid: text or token ids} of answers to replay")
@@ -64,7 +66,8 @@ def build_engine(args: argparse.Namespace):
     if args.engine == "hf":
         from trainer.server.hf_engine import HFServerEngine
 
-        return HFServerEngine(args.model)
+        return HFServerEngine(args.model, dtype="float32" if args.dtype == "auto" else args.dtype,
+                              device=args.device)
     if args.max_model_len is None:
         raise SystemExit("serve --engine vllm needs --max-model-len (prompt + max new tokens must fit)")
     from trainer.extras import require

@@ -48,7 +48,7 @@ class ServerEngine(Protocol):
 
     def state_keys(self) -> list[str]: ...
 
-    def nccl_init(self, host: str, port: int, world_size: int) -> None: ...
+    def nccl_init(self, host: str, port: int, world_size: int, backend: str = "pynccl") -> None: ...
 
     def nccl_receive_named(self, name: str, dtype: str, shape: list[int]) -> None: ...
 
@@ -171,35 +171,45 @@ def load_codec(model_dir: str | Path) -> PromptCodec:
 class LocalNcclReceiver:
     """NCCL weight receiver inside the server process (scripted and hf engines; vLLM's workers have their own).
 
-    Joins the learner's group as rank 0 of 2 through vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator``
-    (GPU only); received tensors are collected until ``finish`` hands them to ``apply``.
+    Joins the learner's group as rank 0 of 2. ``backend`` (sent by the learner in ``/init_communicator/``):
+    ``pynccl`` (ms-swift's; the default when absent) = vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator``
+    (GPU only); ``torch-nccl`` / ``torch-gloo`` = ``trainer.sync.transports.TorchStatelessCommunicator`` on our
+    ``StoreGroup`` (no vLLM; NCCL on this process's GPU, or gloo on CPU). Received tensors are collected until
+    ``finish`` hands them to ``apply``.
     """
 
     def __init__(self, communicator=None):
-        """``communicator(group, device)``: the server side of a group (default vLLM's ``PyNcclCommunicator`` on
-        CUDA; ``trainer.sync.transports.StoreBroadcastCommunicator`` stands in on CPU for tests)."""
+        """``communicator(group, device)``: overrides the server side of a group (tests:
+        ``trainer.sync.transports.StoreBroadcastCommunicator`` stands in on CPU)."""
         self.comm = None
         self.communicator = communicator
         self.pending: dict[str, torch.Tensor] = {}
 
-    def init(self, host: str, port: int, world_size: int) -> None:
-        if self.communicator is None and not torch.cuda.is_available():
+    def init(self, host: str, port: int, world_size: int, backend: str = "pynccl") -> None:
+        from trainer.sync.transports import TorchStatelessCommunicator, make_group
+
+        if backend not in ("pynccl", "torch-nccl", "torch-gloo"):
+            raise EngineRequestError(f"unknown NCCL backend {backend!r}; use pynccl, torch-nccl or torch-gloo")
+        cuda_needed = backend in ("pynccl", "torch-nccl") and self.communicator is None
+        if cuda_needed and not torch.cuda.is_available():
             raise EngineRequestError(
-                "NCCL weight sync needs a CUDA GPU on the server; on CPU use our in-band transport "
-                "(POST /rm/update_weights_inband/)"
+                f"NCCL weight sync needs a CUDA GPU on the server ({backend} backend); on CPU use torch-gloo "
+                "(sync.nccl_backend: torch on a CPU learner) or our in-band transport (POST /rm/update_weights_inband/)"
             )
         if world_size != 2:
             raise EngineRequestError(f"this server has world size 1, so the group must have 2 ranks (got {world_size})")
-        from vllm.distributed.utils import StatelessProcessGroup
-
         self.close()
-        group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size)
-        if self.communicator is None:
+        group = make_group("pynccl" if backend == "pynccl" else "torch", host, port, 0, world_size)
+        if self.communicator is not None:
+            self.comm = self.communicator(group, torch.device("cpu"))
+        elif backend == "pynccl":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
             self.comm = PyNcclCommunicator(group, device=torch.device("cuda", torch.cuda.current_device()))
+        elif backend == "torch-nccl":
+            self.comm = TorchStatelessCommunicator(group, torch.device("cuda", torch.cuda.current_device()))
         else:
-            self.comm = self.communicator(group, torch.device("cpu"))
+            self.comm = TorchStatelessCommunicator(group, torch.device("cpu"))
 
     def receive(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.comm is None:
@@ -218,29 +228,31 @@ class LocalNcclReceiver:
 
 
 class LocalNcclMixin:
-    """``nccl_*`` for engines that live in the server process: receive into ``pending``, apply on finish."""
+    """``nccl_*`` for engines that live in the server process: receive into ``pending`` (on ``weights_device``:
+    the served model's device, so a GPU model's update never leaves the GPU), apply on finish."""
 
     _receiver: LocalNcclReceiver | None = None
     _pending_adapter: AdapterWeights | None = None
+    weights_device: torch.device = torch.device("cpu")
 
     def _rx(self) -> LocalNcclReceiver:
         if self._receiver is None:
             self._receiver = LocalNcclReceiver()
         return self._receiver
 
-    def nccl_init(self, host: str, port: int, world_size: int) -> None:
-        self._rx().init(host, port, world_size)
+    def nccl_init(self, host: str, port: int, world_size: int, backend: str = "pynccl") -> None:
+        self._rx().init(host, port, world_size, backend)
 
     def nccl_receive_named(self, name: str, dtype: str, shape: list[int]) -> None:
         from trainer.sync.buckets import torch_dtype
 
-        self._rx().pending[name] = self._rx().receive(tuple(shape), torch_dtype(dtype)).cpu()
+        self._rx().pending[name] = self._rx().receive(tuple(shape), torch_dtype(dtype)).to(self.weights_device)
 
     def nccl_receive_flattened(self, metadatas: list[dict[str, Any]]) -> None:
         from trainer.sync.buckets import FlatTensorMeta, unflatten
 
         metas = [FlatTensorMeta.model_validate(m) for m in metadatas]
-        bucket = self._rx().receive((metas[-1].end_idx,), torch.uint8).cpu()
+        bucket = self._rx().receive((metas[-1].end_idx,), torch.uint8).to(self.weights_device)
         self._rx().pending.update({k: v.clone() for k, v in unflatten(metas, bucket).items()})
 
     def nccl_receive_adapter(self, peft_config: dict[str, Any], metadatas: list[dict[str, Any]]) -> None:

@@ -33,6 +33,7 @@ class HFServerEngine(LocalNcclMixin):
         self.model = cls.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         if device:
             self.model.to(device)
+        self.weights_device = next(self.model.parameters()).device
         tok = self.codec.tokenizer
         self.rollout = HFRolloutEngine(self.model, tok.pad_token_id, sorted(stop_token_ids(tok)), batch_size,
                                        getattr(self.model.config, "image_token_id", None))
@@ -65,6 +66,11 @@ class HFServerEngine(LocalNcclMixin):
 
     def state_keys(self) -> list[str]:
         return list(self.model.state_dict())
+
+    def weights_checksums(self) -> dict[str, str]:
+        from trainer.sync.weights import tensor_checksums
+
+        return tensor_checksums(self.model.state_dict())
 
     def close(self) -> None:
         self.nccl_close()

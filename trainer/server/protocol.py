@@ -92,6 +92,9 @@ class InitCommunicatorBody(_Strict):
     port: int = Field(ge=1, le=65535)
     world_size: int = Field(ge=2)
     client_device_uuid: str | None = None
+    # ours, optional (ms-swift's client never sends it): the communicator to build. None/"pynccl" = vLLM's
+    # PyNcclCommunicator (ms-swift's); "torch-nccl"/"torch-gloo" = TorchStatelessCommunicator (no vLLM needed).
+    backend: Literal["pynccl", "torch-nccl", "torch-gloo"] | None = None
 
 
 class UpdateNamedParamBody(_Strict):

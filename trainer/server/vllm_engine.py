@@ -60,8 +60,8 @@ class VllmServerEngine:
         keys = self.engine.llm.collective_rpc("rm_state_keys")
         return list(keys[0]) if keys else []
 
-    def nccl_init(self, host: str, port: int, world_size: int) -> None:
-        self.engine.llm.collective_rpc("rm_init_communicator", args=(host, port, world_size))
+    def nccl_init(self, host: str, port: int, world_size: int, backend: str = "pynccl") -> None:
+        self.engine.llm.collective_rpc("rm_init_communicator", args=(host, port, world_size, backend))
 
     def nccl_receive_named(self, name: str, dtype: str, shape: list[int]) -> None:
         self.engine.llm.collective_rpc("rm_receive_named", args=(name, dtype, list(shape)))

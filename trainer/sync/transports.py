@@ -6,6 +6,9 @@
   learner joins each server's group as its last rank (vLLM ``StatelessProcessGroup`` + ``PyNcclCommunicator``);
   full sync = per bucket ``/update_flattened_params/`` + broadcast, then ``/process_weights_after_loading/``;
   adapter sync = ``/update_adapter_flattened_param/`` + broadcast; both end with ``/reset_prefix_cache/``.
+  ``backend="torch"`` (``sync.nccl_backend``) swaps vLLM's group and communicator for ours, pure torch:
+  ``StoreGroup`` (a ``TCPStore``) + ``TorchStatelessCommunicator`` (``ProcessGroupNCCL`` on CUDA, gloo on CPU,
+  never the default process group); it asks our server for the same with ``backend`` in ``/init_communicator/``.
 
 Both keep a set of *active* servers: ``drop(url)`` takes a failed server out of every later push (NCCL: its
 communicator is closed on our side and ``/close_communicator/`` is sent best-effort), ``readmit(server)`` puts it
@@ -17,12 +20,15 @@ dropped server to its error; ``only=[...]`` restricts one push to some active se
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from datetime import timedelta
+from typing import Any, Literal, Protocol
 
 import httpx
 import torch
@@ -175,11 +181,122 @@ class InbandTransport(_ActiveSet):
         self.client.close()
 
 
+NcclBackend = Literal["pynccl", "torch"]
+WIRE_BACKENDS = ("pynccl", "torch-nccl", "torch-gloo")
+
+
+def vllm_available() -> bool:
+    """Whether vLLM can be imported here (needed by the ``pynccl`` backend only)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_nccl_backend(requested: str = "auto") -> NcclBackend:
+    """``auto`` → ``pynccl`` when vLLM is importable (what ``swift rollout`` servers speak), else ``torch``."""
+    if requested == "auto":
+        return "pynccl" if vllm_available() else "torch"
+    if requested not in ("pynccl", "torch"):
+        raise ValueError(f"unknown NCCL backend {requested!r}; use auto, pynccl or torch")
+    return requested  # type: ignore[return-value]
+
+
+def wire_backend(backend: NcclBackend, device: torch.device) -> str:
+    """The ``/init_communicator/`` ``backend`` value: ``pynccl`` | ``torch-nccl`` (CUDA) | ``torch-gloo`` (CPU)."""
+    if backend == "pynccl":
+        return "pynccl"
+    return "torch-nccl" if device.type == "cuda" else "torch-gloo"
+
+
+class StoreGroup:
+    """A stateless rendezvous group over one ``torch.distributed.TCPStore`` (rank 0 hosts it), with the surface of
+    vLLM's ``StatelessProcessGroup`` that the communicators use (``rank``, ``world_size``, ``store``, ``barrier``,
+    ``broadcast_obj``) and no vLLM import. It never touches the default process group, so a learner already in a
+    DDP world can form it."""
+
+    def __init__(self, store: Any, rank: int, world_size: int):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self._barriers = 0
+        self._objs = 0
+
+    @classmethod
+    def create(cls, host: str, port: int, rank: int, world_size: int, store_timeout: int = 300) -> StoreGroup:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=rank == 0,
+                              timeout=timedelta(seconds=store_timeout), wait_for_workers=False)
+        return cls(store, rank, world_size)
+
+    def barrier(self) -> None:
+        n = self._barriers
+        self._barriers += 1
+        self.store.set(f"rm_barrier/{n}/{self.rank}", b"1")
+        self.store.wait([f"rm_barrier/{n}/{r}" for r in range(self.world_size)])
+        if n:  # everyone passed barrier n, so everyone is done waiting on barrier n - 1
+            self.store.delete_key(f"rm_barrier/{n - 1}/{self.rank}")
+
+    def broadcast_obj(self, obj: Any, src: int) -> Any:
+        n = self._objs
+        self._objs += 1
+        key = f"rm_obj/{n}/{src}"
+        if self.rank == src:
+            self.store.set(key, pickle.dumps(obj))
+            return obj
+        return pickle.loads(self.store.get(key))
+
+
+def make_group(backend: NcclBackend, host: str, port: int, rank: int, world_size: int, store_timeout: int = 300) -> Any:
+    """The rendezvous group of ``backend``: vLLM's ``StatelessProcessGroup`` (pynccl) or our ``StoreGroup`` (torch)."""
+    if backend == "torch":
+        return StoreGroup.create(host, port, rank, world_size, store_timeout)
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    return StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
+                                        store_timeout=store_timeout)
+
+
 def pynccl_communicator(group: Any, device: torch.device) -> Any:
     """vLLM's ``PyNcclCommunicator`` over ``group`` (what ``swift rollout`` servers use)."""
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
     return PyNcclCommunicator(group, device=device)
+
+
+class TorchStatelessCommunicator:
+    """Pure-torch stand-in for vLLM's ``PyNcclCommunicator`` (same ``broadcast``/``rank``/``group``/``device``
+    surface): a ``ProcessGroupNCCL`` (CUDA ``device``) or ``ProcessGroupGloo`` (CPU) constructed directly on the
+    group's TCP store (under a prefix), so it needs neither vLLM nor the default process group. ``group`` is a
+    ``StoreGroup`` (or anything with ``store``/``rank``/``world_size``, e.g. vLLM's ``StatelessProcessGroup``)."""
+
+    backend = "torch"
+
+    def __init__(self, group: Any, device: torch.device | None = None, timeout_s: float = 1800.0):
+        import torch.distributed as dist
+
+        self.group = group
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        store = dist.PrefixStore("rm_torch_comm", group.store)
+        if self.device.type == "cuda":
+            if not hasattr(dist, "ProcessGroupNCCL"):
+                raise RuntimeError("this torch build has no NCCL (ProcessGroupNCCL); the torch backend on CUDA needs it")
+            torch.cuda.set_device(self.device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=timeout_s)
+            self.pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, timedelta(seconds=timeout_s))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        """``tensor`` from rank ``src`` to every rank, in place; returns once it is complete on this rank's stream
+        (``stream`` is accepted for ``PyNcclCommunicator`` compatibility and unused)."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.pg.broadcast([tensor], opts).wait()
 
 
 class StoreBroadcastCommunicator:
@@ -201,19 +318,34 @@ class StoreBroadcastCommunicator:
 
 class NcclTransport(_ActiveSet):
     """ms-swift-compatible NCCL weight sync (see module docstring); one communicator per active server, server
-    ``i`` of the list on ``group_port + i``. ``communicator`` builds the learner side of a group (default vLLM's
-    ``PyNcclCommunicator`` on CUDA; ``StoreBroadcastCommunicator`` stands in on CPU)."""
+    ``i`` of the list on ``group_port + i``.
+
+    ``backend`` (``auto`` | ``pynccl`` | ``torch``; auto = pynccl when vLLM is importable, else torch) picks the
+    communicator: ``pynccl`` = vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator`` (what ``swift rollout``
+    speaks; needs CUDA), ``torch`` = our ``StoreGroup`` + ``TorchStatelessCommunicator`` (no vLLM; NCCL on CUDA,
+    gloo on a CPU learner; our server only: it is asked for with ``backend`` in ``/init_communicator/``).
+    ``communicator(group, device)`` overrides the communicator class (tests: ``StoreBroadcastCommunicator``).
+    ``last_push``: bytes, buckets, seconds and broadcast seconds of the latest ``push_full``."""
 
     name = "nccl"
 
     def __init__(self, servers: Sequence[ServerHandle], group_port: int = 51216, timeout_s: float = 240.0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: int | None = None,
-                 communicator: Callable[[Any, torch.device], Any] | None = None):
+                 communicator: Callable[[Any, torch.device], Any] | None = None, backend: str = "auto"):
+        self.backend = resolve_nccl_backend(backend)
+        if self.backend == "pynccl" and communicator is None and not vllm_available():
+            raise WeightTransportError("sync.nccl_backend pynccl needs vLLM on the learner (not importable here); "
+                                       "use sync.nccl_backend: torch (our servers) or install vLLM")
+        cuda = torch.cuda.is_available()
+        if communicator is None and self.backend == "pynccl" and not cuda:
+            raise WeightTransportError("sync.transport nccl with the pynccl backend needs a CUDA learner; on CPU use "
+                                       "sync.transport: inband (or sync.nccl_backend: torch, which runs over gloo)")
         if communicator is None:
-            if not torch.cuda.is_available():
-                raise WeightTransportError("sync.transport nccl needs a CUDA learner; on CPU use sync.transport: inband")
-            communicator = pynccl_communicator
-            self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+            communicator = pynccl_communicator if self.backend == "pynccl" else TorchStatelessCommunicator
+            if cuda:
+                self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+            else:
+                self.device = torch.device("cpu")
         else:
             self.device = torch.device("cpu") if device is None else torch.device("cuda", device)
         self.communicator = communicator
@@ -223,33 +355,49 @@ class NcclTransport(_ActiveSet):
         self.client = httpx.Client(timeout=timeout_s)
         self.bucket_bytes = bucket_bytes
         self.comms: dict[str, Any] = {}
+        self.last_push: dict[str, Any] = {}
+        self._broadcast_s = 0.0
         for s in self.all_servers:
             self._connect(s)
 
+    def _check_server_backend(self, s: ServerHandle, wire: str) -> None:
+        """The torch backend is ours: make sure ``s`` offers it (a ``swift rollout`` server would wait for
+        vLLM's NCCL handshake forever)."""
+        resp = self.client.get(s.base_url + "/rm/info/", headers=s.headers())
+        if resp.status_code == 404:
+            raise WeightTransportError(f"{s.base_url} is not our rollout server (no /rm/info/), so it only speaks "
+                                       "vLLM's PyNccl: set sync.nccl_backend: pynccl (needs vLLM on the learner)")
+        offered = _check(resp, s.base_url, "rm/info").get("nccl_backends", ["pynccl"])
+        if wire not in offered:
+            raise WeightTransportError(f"{s.base_url} offers NCCL backends {offered}, not {wire!r} "
+                                       "(torch-nccl needs a GPU on the server; torch-gloo is the CPU variant)")
+
     def _connect(self, s: ServerHandle) -> None:
         """``/init_communicator/`` on ``s`` and join its group as the last rank."""
-        from vllm.distributed.utils import StatelessProcessGroup
-
         resp = self.client.get(s.base_url + "/get_world_size/", headers=s.headers())
         server_world = int(_check(resp, s.base_url, "get_world_size")["world_size"])
         world = server_world + 1
         host = httpx.URL(s.base_url).host
         port = self.group_port + [x.base_url for x in self.all_servers].index(s.base_url)
-        resp = self.client.post(s.base_url + "/init_communicator/", headers=s.headers(),
-                                json={"host": "0.0.0.0" if host not in ("127.0.0.1", "localhost") else host,
-                                      "port": port, "world_size": world})
+        body: dict[str, Any] = {"host": "0.0.0.0" if host not in ("127.0.0.1", "localhost") else host,
+                                "port": port, "world_size": world}
+        if self.backend == "torch":  # ms-swift's body has no backend field: sent only when not its PyNccl
+            body["backend"] = wire_backend("torch", self.device)
+            self._check_server_backend(s, body["backend"])
+        resp = self.client.post(s.base_url + "/init_communicator/", headers=s.headers(), json=body)
         _check(resp, s.base_url, "init_communicator")
         time.sleep(0.1)
-        group = StatelessProcessGroup.create(host=host, port=port, rank=server_world, world_size=world,
-                                             store_timeout=int(self.timeout_s))
+        group = make_group(self.backend, host, port, server_world, world, int(self.timeout_s))
         self.comms[s.base_url] = self.communicator(group, self.device)
 
     def _broadcast(self, url: str, tensor: torch.Tensor) -> None:
         comm = self.comms[url]
+        t0 = time.perf_counter()
         comm.broadcast(tensor, src=comm.rank, stream=torch.cuda.current_stream() if tensor.is_cuda else None)
         if tensor.is_cuda:
             torch.cuda.synchronize()
         comm.group.barrier()
+        self._broadcast_s += time.perf_counter() - t0
 
     def _push_bucket(self, targets: list[ServerHandle], path: str, body: dict[str, Any],
                      bucket: torch.Tensor) -> list[ServerHandle]:
@@ -264,13 +412,21 @@ class NcclTransport(_ActiveSet):
                                                    s.base_url, path))
 
     def push_full(self, tensors: dict[str, torch.Tensor], only: Sequence[str] | None = None) -> None:
+        t0 = time.perf_counter()
+        self._broadcast_s = 0.0
         targets = self._targets(only)
+        nbytes = nbuckets = 0
         for names in plan_buckets(tensors, self.bucket_bytes):
             metas, bucket = flatten((n, tensors[n].to(self.device)) for n in names)
+            nbytes += bucket.numel()
+            nbuckets += 1
             targets = self._push_bucket(targets, "/update_flattened_params/",
                                         {"metadatas": [m.model_dump() for m in metas]}, bucket)
+            del bucket
         targets = self._post_all(targets, "/process_weights_after_loading/")
         self._post_all(targets, "/reset_prefix_cache/")
+        self.last_push = {"bytes": nbytes, "buckets": nbuckets, "servers": len(targets),
+                          "seconds": time.perf_counter() - t0, "broadcast_s": self._broadcast_s}
         self._raise_failed()
 
     def push_adapter(self, adapter: AdapterWeights, only: Sequence[str] | None = None) -> None:

@@ -8,7 +8,8 @@ Two sources of weights:
 - a safetensors file on the local filesystem (``rm_reload_from_file``): colocate sync and our server's
   in-band HTTP transport, on CPU and GPU alike;
 - an NCCL group with the learner (``rm_init_communicator`` + ``rm_receive_*``), joined through vLLM's
-  ``StatelessProcessGroup`` + ``PyNcclCommunicator`` as ms-swift's ``swift rollout`` does; buckets received
+  ``StatelessProcessGroup`` + ``PyNcclCommunicator`` as ms-swift's ``swift rollout`` does (or, when the learner
+  asks for the torch backend, our ``StoreGroup`` + ``TorchStatelessCommunicator``); buckets received
   between ``rm_begin_update`` and ``rm_finish_update`` form one reload.
 """
 
@@ -74,28 +75,38 @@ class WeightSyncWorkerExtension:
         self._rm_reset_derived_state()
         return True
 
-    def rm_init_communicator(self, host: str, port: int, world_size: int) -> None:
-        """Join the learner's weight-update group; the learner is the last rank (``world_size - 1``)."""
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    def rm_init_communicator(self, host: str, port: int, world_size: int, backend: str = "pynccl") -> None:
+        """Join the learner's weight-update group; the learner is the last rank (``world_size - 1``). ``backend``:
+        ``pynccl`` (ms-swift's: ``StatelessProcessGroup`` + ``PyNcclCommunicator``) or ``torch-nccl`` /
+        ``torch-gloo`` (``StoreGroup`` + ``TorchStatelessCommunicator``, see ``trainer.sync.transports``)."""
         from vllm.distributed.parallel_state import get_world_group
-        from vllm.distributed.utils import StatelessProcessGroup
+
+        from trainer.sync.transports import TorchStatelessCommunicator, make_group
 
         if self.rm_communicator is not None:
             return
         parallel = self.vllm_config.parallel_config
         rank = get_world_group().rank + int(getattr(parallel, "data_parallel_index", 0) or 0) * parallel.tensor_parallel_size
-        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
-        self.rm_communicator = PyNcclCommunicator(group, device=self.device)
+        group = make_group("pynccl" if backend == "pynccl" else "torch", host, port, rank, world_size)
+        if backend == "pynccl":
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+            self.rm_communicator = PyNcclCommunicator(group, device=self.device)
+        else:
+            device = self.device if backend == "torch-nccl" else torch.device("cpu")
+            self.rm_communicator = TorchStatelessCommunicator(group, device)
         self.rm_client_rank = world_size - 1
 
     def _rm_receive(self, nbytes_or_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.rm_communicator is None:
             raise RuntimeError("weight-update communicator not initialised: call /init_communicator/ first")
         buf = torch.empty(nbytes_or_shape, dtype=dtype, device=self.rm_communicator.device)
-        self.rm_communicator.broadcast(buf, src=self.rm_client_rank, stream=torch.cuda.current_stream())
-        torch.cuda.synchronize()
+        cuda = buf.is_cuda
+        self.rm_communicator.broadcast(buf, src=self.rm_client_rank, stream=torch.cuda.current_stream() if cuda else None)
+        if cuda:
+            torch.cuda.synchronize()
         self.rm_communicator.group.barrier()
-        return buf
+        return buf if buf.device == self.device else buf.to(self.device)
 
     def rm_receive_named(self, name: str, dtype: str, shape: list[int]) -> int:
         tensor = self._rm_receive(tuple(shape), torch_dtype(dtype))

@@ -171,3 +171,28 @@ def write_adapter_dir(directory: str | Path, adapter: AdapterWeights) -> Path:
     tmp.replace(d / ADAPTER_WEIGHTS)
     (d / ADAPTER_CONFIG).write_text(json.dumps(adapter.peft_config, indent=1))
     return d
+
+
+_CHUNK = 1 << 24
+
+
+@torch.no_grad()
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """A bit-exact checksum of ``tensor``'s bytes, the same on any device: its raw bytes read as int32 words (bytes
+    when the size is not a multiple of 4), then the wrapping int64 sums of the words and of the words times a
+    position weight ``i % 65521 + 1``, as ``"<hex>-<hex>"``. Computed where the tensor lives (no host copy)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), _CHUNK):
+        w = words[start:start + _CHUNK].to(torch.int64)
+        pos = torch.arange(start, start + w.numel(), dtype=torch.int64, device=flat.device).remainder_(65521).add_(1)
+        total += w.sum()
+        weighted += (w * pos).sum()
+    return f"{int(total) & (2**64 - 1):016x}-{int(weighted) & (2**64 - 1):016x}"
+
+
+def tensor_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``tensor_checksum`` of each tensor, by name (``/rm/weights_checksum/`` answers this for the served model)."""
+    return {name: tensor_checksum(t) for name, t in tensors.items()}
