@@ -243,6 +243,21 @@ def test_failed_chunk_is_retried_on_the_healthy_servers_in_order(scripted_server
         assert client.metadata()["quarantined"] == [slow]
 
 
+def test_rank_whose_servers_all_failed_borrows_the_other_ranks_healthy_servers(scripted_server, tiny_text_dir,
+                                                                              tiny_tok):
+    with scripted_server(delay_s=5.0) as (slow, _), scripted_server() as (a, _), scripted_server() as (b, _):
+        eps = [ServerEndpoint(u) for u in (a, slow, b)]
+        r1 = ServerRolloutEngine(eps, rank=1, world_size=2, timeout_s=10, infer_timeout_s=0.5, max_retries=1)
+        assert [s.base_url for s in r1.mine] == [slow]
+        reqs = encoded_requests(tiny_tok, 5, "b")
+        res = r1.generate(reqs, PARAMS)
+        assert [r.sample_id for r in res] == [r.sample_id for r in reqs], "no sample lost, order kept"
+        assert r1.quarantined == {slow} and {r.extra["server"] for r in res} == {a, b}
+        r1.quarantined.update({a, b})
+        with pytest.raises(RolloutServerError, match="quarantined servers"):
+            r1.generate(reqs[:1], PARAMS)
+
+
 def test_retries_exhausted_names_servers_and_samples(scripted_server, tiny_tok):
     with scripted_server(delay_s=5.0) as (slow1, _), scripted_server(delay_s=5.0) as (slow2, _):
         client = ServerRolloutEngine([ServerEndpoint(slow1), ServerEndpoint(slow2)], timeout_s=10,

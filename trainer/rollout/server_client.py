@@ -12,7 +12,8 @@ Contracts:
 - weight sync: rank 0 pushes to every server (``WeightSync`` adds the barrier), through our in-band HTTP
   transport or NCCL (``sync.transport``);
 - faults: a server whose chunk fails (or whose weight push fails) is quarantined: it gets no rollouts and no
-  weight pushes (NCCL: dropped from the collective group). With ``readmit_after_s`` set, a quarantined server is
+  weight pushes (NCCL: dropped from the collective group). A rank whose own servers are all quarantined borrows the
+  other ranks' healthy servers (deterministic order) instead of failing. With ``readmit_after_s`` set, a quarantined server is
   probed on ``/health/`` at weight-sync points, first ``readmit_after_s`` after the failure, then with the wait
   doubling up to ``readmit_max_interval_s``; once it answers, ``WeightSync`` pushes it the full current weights
   alone (in-band: one POST; NCCL: a fresh communicator first) and only then does it serve rollouts again.
@@ -232,7 +233,7 @@ class ServerRolloutEngine:
         pending = list(range(len(requests)))
         failures: list[str] = []
         for _ in range(self.max_retries + 1):
-            healthy = [s for s in self.mine if s.base_url not in self.quarantined]
+            healthy = self._healthy_servers()
             if not healthy:
                 break
             spans = contiguous_chunks(len(pending), len(healthy))
@@ -254,6 +255,18 @@ class ServerRolloutEngine:
             f"rollouts failed for {len(ids)} sample(s) {ids[:10]}{' …' if len(ids) > 10 else ''} after "
             f"{self.max_retries} retr{'y' if self.max_retries == 1 else 'ies'} ({KEY}.max_retries); "
             f"quarantined servers: {sorted(self.quarantined)}; errors: " + "; ".join(failures))
+
+    def _healthy_servers(self) -> list[ServerEndpoint]:
+        """This rank's healthy servers; when all of them are quarantined, the healthy servers of the other ranks
+        (they receive the same weight pushes), so one rank's faults never stop it while others can serve."""
+        own = [s for s in self.mine if s.base_url not in self.quarantined]
+        if own:
+            return own
+        borrowed = [s for s in self.servers if s.base_url not in self.quarantined]
+        if borrowed:
+            log.warning("rank %d: all of its rollout servers are quarantined; borrowing %s", self.rank,
+                        [s.base_url for s in borrowed])
+        return borrowed
 
     def _endpoint(self, url: str) -> ServerEndpoint:
         return next(s for s in self.servers if s.base_url == url)
