@@ -76,7 +76,7 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         save_total_limit=t.save_total_limit,
         seed=t.seed,
         bf16=t.bf16,
-        activation_checkpointing=t.gradient_checkpointing,
+        **_checkpointing_kwarg(t.gradient_checkpointing),
         remove_unused_columns=False,
         dataloader_num_workers=t.dataloader_num_workers,
         report_to=report_to,
@@ -84,6 +84,14 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         deepspeed=deepspeed_config.resolve(t.deepspeed),
         use_cpu=not torch.cuda.is_available(),
     )
+
+
+def _checkpointing_kwarg(enabled: bool) -> dict[str, bool]:
+    """transformers renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (5.2x); pass the one this
+    version's ``TrainingArguments`` has."""
+    fields = TrainingArguments.__dataclass_fields__
+    key = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {key: enabled}
 
 
 def build_pipeline(cfg: TrainConfig, loaded: LoadedModel) -> Stage2Pipeline:
