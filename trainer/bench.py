@@ -257,6 +257,10 @@ def plot(result: dict, out_png: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.quick and not torch.cuda.is_available():
+        print("bench: the full benchmarks need a CUDA GPU (Qwen3-0.6B shapes, H100 figures in docs/benchmarks); "
+              "on this machine run `python -m trainer bench --quick` for a CPU smoke run")
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.only in ("all", "rollout"):

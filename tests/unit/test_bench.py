@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from trainer.bench import TINY, model_flops, run_bench, stage2_segment
 from trainer.matching.targets import IGNORE_INDEX
 
@@ -33,3 +35,17 @@ def test_quick_bench_reports_every_cpu_variant():
     assert all(r["real_tokens_per_s"] > 0 for r in result["results"])
     assert result["padded_tokens_per_pass"]["4"] >= result["real_tokens_per_pass"]
     assert 0 < result["supervised_positions_fraction"] < 1
+
+
+def test_full_bench_without_a_gpu_refuses_with_advice(capsys, tmp_path):
+    import argparse
+
+    import torch
+
+    from trainer.bench import run
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: the full bench would run instead of refusing")
+    args = argparse.Namespace(quick=False, out=str(tmp_path), only="all")
+    assert run(args) == 2
+    assert "--quick" in capsys.readouterr().out and not any(tmp_path.iterdir())
