@@ -164,21 +164,15 @@ def hf_server(model_dir: Path, env: dict[str, str], device: str | None, dtype: s
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    import httpx
+    from trainer.launch.health import process_exited, wait_until_healthy
 
-    t0 = time.perf_counter()
+    def output() -> str:
+        log.seek(0)
+        return log.read().decode(errors="replace")
+
     try:
-        while True:
-            try:
-                if httpx.get(url + "/health/", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
-                log.seek(0)
-                raise RuntimeError(f"hf server did not start: {log.read().decode(errors='replace')[-4000:]}")
-            time.sleep(0.3)
-        yield url, time.perf_counter() - t0
+        took = wait_until_healthy([url], timeout_s, interval_s=0.3, abort=process_exited(proc, output))[url]
+        yield url, took
     finally:
         proc.terminate()
         try:

@@ -87,3 +87,18 @@ def test_unhealthy_server_recovering_before_deadline():
         threading.Timer(1.0, lambda: setattr(srv, "status", 200)).start()
         took = wait_until_healthy([srv.url], timeout_s=15, interval_s=0.2)
     assert 1.0 <= took[srv.url] < 15
+
+
+def test_dead_server_process_stops_the_wait_with_its_output():
+    import subprocess
+    import sys
+
+    from trainer.launch.health import process_exited
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; print('bad flag --xyz'); sys.exit(3)"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exited with code 3: bad flag --xyz"):
+        wait_until_healthy([f"http://127.0.0.1:{free_port()}"], timeout_s=60, interval_s=0.1,
+                           abort=process_exited(proc))
+    assert time.monotonic() - t0 < 30, "did not wait for the deadline"

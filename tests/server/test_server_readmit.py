@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
+from trainer.launch.health import process_exited, wait_until_healthy
 from trainer.rollout.server_client import ServerEndpoint, ServerRolloutEngine
 from trainer.rollout.types import DecodingParams, RolloutRequest
 from trainer.server.scripted import tensors_digest
@@ -220,17 +220,8 @@ def standin_server(port: int):
     proc = subprocess.Popen([sys.executable, str(HERE / "nccl_standin_server.py"), str(port)],
                             env={**os.environ, "VLLM_PLUGINS": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
     try:
-        while True:
-            try:
-                if httpx.get(url + "/health/", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "stand-in server did not start"
-            time.sleep(0.2)
+        wait_until_healthy([url], timeout_s=90, interval_s=0.2, abort=process_exited(proc))
         yield url, proc
     finally:
         if proc.poll() is None:

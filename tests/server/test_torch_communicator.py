@@ -8,12 +8,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
 import torch
 
+from trainer.launch.health import process_exited, wait_until_healthy
 from trainer.rollout.server_client import ServerEndpoint
 from trainer.sync.transports import (
     NcclTransport,
@@ -88,17 +88,8 @@ def hf_server(model_dir, port: int):
                             env={**os.environ, "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
     try:
-        while True:
-            try:
-                if httpx.get(url + "/health/", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "hf server did not start"
-            time.sleep(0.2)
+        wait_until_healthy([url], timeout_s=90, interval_s=0.2, abort=process_exited(proc))
         yield url
     finally:
         proc.terminate()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,9 +36,11 @@ def probe(client: httpx.Client, base_url: str) -> str | None:
 def wait_until_healthy(base_urls: Sequence[str], timeout_s: float, interval_s: float = 1.0,
                        request_timeout_s: float = 5.0, log: Callable[[str], None] | None = None,
                        clock: Callable[[], float] = time.monotonic,
-                       sleep: Callable[[float], None] = time.sleep) -> dict[str, float]:
+                       sleep: Callable[[float], None] = time.sleep,
+                       abort: Callable[[], str | None] | None = None) -> dict[str, float]:
     """Poll until every server is healthy; return seconds each took. Raises ``ServersNotHealthyError`` listing
-    the servers still unhealthy at the deadline (with the last reason for each)."""
+    the servers still unhealthy at the deadline (with the last reason for each). ``abort`` (e.g. "the server
+    process exited") is asked between rounds; a reason from it raises ``RuntimeError`` at once."""
     start = clock()
     deadline = start + timeout_s
     pending = {u: "not probed yet" for u in dict.fromkeys(base_urls)}
@@ -55,7 +58,23 @@ def wait_until_healthy(base_urls: Sequence[str], timeout_s: float, interval_s: f
                     pending[url] = why
             if not pending:
                 return ready
+            why_stop = abort() if abort else None
+            if why_stop:
+                raise RuntimeError(f"waiting for {sorted(pending)} to become healthy stopped: {why_stop}")
             now = clock()
             if now >= deadline:
                 raise ServersNotHealthyError(pending, timeout_s)
             sleep(min(interval_s, max(deadline - now, 0.0)))
+
+
+def process_exited(proc: subprocess.Popen, output: Callable[[], str] | None = None) -> Callable[[], str | None]:
+    """An ``abort`` for ``wait_until_healthy``: once ``proc`` has exited, its exit code and the tail of its output
+    (``output()``, else its stdout pipe)."""
+
+    def check() -> str | None:
+        if proc.poll() is None:
+            return None
+        text = output() if output else (proc.stdout.read().decode(errors="replace") if proc.stdout else "")
+        return f"server process exited with code {proc.returncode}: {text[-3000:]}"
+
+    return check
