@@ -92,18 +92,21 @@ def _to(batch: dict, device: str) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _timed(step, device: str, repeats: int) -> tuple[float, float | None]:
+def _timed(step, device: str, repeats: int) -> tuple[float, float, float | None]:
+    """(first, untimed-warm-up pass seconds — compilation included; mean seconds of ``repeats`` passes; peak GiB)."""
+    first = time.perf_counter()
     step()
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    first = time.perf_counter() - first
     start = time.perf_counter()
     for _ in range(repeats):
         step()
     if device == "cuda":
         torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    return (time.perf_counter() - start) / repeats, peak
+    return first, (time.perf_counter() - start) / repeats, peak
 
 
 def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int = 16, min_len: int = 300,
@@ -170,10 +173,7 @@ def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int =
 
         name = f"{layout}/{logits} ×{k}" + (" compiled" if compiled else "")
         try:
-            compile_s = time.perf_counter()
-            step()
-            compile_s = time.perf_counter() - compile_s
-            seconds, peak = _timed(step, device, repeats)
+            compile_s, seconds, peak = _timed(step, device, repeats)
         except torch.OutOfMemoryError:
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
