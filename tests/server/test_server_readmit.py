@@ -1,8 +1,8 @@
 """Quarantine and re-admission of rollout servers against real servers: a server is killed, its rollouts go to
 the healthy ones, it restarts with base weights, is probed with a backed-off health check, gets the full current
 weights pushed to it alone through ``WeightSync`` and only then serves again. In-band transport with in-process
-servers; the NCCL transport with server subprocesses whose communicator is the CPU stand-in (the group
-rendezvous, HTTP calls and buckets are real, the broadcast goes through the group's TCP store instead of NCCL)."""
+servers; the NCCL transport with ``python -m trainer serve`` subprocesses and the torch communicator over gloo
+(``sync.nccl_backend: torch``: the same group rendezvous, HTTP calls, buckets and broadcasts as NCCL on GPUs)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +25,6 @@ from trainer.sync.policy import WeightSync
 from trainer.sync.weights import full_weights
 
 PARAMS = DecodingParams(max_new_tokens=16)
-HERE = Path(__file__).resolve().parent
 
 
 class Clock:
@@ -197,7 +195,7 @@ def test_push_failure_on_one_server_quarantines_it_and_completes_on_the_others(s
         client.close()
 
 
-# --- NCCL transport (CPU stand-in communicator, server subprocesses) ------------------------------------------
+# --- NCCL transport (torch communicator over gloo, server subprocesses) ------------------------------------------
 
 def _free_pair() -> int:
     """A port p with p and p + 1 free (group ports of servers 0 and 1)."""
@@ -216,8 +214,9 @@ def _free_pair() -> int:
 
 
 @contextlib.contextmanager
-def standin_server(port: int):
-    proc = subprocess.Popen([sys.executable, str(HERE / "nccl_standin_server.py"), str(port)],
+def served_scripted(port: int):
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--engine", "scripted", "--port", str(port),
+                             "--log-level", "warning"],
                             env={**os.environ, "VLLM_PLUGINS": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -230,15 +229,13 @@ def standin_server(port: int):
 
 
 def test_nccl_transport_drops_a_dead_server_and_readmits_it_with_a_fresh_communicator(get_free_port, learner, http):
-    from trainer.sync.transports import StoreBroadcastCommunicator
-
     port_a, port_b = get_free_port(), get_free_port()
-    with standin_server(port_a) as (url_a, _), contextlib.ExitStack() as stack:
-        url_b, proc_b = stack.enter_context(standin_server(port_b))
+    with served_scripted(port_a) as (url_a, _), contextlib.ExitStack() as stack:
+        url_b, proc_b = stack.enter_context(served_scripted(port_b))
         clock = Clock()
         client = ServerRolloutEngine([ServerEndpoint(url_a), ServerEndpoint(url_b)], timeout_s=30, transport="nccl",
                                      group_port=_free_pair(), bucket_bytes=256 * 2**10, readmit_after_s=1,
-                                     communicator=StoreBroadcastCommunicator, clock=clock)
+                                     nccl_backend="torch", clock=clock)
         sync = WeightSync.for_model(client, learner, "full")
         w0 = tensors_digest(full_weights(learner))[:16]
         sync.ensure_fresh(learner, 0)
@@ -262,7 +259,7 @@ def test_nccl_transport_drops_a_dead_server_and_readmits_it_with_a_fresh_communi
         assert http.get(url_a + "/rm/info/").json()["weights_version"] == w1
 
         stack.close()
-        with standin_server(port_b) as (url_b2, _):
+        with served_scripted(port_b) as (url_b2, _):
             assert http.get(url_b2 + "/rm/info/").json()["weights_version"] == "initial"
             clock.t = 1.0
             w2 = perturb(learner, 2)

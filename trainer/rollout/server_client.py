@@ -143,7 +143,7 @@ class ServerRolloutEngine:
                  transport: str = "auto", group_port: int = 51216, bucket_bytes: int = 512 * 2**20,
                  inline_images: bool = False, wait: bool = True, max_retries: int = 1,
                  readmit_after_s: float | None = None, readmit_max_interval_s: float = 300.0,
-                 communicator: Any = None, clock: Any = time.monotonic, nccl_backend: str = "auto"):
+                 clock: Any = time.monotonic, nccl_backend: str = "auto"):
         import torch.distributed as dist
 
         if not servers:
@@ -168,7 +168,6 @@ class ServerRolloutEngine:
         self.readmit_max_interval_s = max(readmit_max_interval_s, readmit_after_s or 0.0)
         self._probe: dict[str, tuple[float, float]] = {}  # url -> (next probe time, current wait)
         self.readmissions: list[dict[str, Any]] = []
-        self.communicator = communicator
         self.nccl_backend = nccl_backend
         self.clock = clock
         if wait:
@@ -381,7 +380,7 @@ class ServerRolloutEngine:
             live = [s for s in self.servers if s.base_url not in self.quarantined]
             if choice == "nccl":
                 transport: WeightTransport = NcclTransport(live, self.group_port, self.timeout_s, self.bucket_bytes,
-                                                           communicator=self.communicator, backend=self.nccl_backend)
+                                                           backend=self.nccl_backend)
             elif choice == "inband":
                 transport = InbandTransport(live, timeout_s=max(self.timeout_s, 600.0))
             else:

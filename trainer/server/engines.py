@@ -178,11 +178,8 @@ class LocalNcclReceiver:
     ``finish`` hands them to ``apply``.
     """
 
-    def __init__(self, communicator=None):
-        """``communicator(group, device)``: overrides the server side of a group (tests:
-        ``trainer.sync.transports.StoreBroadcastCommunicator`` stands in on CPU)."""
+    def __init__(self):
         self.comm = None
-        self.communicator = communicator
         self.pending: dict[str, torch.Tensor] = {}
 
     def init(self, host: str, port: int, world_size: int, backend: str = "pynccl") -> None:
@@ -190,8 +187,7 @@ class LocalNcclReceiver:
 
         if backend not in ("pynccl", "torch-nccl", "torch-gloo"):
             raise EngineRequestError(f"unknown NCCL backend {backend!r}; use pynccl, torch-nccl or torch-gloo")
-        cuda_needed = backend in ("pynccl", "torch-nccl") and self.communicator is None
-        if cuda_needed and not torch.cuda.is_available():
+        if backend in ("pynccl", "torch-nccl") and not torch.cuda.is_available():
             raise EngineRequestError(
                 f"NCCL weight sync needs a CUDA GPU on the server ({backend} backend); on CPU use torch-gloo "
                 "(sync.nccl_backend: torch on a CPU learner) or our in-band transport (POST /rm/update_weights_inband/)"
@@ -200,9 +196,7 @@ class LocalNcclReceiver:
             raise EngineRequestError(f"this server has world size 1, so the group must have 2 ranks (got {world_size})")
         self.close()
         group = make_group("pynccl" if backend == "pynccl" else "torch", host, port, 0, world_size)
-        if self.communicator is not None:
-            self.comm = self.communicator(group, torch.device("cpu"))
-        elif backend == "pynccl":
+        if backend == "pynccl":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
             self.comm = PyNcclCommunicator(group, device=torch.device("cuda", torch.cuda.current_device()))

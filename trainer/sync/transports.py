@@ -299,23 +299,6 @@ class TorchStatelessCommunicator:
         self.pg.broadcast([tensor], opts).wait()
 
 
-class StoreBroadcastCommunicator:
-    """CPU stand-in for ``PyNcclCommunicator`` with the same ``broadcast``/``rank``/``group``/``device`` surface: the
-    tensor travels through the ``StatelessProcessGroup``'s TCP store. For tests and debugging with small models only
-    (slow; no GPU needed on either side); production uses NCCL."""
-
-    def __init__(self, group: Any, device: torch.device | None = None):
-        self.group = group
-        self.rank = group.rank
-        self.device = torch.device("cpu") if device is None else device
-
-    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
-        if self.rank == src:
-            self.group.broadcast_obj(tensor.detach().cpu().clone(), src=src)
-        else:
-            tensor.copy_(self.group.broadcast_obj(None, src=src))
-
-
 class NcclTransport(_ActiveSet):
     """ms-swift-compatible NCCL weight sync (see module docstring); one communicator per active server, server
     ``i`` of the list on ``group_port + i``.
@@ -324,31 +307,23 @@ class NcclTransport(_ActiveSet):
     communicator: ``pynccl`` = vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator`` (what ``swift rollout``
     speaks; needs CUDA), ``torch`` = our ``StoreGroup`` + ``TorchStatelessCommunicator`` (no vLLM; NCCL on CUDA,
     gloo on a CPU learner; our server only: it is asked for with ``backend`` in ``/init_communicator/``).
-    ``communicator(group, device)`` overrides the communicator class (tests: ``StoreBroadcastCommunicator``).
     ``last_push``: bytes, buckets, seconds and broadcast seconds of the latest ``push_full``."""
 
     name = "nccl"
 
     def __init__(self, servers: Sequence[ServerHandle], group_port: int = 51216, timeout_s: float = 240.0,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: int | None = None,
-                 communicator: Callable[[Any, torch.device], Any] | None = None, backend: str = "auto"):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: int | None = None, backend: str = "auto"):
         self.backend = resolve_nccl_backend(backend)
-        if self.backend == "pynccl" and communicator is None and not vllm_available():
+        if self.backend == "pynccl" and not vllm_available():
             raise WeightTransportError("sync.nccl_backend pynccl needs vLLM on the learner (not importable here); "
                                        "use sync.nccl_backend: torch (our servers) or install vLLM")
         cuda = torch.cuda.is_available()
-        if communicator is None and self.backend == "pynccl" and not cuda:
+        if self.backend == "pynccl" and not cuda:
             raise WeightTransportError("sync.transport nccl with the pynccl backend needs a CUDA learner; on CPU use "
                                        "sync.transport: inband (or sync.nccl_backend: torch, which runs over gloo)")
-        if communicator is None:
-            communicator = pynccl_communicator if self.backend == "pynccl" else TorchStatelessCommunicator
-            if cuda:
-                self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
-            else:
-                self.device = torch.device("cpu")
-        else:
-            self.device = torch.device("cpu") if device is None else torch.device("cuda", device)
-        self.communicator = communicator
+        self.communicator = pynccl_communicator if self.backend == "pynccl" else TorchStatelessCommunicator
+        self.device = (torch.device("cuda", torch.cuda.current_device() if device is None else device) if cuda
+                       else torch.device("cpu"))
         self._init_active(servers)
         self.group_port = group_port
         self.timeout_s = timeout_s
