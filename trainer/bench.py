@@ -31,13 +31,13 @@ import torch
 from trainer.losses.objective import LossWeights
 from trainer.matching.targets import IGNORE_INDEX, TrainTarget
 from trainer.modeling.compile import compile_decoder_layers, decoder_layers
+from trainer.modeling.shapes import QWEN3_0_6B as QWEN3_0_6B_SHAPE
 from trainer.packing.packed_batch import pack_targets
 from trainer.packing.varlen_attention import packed_attention, register_varlen_attention, varlen_available
 from trainer.sft.batching import pad_targets
 from trainer.sft.forward import forward_loss
 
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+QWEN3_0_6B = dict(QWEN3_0_6B_SHAPE, tie_word_embeddings=True)
 TINY = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=64, tie_word_embeddings=True)
 H100_BF16_TFLOPS = 989.0

@@ -28,11 +28,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from trainer.modeling.shapes import QWEN3_0_6B
 from trainer.rollout.hf import HFRolloutEngine
 from trainer.rollout.types import DecodingParams, RolloutRequest
-
-QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                  intermediate_size=3072, vocab_size=151936)
 
 
 def _sync(device: str) -> None:

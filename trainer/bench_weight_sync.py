@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                  intermediate_size=3072, vocab_size=151936)
+from trainer.modeling.shapes import QWEN3_0_6B
+
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
             intermediate_size=128, vocab_size=4096)
 GB = 1e9
