@@ -5,7 +5,7 @@
 #   make job CONFIG=configs/x.yaml        render the Jobs and submit them (DRY_RUN=1: print the YAML instead)
 #   make chart-test                       chart lint/render + job rendering checks (no Docker needed)
 
-.PHONY: base-image images job chart-test docker-context
+.PHONY: base-image images job job-config chart-test docker-context
 
 DOCKER ?= docker
 IMAGE_TAG ?= 0.1.0
@@ -45,9 +45,13 @@ images: $(IMAGE_PREREQS)
 	  echo "built $$2 in $$(( $$(date +%s) - start ))s"; \
 	done
 
-job: setup
-	@test -n "$(CONFIG)" || { echo "usage: make job CONFIG=configs/<name>.yaml [DRY_RUN=1]" >&2; exit 2; }
+# job-config comes first so a missing CONFIG fails before any set-up work. CONFIG has no default anywhere
+# (grpo.mk's default is scoped to grpo-print): `make job` alone must never submit some other config.
+job: job-config setup
 	$(PY) -m trainer render-job --config $(CONFIG)
+
+job-config:
+	@test -n "$(strip $(CONFIG))" || { echo "make job: no config given; pass CONFIG=configs/<name>.yaml (DRY_RUN=1 prints the Jobs instead of submitting)" >&2; exit 2; }
 
 chart-test: setup
 	$(PY) -m pytest -q tests/deploy -m "not docker"

@@ -7,7 +7,7 @@
 
 GRPO_SWIFT_REQUIREMENTS := mk/grpo-swift-requirements.txt
 DEEPSPEED_VERSION ?= 0.19.8
-CONFIG ?= configs/summary_1024.yaml
+grpo-print: CONFIG ?= configs/summary_1024.yaml
 
 extra-setup::
 	$(PIP) install -q --no-deps -r $(GRPO_SWIFT_REQUIREMENTS)
