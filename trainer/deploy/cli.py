@@ -96,3 +96,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="training YAML (extends resolved); its deploy: section sets images, node, GPUs")
     p.add_argument("--dry-run", action="store_true", help="print the manifests as YAML instead of submitting (also DRY_RUN=1)")
     p.set_defaults(func=run)
+    from trainer.deploy import lifecycle
+
+    lifecycle.register(subparsers)

@@ -1,0 +1,160 @@
+"""Rollout-server lifecycle (``trainer supervise``): servers stop, releasing their GPUs, when the learner finishes.
+
+Real processes: the learner and server supervisors run as ``python -m trainer.deploy.lifecycle`` subprocesses with
+stand-in children (a server that records SIGTERM, a learner that exits with a chosen code).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from docker_pods import free_port
+
+from trainer.deploy.lifecycle import child_argv
+
+SERVER_CHILD = ("import signal, sys, time, pathlib\n"
+                "p = pathlib.Path(sys.argv[1])\n"
+                "signal.signal(signal.SIGTERM, lambda *a: (p.write_text('SIGTERM'), sys.exit(0)))\n"
+                "p.write_text('running')\n"
+                "time.sleep(120)\n")
+
+
+def _learner(port: int, code: int, seconds: float = 1.0, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainer.deploy.lifecycle", "learner", "--control-port", str(port),
+                             *flags, "--", sys.executable, "-c", f"import time, sys; time.sleep({seconds}); sys.exit({code})"],
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _server(learner_port: int, marker, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainer.deploy.lifecycle", "server", "--learner-control",
+                             f"http://127.0.0.1:{learner_port}", "--poll-s", "0.2", "--grace-s", "5", *flags,
+                             "--", sys.executable, "-c", SERVER_CHILD, str(marker)],
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float = 30.0) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"{proc.args[:5]} did not exit:\n{err}") from None
+    return proc.returncode, err
+
+
+def test_servers_stop_when_the_learner_succeeds(tmp_path):
+    port = free_port()
+    markers = [tmp_path / f"server-{i}" for i in range(2)]
+    servers = [_server(port, m) for m in markers]
+    assert _wait_for(lambda: all(m.exists() for m in markers))
+    learner = _learner(port, 0, 1.5, "--expect-watchers", "2", "--linger-s", "20")
+    learner_code, learner_err = _finish(learner)
+    assert learner_code == 0, learner_err
+    assert "2/2 server(s) read the final state" in learner_err
+    for server, marker in zip(servers, markers):
+        code, err = _finish(server)
+        assert code == 0, err
+        assert marker.read_text() == "SIGTERM", "the server was not asked to stop"
+        assert "learner succeeded (exit 0): stopping the server" in err
+
+
+def test_a_final_learner_failure_stops_the_servers_and_keeps_its_exit_code(tmp_path):
+    port = free_port()
+    marker = tmp_path / "server"
+    server = _server(port, marker)
+    learner = _learner(port, 7, 1.0, "--final-on-failure", "--expect-watchers", "1")
+    assert _finish(learner)[0] == 7
+    code, err = _finish(server)
+    assert code == 0 and marker.read_text() == "SIGTERM", err
+    assert "learner failed (exit 7)" in err
+
+
+def test_a_learner_failure_with_retries_left_keeps_the_servers_until_the_orphan_timeout(tmp_path):
+    port = free_port()
+    marker = tmp_path / "server"
+    server = _server(port, marker, "--orphan-timeout-s", "3")
+    learner = _learner(port, 1, 1.0)
+    assert _finish(learner)[0] == 1
+    time.sleep(1.0)
+    assert server.poll() is None, "a non-final learner failure (a retry follows) must not stop the servers"
+    code, err = _finish(server)
+    assert code == 0, err
+    assert "unreachable for" in err and marker.read_text() == "SIGTERM"
+
+
+def test_a_learner_that_never_appears_stops_the_server_after_the_orphan_timeout(tmp_path):
+    marker = tmp_path / "server"
+    code, err = _finish(_server(free_port(), marker, "--orphan-timeout-s", "1"))
+    assert code == 0 and "not seen in" in err and marker.read_text() == "SIGTERM"
+
+
+def test_a_crashing_server_passes_its_exit_code_through(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.deploy.lifecycle", "server", "--learner-control",
+                             f"http://127.0.0.1:{free_port()}", "--poll-s", "0.2", "--",
+                             sys.executable, "-c", "import sys; sys.exit(5)"], stderr=subprocess.PIPE, text=True)
+    code, err = _finish(proc)
+    assert code == 5, err  # a Job with restartPolicy OnFailure restarts it; the learner re-admits it
+
+
+def test_sigterm_reaches_the_supervised_server(tmp_path):
+    marker = tmp_path / "server"
+    server = _server(free_port(), marker)
+    assert _wait_for(marker.exists)
+    server.send_signal(signal.SIGTERM)
+    code, _ = _finish(server)
+    assert code == 0 and marker.read_text() == "SIGTERM"
+
+
+def test_the_control_endpoint_reports_running_then_the_final_state():
+    port = free_port()
+    learner = _learner(port, 0, 2.0, "--expect-watchers", "1", "--linger-s", "20")
+
+    def status():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/lifecycle/?watcher=t", timeout=2) as r:
+                return json.loads(r.read())
+        except OSError:
+            return None
+
+    assert _wait_for(lambda: status() is not None)
+    assert status()["state"] == "running" and status()["final"] is False
+    assert _wait_for(lambda: (status() or {}).get("state") == "succeeded", 15)
+    assert _finish(learner)[0] == 0
+
+
+def test_a_taken_control_port_fails_fast():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        code, err = _finish(_learner(s.getsockname()[1], 0, 0.1))
+    assert code == 3 and "cannot listen" in err
+
+
+@pytest.mark.parametrize(("command", "expected"), [
+    (["--", "launch", "server", "--port", "8000"], [sys.executable, "-m", "trainer", "launch", "server", "--port", "8000"]),
+    (["swift", "rollout", "--model", "/m"], ["swift", "rollout", "--model", "/m"]),
+])
+def test_child_command(command, expected):
+    assert child_argv(command) == expected
+
+
+def test_no_command_is_an_error():
+    with pytest.raises(ValueError, match="no command to supervise"):
+        child_argv(["--"])
