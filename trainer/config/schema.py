@@ -61,12 +61,22 @@ class SyntheticDataConfig(Section):
     max_objects: int = Field(4, ge=1)
     image_size: int = Field(64, ge=16)
     poly_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    eval_num_samples: int = Field(0, ge=0, description="held-out synthetic eval split size (0: none)")
+    eval_seed: int | None = Field(None, description="seed of the eval split (default: seed + 1; must differ from seed)")
+
+    @model_validator(mode="after")
+    def _held_out(self) -> SyntheticDataConfig:
+        if self.eval_seed is not None and self.eval_seed == self.seed:
+            raise ValueError("eval_seed must differ from seed (the eval split must be held out)")
+        return self
 
 
 class DataConfig(Section):
-    """Exactly one of ``train_jsonl`` or ``synthetic``."""
+    """Exactly one of ``train_jsonl`` or ``synthetic``; at most one eval split (``eval_jsonl`` or
+    ``synthetic.eval_num_samples``)."""
 
     train_jsonl: str | None = None
+    eval_jsonl: str | None = None
     synthetic: SyntheticDataConfig | None = None
     image_root: str | None = None
     system_prompt: str | None = None
@@ -76,7 +86,13 @@ class DataConfig(Section):
     def _one_source(self) -> DataConfig:
         if (self.train_jsonl is None) == (self.synthetic is None):
             raise ValueError("set exactly one of data.train_jsonl or data.synthetic")
+        if self.eval_jsonl is not None and self.synthetic is not None and self.synthetic.eval_num_samples:
+            raise ValueError("set at most one eval split: data.eval_jsonl or data.synthetic.eval_num_samples")
         return self
+
+    @property
+    def has_eval_split(self) -> bool:
+        return self.eval_jsonl is not None or bool(self.synthetic and self.synthetic.eval_num_samples)
 
 
 class TrainingConfig(Section):
@@ -92,6 +108,8 @@ class TrainingConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0)
     seed: int = 42
     logging_steps: int = Field(1, ge=1)
+    eval_steps: int = Field(0, ge=0, description="held-out eval every N stage-2 steps (0: only before and after "
+                                                 "stage 2); needs data.eval_jsonl or data.synthetic.eval_num_samples")
     save_steps: int = Field(0, ge=0)
     save_total_limit: int | None = Field(None, ge=1)
     bf16: bool = False
@@ -293,6 +311,9 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
         why = problem(t.deepspeed)
         if why:
             errs.append(ConfigError("training.deepspeed", why))
+    if t.eval_steps and not cfg.data.has_eval_split:
+        errs.append(ConfigError("training.eval_steps", "needs an eval split: set data.eval_jsonl or "
+                                "data.synthetic.eval_num_samples (or set eval_steps: 0)"))
     if variant == "rollout_matching_sft":
         rm = cfg.custom.extra.rollout_matching
         if rm is None:

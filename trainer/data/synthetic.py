@@ -65,8 +65,8 @@ def make_record(rng: random.Random, index: int, size: int, n_objects: int, poly_
 
 
 def generate(out_dir: str | Path, num_samples: int, seed: int = 0, min_objects: int = 1, max_objects: int = 4,
-             image_size: int = 64, poly_fraction: float = 0.0) -> Path:
-    """Write the synthetic dataset under ``out_dir``; returns the path of ``train.jsonl``."""
+             image_size: int = 64, poly_fraction: float = 0.0, filename: str = "train.jsonl") -> Path:
+    """Write the synthetic dataset under ``out_dir``; returns the path of the JSONL (``filename``)."""
     if max_objects < min_objects:
         raise ValueError(f"max_objects ({max_objects}) < min_objects ({min_objects})")
     out = Path(out_dir)
@@ -77,6 +77,6 @@ def generate(out_dir: str | Path, num_samples: int, seed: int = 0, min_objects: 
         record, img = make_record(rng, i, image_size, rng.randint(min_objects, max_objects), poly_fraction)
         img.save(out / record["images"][0], format="PNG")
         lines.append(json.dumps(record, ensure_ascii=False))
-    path = out / "train.jsonl"
+    path = out / filename
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path

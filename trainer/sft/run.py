@@ -116,6 +116,17 @@ def write_run_metadata(out: Path, cfg: TrainConfig, engine, weight_sync) -> dict
     return meta
 
 
+def periodic_eval(cfg: TrainConfig, pipeline: Stage2Pipeline, engine, weight_sync, model, decoding: DecodingParams,
+                  metrics_path: Path):
+    """Held-out eval before stage 2 (after the warm-up), every ``training.eval_steps`` and at the end."""
+    from trainer.evaluation.run import Evaluator, PeriodicEvalCallback, load_eval_samples
+
+    evaluator = Evaluator(pipeline, engine, load_eval_samples(cfg), decoding,
+                          top_k=cfg.rollout_matching.matching.candidate_top_k, weight_sync=weight_sync)
+    return PeriodicEvalCallback(evaluator, model, cfg.training.eval_steps, cfg.training.output_dir, metrics_path,
+                                tensorboard="tensorboard" in cfg.training.report_to)
+
+
 def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) -> RunSummary:
     """``resume_from_checkpoint``: a stage-2 checkpoint folder or "latest"; the stage-1 warm-up is skipped."""
     rm = cfg.rollout_matching
@@ -145,6 +156,9 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     engine = build_rollout_engine(rm, loaded, model)
     weight_sync = build_weight_sync(rm, engine, model)
     write_run_metadata(out, cfg, engine, weight_sync)
+    stage2_callbacks = [JsonlMetricsCallback(str(metrics_path), "stage2")]
+    if cfg.data.has_eval_split:
+        stage2_callbacks.append(periodic_eval(cfg, pipeline, engine, weight_sync, model, decoding, metrics_path))
     if cfg.stage1.steps > 0 and not resume_from_checkpoint:
         s1 = cfg.stage1
         warm = RolloutMatchingTrainer(
@@ -166,7 +180,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             rollout_buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1,
             packed_attn_implementation=cfg.model.attn_implementation,
             offload=(rm.offload.offload_model, rm.offload.offload_optimizer) if rm.offload.enabled else None,
-            weight_sync=weight_sync, callbacks=[JsonlMetricsCallback(str(metrics_path), "stage2")],
+            weight_sync=weight_sync, callbacks=stage2_callbacks,
             eager_rollouts=cfg.training.compile_decoder_layers and rm.rollout_backend == "hf" and not rm.hf.compile,
             **common)
         result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
