@@ -1,4 +1,5 @@
-"""The stage-2 packing benchmark runs the trainer's forward_loss on stage-2-shaped targets (CPU smoke run)."""
+"""The benchmark package: one random-model builder, the command line, and the stage-2 packing benchmark running the
+trainer's forward_loss on stage-2-shaped targets (CPU smoke run)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import random
 
 import pytest
 
-from trainer.bench import TINY, model_flops, run_bench, stage2_segment
+from trainer.bench.models import TINY, random_qwen3
+from trainer.bench.packing import model_flops, run_bench, stage2_segment
 from trainer.matching.targets import IGNORE_INDEX
 
 
@@ -49,3 +51,31 @@ def test_full_bench_without_a_gpu_refuses_with_advice(capsys, tmp_path):
     args = argparse.Namespace(quick=False, out=str(tmp_path), only="all")
     assert run(args) == 2
     assert "--quick" in capsys.readouterr().out and not any(tmp_path.iterdir())
+
+
+def test_random_qwen3_builds_the_requested_shape_in_the_requested_mode():
+    import torch
+
+    model = random_qwen3(dict(TINY, num_hidden_layers=1), dtype=torch.bfloat16, seed=3)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (TINY["hidden_size"], 1, TINY["vocab_size"])
+    assert cfg.intermediate_size == TINY["intermediate_size"] and cfg.tie_word_embeddings
+    assert not model.training and model.generation_config.eos_token_id is None
+    assert next(model.parameters()).dtype == torch.bfloat16
+    again = random_qwen3(dict(TINY, num_hidden_layers=1), dtype=torch.bfloat16, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters())), "seeded"
+    trained = random_qwen3(dict(TINY, num_hidden_layers=1), train=True, gradient_checkpointing=True, eos_token_id=1)
+    checkpointing = getattr(trained, "is_activation_checkpointing", None)
+    if checkpointing is None:  # transformers before 5.2x
+        checkpointing = trained.is_gradient_checkpointing
+    assert trained.training and checkpointing and trained.config.eos_token_id == 1
+
+
+def test_cli_bench_parses_every_benchmark_choice():
+    from trainer.cli import COMMAND_MODULES, build_parser
+
+    assert COMMAND_MODULES["bench"] == "trainer.bench"
+    parser = build_parser("bench")
+    for only in ("all", "packing", "rollout", "weight-sync"):
+        args = parser.parse_args(["bench", "--only", only, "--quick"])
+        assert args.only == only and args.quick and callable(args.func)

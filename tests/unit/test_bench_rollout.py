@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.bench_rollout import rollout_batching_bench, rollout_buffer_bench, run_rollout_benches
+from trainer.bench.rollout import rollout_batching_bench, rollout_buffer_bench, run_rollout_benches
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -52,7 +52,7 @@ def test_bench_module_imports_without_pydantic():
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] == 'pydantic': raise ImportError('no pydantic here')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import trainer.bench_rollout, trainer.sft.trainer, trainer.sft.stage2, trainer.modeling.fixtures\n"
+        "import trainer.bench.rollout, trainer.bench.weight_sync, trainer.sft.trainer, trainer.sft.stage2, trainer.modeling.fixtures\n"
         "assert 'pydantic' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)

@@ -1,4 +1,4 @@
-"""``python -m trainer bench``: stage-2 teacher-forced forward+backward, padded vs packed, side by side.
+"""Packing benchmark: stage-2 teacher-forced forward+backward, padded vs packed, side by side.
 
 A random-weight Qwen3-0.6B-shaped model (bf16 on CUDA, gradient checkpointing) trains on stage-2-shaped
 segments: lengths uniform in [min_len, max_len], micro-batch ``micro_batch``; each segment is a prompt (image +
@@ -18,43 +18,25 @@ real tokens, recompute not counted, over ``peak_tflops``) go to ``docs/benchmark
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import random
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from trainer.bench.models import H100_BF16_TFLOPS, QWEN3_0_6B, TINY, random_qwen3
 from trainer.losses.objective import LossWeights
 from trainer.matching.targets import IGNORE_INDEX, TrainTarget
 from trainer.modeling.compile import compile_decoder_layers, decoder_layers
-from trainer.modeling.shapes import QWEN3_0_6B as QWEN3_0_6B_SHAPE
 from trainer.packing.packed_batch import pack_targets
 from trainer.packing.varlen_attention import packed_attention, register_varlen_attention, varlen_available
 from trainer.sft.batching import pad_targets
 from trainer.sft.forward import forward_loss
 
-QWEN3_0_6B = dict(QWEN3_0_6B_SHAPE, tie_word_embeddings=True)
-TINY = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=64, tie_word_embeddings=True)
-H100_BF16_TFLOPS = 989.0
+__all__ = ["QWEN3_0_6B", "TINY", "model_flops", "plot", "run_bench", "stage2_segment"]
+
 OBJECT_TOKENS, COORDS_PER_OBJECT = 13, 4
-
-
-def _model(shape: dict, device: str, dtype: torch.dtype, gradient_checkpointing: bool):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(**shape, max_position_embeddings=32768, attn_implementation="sdpa")
-    model = Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).train()
-    if gradient_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
 
 
 def stage2_segment(rng: random.Random, sample_id: str, length: int, vocab: int, coord_ids: list[int],
@@ -128,8 +110,8 @@ def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int =
     targets = [stage2_segment(rng, f"s{i}", rng.randint(min_len, max_len), vocab, coord_list) for i in range(segments)]
     lengths = [t.length for t in targets]
     supervised = sum(sum(lab != IGNORE_INDEX for lab in t.labels) + len(t.coord_positions) for t in targets)
-    torch.manual_seed(seed)
-    model = _model(shape, device, dtype, gradient_checkpointing)
+    model = random_qwen3(shape, device=device, dtype=dtype, seed=seed, train=True,
+                         gradient_checkpointing=gradient_checkpointing)
     impl = register_varlen_attention() if varlen_available() else None
 
     def groups(k: int) -> list[list[TrainTarget]]:
@@ -203,41 +185,6 @@ def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int =
     }
 
 
-def offload_bench(hidden: int, layers: int, engine_gib: float) -> dict:
-    """Peak GPU memory while a colocated engine holds ``engine_gib`` (weights + KV), with and without offload,
-    and the cost of moving the training state out and back (seconds)."""
-    from trainer.buffering.offload import offload_for_rollout
-
-    shape = dict(QWEN3_0_6B, vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 3,
-                 num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 512))
-    model = _model(shape, "cuda", torch.bfloat16, gradient_checkpointing=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    model(input_ids=torch.randint(0, 32000, (1, 256), device="cuda")).logits.mean().backward()
-    opt.step()
-
-    def decode() -> float:
-        torch.cuda.reset_peak_memory_stats()
-        engine = torch.empty(int(engine_gib * 2**30), dtype=torch.uint8, device="cuda")
-        del engine
-        return torch.cuda.max_memory_allocated() / 2**30
-
-    def cycle() -> tuple[float, float, float, Any]:
-        start = time.perf_counter()
-        with offload_for_rollout(model, opt) as stats:
-            moved_out = time.perf_counter() - start
-            peak = decode()
-            back_start = time.perf_counter()
-        return moved_out, time.perf_counter() - back_start, peak, stats
-
-    without = decode()
-    moved_out, moved_back, with_offload, stats = cycle()
-    again = cycle()
-    return {"engine_gib": engine_gib, "params_gib": stats.moved_param_bytes / 2**30,
-            "optimizer_gib": stats.moved_optimizer_bytes / 2**30, "peak_without_offload_gib": without,
-            "peak_with_offload_gib": with_offload, "offload_s": moved_out, "restore_s": moved_back,
-            "second_offload_s": again[0], "second_restore_s": again[1], "second_peak_gib": again[2]}
-
-
 def plot(result: dict, out_png: Path) -> None:
     import matplotlib
 
@@ -260,56 +207,3 @@ def plot(result: dict, out_png: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
-
-
-def run(args: argparse.Namespace) -> int:
-    if not args.quick and not torch.cuda.is_available():
-        print("bench: the full benchmarks need a CUDA GPU (Qwen3-0.6B shapes, H100 figures in docs/benchmarks); "
-              "on this machine run `python -m trainer bench --quick` for a CPU smoke run")
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.only in ("all", "rollout"):
-        from trainer.bench_rollout import run_rollout_benches
-
-        run_rollout_benches(out, quick=args.quick)
-    if args.only == "rollout":
-        return 0
-    if args.quick:
-        result = run_bench(TINY, micro_batch=2, segments=8, wide=4, min_len=16, max_len=64, repeats=1)
-    else:
-        result = run_bench(QWEN3_0_6B, args.micro_batch, args.segments, args.wide, args.min_len, args.max_len,
-                           args.repeats, gradient_checkpointing=not args.no_gradient_checkpointing,
-                           compile_layers=not args.no_compile)
-    (out / "packing.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / "packing.png")
-    for r in result["results"]:
-        if "error" in r:
-            print(f"{r['variant']:40s} {r['error']}")
-            continue
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        print(f"{r['variant']:40s} {r['real_tokens_per_s']:10.0f} tok/s  x{r['speedup_vs_padded_full']:.2f}  "
-              f"MFU {mfu}  peak {r['peak_gib']} GiB")
-    if torch.cuda.is_available() and not args.quick:
-        off = offload_bench(2048, 16, engine_gib=8.0)
-        (out / "offload.json").write_text(json.dumps(off, indent=2))
-        print(f"offload: peak {off['peak_without_offload_gib']:.1f} GiB -> {off['peak_with_offload_gib']:.1f} GiB; "
-              f"move-out {off['offload_s']:.2f} s first, {off['second_offload_s']:.2f} s after")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("bench", help="stage-2 benchmarks: packing, rollout batching, rollout buffer (JSON + PNG)")
-    p.add_argument("--out", default="docs/benchmarks")
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--segments", type=int, default=32, help="targets trained per timed pass")
-    p.add_argument("--wide", type=int, default=16, help="segments per forward of the wide variants")
-    p.add_argument("--min-len", type=int, default=300)
-    p.add_argument("--max-len", type=int, default=2000)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-gradient-checkpointing", action="store_true")
-    p.add_argument("--no-compile", action="store_true", help="skip the compiled-decoder-layer variants")
-    p.add_argument("--only", choices=("all", "packing", "rollout"), default="all",
-                   help="packing: packed vs padded fwd+bwd (+ offload); rollout: HF rollout batching + rollout buffer")
-    p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
-    p.set_defaults(func=run)

@@ -12,7 +12,7 @@ forward/backward, AdamW) with ``rollout_buffer.m_steps`` 1, 2, 4; synthetic samp
 
 ``run_rollout_benches(out_dir, quick)`` runs both and writes ``rollout.json`` and ``rollout.png``. GPU run::
 
-    PYTHONPATH=$PWD python -c "from trainer.bench_rollout import run_rollout_benches as r; r('docs/benchmarks', quick=False)"
+    python -m trainer bench --only rollout   # or: from trainer.bench.rollout import run_rollout_benches
 """
 
 from __future__ import annotations
@@ -28,35 +28,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from trainer.modeling.shapes import QWEN3_0_6B
+from trainer.bench.models import QWEN3_0_6B, device_name, random_qwen3, sync
 from trainer.rollout.hf import HFRolloutEngine
 from trainer.rollout.types import DecodingParams, RolloutRequest
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
-
-
-def build_random_qwen3(device: str, dtype: torch.dtype, *, seed: int = 0, attn_implementation: str = "sdpa",
-                       max_position_embeddings: int = 32768, **shape: int):
-    """Random-weight ``Qwen3ForCausalLM`` built from ``Qwen3Config`` directly (``shape`` overrides Qwen3-0.6B)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    dims = {**QWEN3_0_6B, **shape}
-    cfg = Qwen3Config(**dims, max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
-                      rope_theta=1_000_000.0, rms_norm_eps=1e-6, eos_token_id=None, pad_token_id=0)
-    cfg._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(cfg, dtype=dtype)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.eval()
 
 
 def random_requests(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[RolloutRequest]:
@@ -71,14 +45,14 @@ def random_requests(n: int, min_len: int, max_len: int, vocab: int, seed: int = 
 def time_engine(engine: HFRolloutEngine, requests: Sequence[RolloutRequest], params: DecodingParams,
                 warmup: Sequence[RolloutRequest], device: str) -> dict[str, Any]:
     """Warm-up call (excluded), then one timed ``generate`` over ``requests``; new tokens/s over the timed call."""
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     engine.generate(warmup, params)
-    _sync(device)
+    sync(device)
     warmup_s = time.perf_counter() - start
     start = time.perf_counter()
     results = engine.generate(requests, params)
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - start
     new_tokens = sum(len(r.response_token_ids) for r in results)
     calls = -(-len(requests) // engine.batch_size)
@@ -102,7 +76,7 @@ def rollout_batching_bench(device: str = "cuda", dtype: torch.dtype | None = Non
     Returns ``{"config": ..., "runs": [{variant, batch_size, tokens_per_s, speedup_vs_per_sample, ...}]}``.
     """
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    model = build_random_qwen3(device, dtype, seed=seed, **shape)
+    model = random_qwen3(shape, device=device, dtype=dtype, seed=seed)
     vocab = model.config.vocab_size
     requests = random_requests(n_requests, *prompt_len, vocab=vocab, seed=seed)
     longest = max(requests, key=lambda r: len(r.prompt_token_ids))
@@ -132,7 +106,7 @@ def rollout_batching_bench(device: str = "cuda", dtype: torch.dtype | None = Non
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"config": {"device": _device_name(device), "dtype": str(dtype), "model": {**QWEN3_0_6B, **shape},
+    return {"config": {"device": device_name(device), "dtype": str(dtype), "model": {**QWEN3_0_6B, **shape},
                        "n_requests": n_requests, "per_sample_requests": per_sample_requests,
                        "prompt_len_range": list(prompt_len), "max_new_tokens": max_new_tokens,
                        "stop_ids": "none (every request decodes max_new_tokens)", "decoding": "greedy",
@@ -151,10 +125,10 @@ class _TimedEngine:
         self.calls = 0
 
     def generate(self, requests, params):
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         out = self.engine.generate(requests, params)
-        _sync(self.device)
+        sync(self.device)
         self.seconds += time.perf_counter() - start
         self.calls += 1
         return out
@@ -171,11 +145,11 @@ class TrainClock(TrainerCallback):
         self.start = self.seconds = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        _sync(self.device)
+        sync(self.device)
         self.start = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):
-        _sync(self.device)
+        sync(self.device)
         self.seconds = time.perf_counter() - self.start
 
 
@@ -212,8 +186,8 @@ def rollout_buffer_bench(device: str = "cpu", *, model_size: str | dict[str, int
             model, _ = build_tiny_model("text", seed=seed)
             model = model.to(device=device, dtype=dtype)
         else:
-            model = build_random_qwen3(device, dtype, seed=seed, **{**dict(model_size), "vocab_size": len(tok)},
-                                       max_position_embeddings=4096)
+            model = random_qwen3({**dict(model_size), "vocab_size": len(tok)}, device=device, dtype=dtype, seed=seed,
+                                 max_position_embeddings=4096)
             model.config.pad_token_id = model.generation_config.pad_token_id = tok.pad_token_id
         return model.train()
 
@@ -255,7 +229,7 @@ def rollout_buffer_bench(device: str = "cpu", *, model_size: str | dict[str, int
     for r in runs:
         r["speedup_vs_first"] = r["steps_per_s"] / base
     dims = "tiny (embedded 2-layer, hidden 128)" if model_size == "tiny" else dict(model_size)
-    return {"config": {"device": _device_name(device), "dtype": str(dtype), "model": dims, "vocab": len(tok),
+    return {"config": {"device": device_name(device), "dtype": str(dtype), "model": dims, "vocab": len(tok),
                        "batch_size": batch_size, "rollout_generate_batch_size": rollout_batch_size or batch_size,
                        "max_new_tokens": max_new_tokens, "gradient_accumulation_steps": 1,
                        "data": "synthetic detection samples (text prompts)"},

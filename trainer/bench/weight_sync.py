@@ -17,7 +17,7 @@ second GPU (``CUDA_VISIBLE_DEVICES=1``). Measured:
 Without two GPUs it runs as a CPU dry run (gloo, tiny shape) to check the plumbing. ``run(out_dir)`` writes
 ``weight_sync.json`` and prints a summary. GPU run::
 
-    PYTHONPATH=$PWD python -c "from trainer.bench_weight_sync import run; run('docs/benchmarks')"
+    python -m trainer bench --only weight-sync   # or: from trainer.bench.weight_sync import run
 """
 
 from __future__ import annotations
@@ -35,10 +35,8 @@ from typing import Any
 
 import torch
 
-from trainer.modeling.shapes import QWEN3_0_6B
+from trainer.bench.models import QWEN3_0_6B, TINY, random_qwen3, sync
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-            intermediate_size=128, vocab_size=4096)
 GB = 1e9
 
 
@@ -53,28 +51,11 @@ def _nccl_version() -> str:
     return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def build_model(shape: dict[str, int], device: str, dtype: torch.dtype, seed: int):
-    """Random-weight ``Qwen3ForCausalLM`` (tied embeddings) built from ``Qwen3Config`` directly."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1_000_000.0,
-                      rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(cfg, dtype=dtype)
-    return model.eval()
-
-
 def save_server_model(out: Path, shape: dict[str, int], device: str, dtype: torch.dtype) -> Path:
     """A model directory the hf server engine loads: random weights (seed 0) and the embedded tokenizer."""
     from trainer.modeling.fixtures import tiny_tokenizer
 
-    model = build_model(shape, device, dtype, seed=0)
+    model = random_qwen3(shape, device=device, dtype=dtype, seed=0, max_position_embeddings=4096, eos_token_id=1)
     model.save_pretrained(out)
     tiny_tokenizer().save_pretrained(out)
     del model
@@ -87,14 +68,14 @@ def copy_baseline(nbytes: int, src: torch.device, dst: torch.device, iters: int 
     b = torch.empty_like(a, device=dst)
     for _ in range(2):
         b.copy_(a)
-    _sync(src)
-    _sync(dst)
+    sync(src)
+    sync(dst)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         b.copy_(a)
-        _sync(src)
-        _sync(dst)
+        sync(src)
+        sync(dst)
         times.append(time.perf_counter() - t0)
     ok = bool(torch.equal(a[:1024].to(dst), b[:1024]))
     del a, b
@@ -112,7 +93,7 @@ def broadcast_peer(host: str, port: int, nbytes: int, iters: int, device: str) -
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     for _ in range(iters):
         comm.broadcast(buf, src=1)
-        _sync(buf.device)
+        sync(buf.device)
         group.barrier()
     group.broadcast_obj(int(buf[:4096].to(torch.int64).sum()), src=0)
 
@@ -123,7 +104,7 @@ def broadcast_baseline(nbytes: int, device: torch.device, peer_env: dict[str, st
     from trainer.sync.transports import StoreGroup, TorchStatelessCommunicator
 
     port = _free_port()
-    code = (f"from trainer.bench_weight_sync import broadcast_peer; "
+    code = (f"from trainer.bench.weight_sync import broadcast_peer; "
             f"broadcast_peer('127.0.0.1', {port}, {nbytes}, {iters + warmup}, {peer_device!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], env=peer_env)
     try:
@@ -135,7 +116,7 @@ def broadcast_baseline(nbytes: int, device: torch.device, peer_env: dict[str, st
         for i in range(iters + warmup):
             t0 = time.perf_counter()
             comm.broadcast(buf, src=1)
-            _sync(device)
+            sync(device)
             dt = time.perf_counter() - t0
             group.barrier()
             if i == 0:
@@ -233,7 +214,8 @@ def run(out_dir: str | Path, *, bucket_mbs: tuple[int, ...] = (256, 1024), repea
         t0 = time.perf_counter()
         model_dir = save_server_model(Path(tmp) / "model", shape, str(learner_dev), dtype)
         result["save_server_model_s"] = time.perf_counter() - t0
-        learner = build_model(shape, str(learner_dev), dtype, seed=1)
+        learner = random_qwen3(shape, device=learner_dev, dtype=dtype, seed=1, max_position_embeddings=4096,
+                               eos_token_id=1)
         n_params = sum(p.numel() for p in learner.parameters())
         with hf_server(model_dir, env, "cuda:0" if gpu else None, "bfloat16") as (url, start_s):
             result["server_start_s"] = start_s

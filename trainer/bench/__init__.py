@@ -1,0 +1,86 @@
+"""``python -m trainer bench`` (``make bench``): the stage-2 benchmarks, JSON + PNG under ``docs/benchmarks/``.
+
+One module per benchmark, all building their random-weight models with ``trainer.bench.models.random_qwen3``:
+
+* ``packing``: teacher-forced forward+backward, padded vs packed (``packing.json`` / ``.png``);
+* ``offload``: peak GPU memory with and without offloading the training state (``offload.json``; CUDA only);
+* ``rollout``: HF rollout batching and rollout-buffer M-steps (``rollout.json`` / ``.png``);
+* ``weight_sync``: NCCL full-weight sync learner → rollout server (``weight_sync.json``; two GPUs, else a CPU dry run).
+
+The benchmark modules are pure functions (no pydantic, no config); this file holds only the command line and
+imports them lazily, so ``python -m trainer --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ONLY = ("all", "packing", "rollout", "weight-sync")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not args.quick and not torch.cuda.is_available():
+        print("bench: the full benchmarks need a CUDA GPU (Qwen3-0.6B shapes, H100 figures in docs/benchmarks); "
+              "on this machine run `python -m trainer bench --quick` for a CPU smoke run")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    only = getattr(args, "only", "all")
+    if only == "weight-sync":  # not part of "all": it needs two GPUs (else a CPU dry run)
+        from trainer.bench.weight_sync import run as run_weight_sync
+
+        run_weight_sync(out, force_cpu=args.quick)
+        return 0
+    if only in ("all", "rollout"):
+        from trainer.bench.rollout import run_rollout_benches
+
+        run_rollout_benches(out, quick=args.quick)
+    if only == "rollout":
+        return 0
+    from trainer.bench.packing import QWEN3_0_6B, TINY, plot, run_bench
+
+    if args.quick:
+        result = run_bench(TINY, micro_batch=2, segments=8, wide=4, min_len=16, max_len=64, repeats=1)
+    else:
+        result = run_bench(QWEN3_0_6B, args.micro_batch, args.segments, args.wide, args.min_len, args.max_len,
+                           args.repeats, gradient_checkpointing=not args.no_gradient_checkpointing,
+                           compile_layers=not args.no_compile)
+    (out / "packing.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "packing.png")
+    for r in result["results"]:
+        if "error" in r:
+            print(f"{r['variant']:40s} {r['error']}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        print(f"{r['variant']:40s} {r['real_tokens_per_s']:10.0f} tok/s  x{r['speedup_vs_padded_full']:.2f}  "
+              f"MFU {mfu}  peak {r['peak_gib']} GiB")
+    if torch.cuda.is_available() and not args.quick:
+        from trainer.bench.offload import offload_bench
+
+        off = offload_bench(2048, 16, engine_gib=8.0)
+        (out / "offload.json").write_text(json.dumps(off, indent=2))
+        print(f"offload: peak {off['peak_without_offload_gib']:.1f} GiB -> {off['peak_with_offload_gib']:.1f} GiB; "
+              f"move-out {off['offload_s']:.2f} s first, {off['second_offload_s']:.2f} s after")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("bench", help="stage-2 benchmarks: packing, rollout batching, rollout buffer (JSON + PNG)")
+    p.add_argument("--out", default="docs/benchmarks")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--segments", type=int, default=32, help="targets trained per timed pass")
+    p.add_argument("--wide", type=int, default=16, help="segments per forward of the wide variants")
+    p.add_argument("--min-len", type=int, default=300)
+    p.add_argument("--max-len", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled-decoder-layer variants")
+    p.add_argument("--only", choices=ONLY, default="all",
+                   help="packing: packed vs padded fwd+bwd (+ offload); rollout: HF rollout batching + rollout "
+                        "buffer; weight-sync: NCCL learner -> server sync (two GPUs; not part of 'all')")
+    p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
+    p.set_defaults(func=run)
