@@ -4,7 +4,8 @@
 node's host network, node GPU sets disjoint and within the node, GPU requests/visible devices matching those sets,
 rollout servers on loopback with unique ports and probes on the served health path, the learner waiting for every
 server and working in a writable directory, the mounted training YAML naming the same servers, non-root
-containers and a memory-backed /dev/shm.
+containers and a memory-backed /dev/shm, and every port any pod can open (``port_claims``) distinct across the
+release and inside that pod's port block.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from trainer.deploy.topology import LOOPBACK_HOSTS
 
 SERVED_HEALTH_PATHS = ("/health/", "/health")
 NODE_GPUS_ANNOTATION = "rollout-matching/node-gpus"
+PORTS_ANNOTATION = "rollout-matching/ports"
+# single ports a pod's processes bind, named by the environment variable that sets them
+EXACT_PORT_ENV = ("VLLM_DP_MASTER_PORT", "MASTER_PORT", "PET_MASTER_PORT")
 POD_KINDS = ("Pod", "Job", "Deployment", "StatefulSet", "DaemonSet")
 
 
@@ -48,6 +52,14 @@ class Workload:
         raw = self.annotations.get(NODE_GPUS_ANNOTATION, "")
         return [int(x) for x in raw.split(",") if x.strip()]
 
+    @property
+    def port_block(self) -> tuple[int, int] | None:
+        raw = self.annotations.get(PORTS_ANNOTATION)
+        if not raw:
+            return None
+        first, last = raw.split("-")
+        return int(first), int(last)
+
     def arg(self, flag: str) -> str | None:
         args = self.args
         return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else None
@@ -57,16 +69,21 @@ def _workloads(manifests: list[dict[str, Any]]) -> list[Workload]:
     out = []
     for doc in manifests:
         kind = doc.get("kind")
-        if kind not in POD_KINDS:
-            continue
         meta = doc.get("metadata") or {}
-        template = doc if kind == "Pod" else doc["spec"]["template"]
-        template_meta = template.get("metadata") or {}
-        labels = template_meta.get("labels") or {}
+        if kind == "JobSet":  # gang scheduling: one Job per replicatedJob
+            templates = [(f"{meta.get('name', '?')}/{rj.get('name', '?')}", rj["template"]["spec"]["template"])
+                         for rj in (doc.get("spec") or {}).get("replicatedJobs") or []]
+        elif kind in POD_KINDS:
+            templates = [(meta.get("name", "?"), doc if kind == "Pod" else doc["spec"]["template"])]
+        else:
+            continue
         hook = "helm.sh/hook" in (meta.get("annotations") or {})
-        out.append(Workload(kind=kind, name=meta.get("name", "?"), component=labels.get("app.kubernetes.io/component", ""),
-                            labels=labels, annotations=template_meta.get("annotations") or {}, pod=template["spec"],
-                            is_hook=hook))
+        for name, template in templates:
+            template_meta = template.get("metadata") or {}
+            labels = template_meta.get("labels") or {}
+            out.append(Workload(kind=kind, name=name, component=labels.get("app.kubernetes.io/component", ""),
+                                labels=labels, annotations=template_meta.get("annotations") or {},
+                                pod=template["spec"], is_hook=hook))
     return out
 
 
@@ -84,6 +101,84 @@ def _same_node(w: Workload, workloads: list[Workload], node_selector: dict[str, 
             return []
     return [f"{w.kind} {w.name}: not pinned to the shared node (nodeSelector kubernetes.io/hostname or required "
             "podAffinity on the release labels with topologyKey kubernetes.io/hostname)"]
+
+
+@dataclass(frozen=True)
+class PortClaim:
+    """Ports ``first..last`` (inclusive) that ``owner`` may open, and why."""
+
+    first: int
+    last: int
+    owner: str
+    what: str
+
+    def overlaps(self, other: PortClaim) -> bool:
+        return self.first <= other.last and other.first <= self.last
+
+
+def _train_config(manifests: list[dict[str, Any]]) -> dict[str, Any] | None:
+    for doc in manifests:
+        if doc.get("kind") == "ConfigMap" and "train.yaml" in (doc.get("data") or {}):
+            return yaml.safe_load(doc["data"]["train.yaml"]) or {}
+    return None
+
+
+def _group_ports(config: dict[str, Any] | None, n_servers: int) -> list[int]:
+    """The learner-side weight-sync ports (a TCPStore per server) the training config asks for."""
+    if not config or not n_servers:
+        return []
+    rlhf = config.get("rlhf") if isinstance(config.get("rlhf"), dict) else None
+    if rlhf is not None:
+        return [int(p) for p in rlhf.get("vllm_server_group_port") or []]
+    vllm = (((config.get("custom") or {}).get("extra") or {}).get("rollout_matching") or {}).get("vllm") or {}
+    base = int((vllm.get("sync") or {}).get("group_port", 51216))
+    return list(range(base, base + n_servers))
+
+
+def port_claims(manifests: list[dict[str, Any]]) -> list[PortClaim]:
+    """Every port a rendered pod can open on the node: the servers' HTTP ``--port``, the rendezvous ports
+    (``VLLM_DP_MASTER_PORT``, ``MASTER_PORT``/``PET_MASTER_PORT``), the lifecycle ``--control-port``, vLLM's
+    internal ports (from ``VLLM_PORT`` up to the end of the pod's port block: vLLM scans upward) and the learner's
+    weight-sync group ports from the mounted training config."""
+    claims: list[PortClaim] = []
+    running = [w for w in _workloads(manifests) if not w.is_hook]
+    n_servers = sum(w.component == "rollout-server" for w in running)
+    for w in running:
+        owner = f"{w.kind} {w.name}"
+        env = w.env
+        block = w.port_block
+        if w.component == "rollout-server" and w.arg("--port"):
+            port = int(w.arg("--port"))
+            claims.append(PortClaim(port, port, owner, "HTTP --port"))
+        exact = {int(env[k]) for k in EXACT_PORT_ENV if env.get(k)}
+        claims += [PortClaim(p, p, owner, "rendezvous (" + "/".join(k for k in EXACT_PORT_ENV if env.get(k) == str(p)) + ")")
+                   for p in sorted(exact)]
+        if w.arg("--control-port"):
+            port = int(w.arg("--control-port"))
+            claims.append(PortClaim(port, port, owner, "lifecycle --control-port"))
+        if env.get("VLLM_PORT"):
+            port = int(env["VLLM_PORT"])
+            claims.append(PortClaim(port, max(port, block[1]) if block else port, owner, "VLLM_PORT (vLLM scans upward)"))
+        if w.component == "learner":
+            claims += [PortClaim(p, p, owner, "weight-sync group port") for p in _group_ports(_train_config(manifests), n_servers)]
+    return claims
+
+
+def check_ports(manifests: list[dict[str, Any]]) -> list[str]:
+    """Port claims that collide (across pods, or two purposes in one pod) or leave the pod's port block."""
+    problems = []
+    blocks = {f"{w.kind} {w.name}": w.port_block for w in _workloads(manifests) if not w.is_hook}
+    claims = port_claims(manifests)
+    for c in claims:
+        block = blocks.get(c.owner)
+        if block and c.what != "HTTP --port" and not (block[0] <= c.first and c.last <= block[1]):
+            problems.append(f"{c.owner}: {c.what} {c.first}-{c.last} lies outside its port block {block[0]}-{block[1]}")
+    for i, a in enumerate(claims):
+        for b in claims[i + 1:]:
+            if a.overlaps(b):
+                problems.append(f"port collision: {a.owner} {a.what} {a.first}-{a.last} and {b.owner} {b.what} "
+                                f"{b.first}-{b.last}")
+    return problems
 
 
 def _train_config_servers(manifests: list[dict[str, Any]]) -> list[str] | None:
@@ -203,4 +298,4 @@ def check_manifests(manifests: list[dict[str, Any]], node_gpus: int, gpu_resourc
     configured = _train_config_servers(manifests)
     if configured is not None and sorted(configured) != sorted(urls):
         problems.append(f"training config lists servers {configured} but the deployment runs {urls}")
-    return problems
+    return problems + check_ports(manifests)

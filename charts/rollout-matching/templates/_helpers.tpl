@@ -19,6 +19,7 @@
 {{- define "rm.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "rm.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
+rollout-matching/run: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "rm.labels" -}}
@@ -28,8 +29,52 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
+{{/* repository:tag, or the repository alone when tag is empty (a full reference, e.g. with a digest). */}}
 {{- define "rm.image" -}}
-{{- printf "%s:%s" .repository .tag -}}
+{{- if .tag -}}{{- printf "%s:%s" .repository .tag -}}{{- else -}}{{- .repository -}}{{- end -}}
+{{- end -}}
+
+{{/*
+Ports: the ONE place every port a pod opens is derived from its index (servers 0..n-1, the learner n).
+Args: dict "root" $ "index" N. Returns YAML (use with fromYaml). Layout: values.yaml `ports`.
+*/}}
+{{- define "rm.ports" -}}
+{{- $p := .root.Values.ports -}}
+{{- $first := add (int $p.base) (mul (int .index) (int $p.blockSize)) -}}
+first: {{ $first }}
+last: {{ sub (add $first (int $p.blockSize)) 1 }}
+rendezvous: {{ $first }}
+serverVllm: {{ add $first 1 }}
+control: {{ add $first 1 }}
+groupBase: {{ add $first 2 }}
+learnerVllm: {{ add $first 50 }}
+{{- end -}}
+
+{{- define "rm.learnerPorts" -}}
+{{- include "rm.ports" (dict "root" . "index" (len .Values.rolloutServer.instances)) -}}
+{{- end -}}
+
+{{/* Port env of a pod. Args: dict "root" $ "index" N "role" "server"|"learner" */}}
+{{- define "rm.portEnv" -}}
+{{- $ports := fromYaml (include "rm.ports" .) -}}
+{{- if eq .role "server" }}
+- name: VLLM_PORT
+  value: {{ $ports.serverVllm | quote }}
+- name: VLLM_DP_MASTER_PORT
+  value: {{ $ports.rendezvous | quote }}
+{{- else }}
+- name: MASTER_PORT
+  value: {{ $ports.rendezvous | quote }}
+- name: PET_MASTER_PORT
+  value: {{ $ports.rendezvous | quote }}
+- name: VLLM_PORT
+  value: {{ $ports.learnerVllm | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "rm.portAnnotation" -}}
+{{- $ports := fromYaml (include "rm.ports" .) -}}
+rollout-matching/ports: {{ printf "%v-%v" $ports.first $ports.last | quote }}
 {{- end -}}
 
 {{/* The server URLs the learner talks to, in instance order. */}}
@@ -100,6 +145,19 @@ Topology rules the schema cannot express. Fails the render with the offending ke
 {{- if and (gt (int $v.rolloutServer.dataParallelSize) 1) (ne $v.rolloutServer.engine "swift") -}}
 {{- fail (printf "rolloutServer.dataParallelSize is %v but engine %s runs one engine per server; use engine swift for data parallelism, or one instance per GPU group" $v.rolloutServer.dataParallelSize $v.rolloutServer.engine) -}}
 {{- end -}}
+{{- $n := len $v.rolloutServer.instances -}}
+{{- if gt $n 48 -}}
+{{- fail (printf "rolloutServer.instances lists %d servers; the learner's port block holds weight-sync group ports for at most 48" $n) -}}
+{{- end -}}
+{{- $portsEnd := add (int $v.ports.base) (mul (add $n 1) (int $v.ports.blockSize)) -}}
+{{- if gt $portsEnd 65536 -}}
+{{- fail (printf "ports.base %v + %d blocks of ports.blockSize %v ends past 65535; lower ports.base" $v.ports.base (add $n 1) $v.ports.blockSize) -}}
+{{- end -}}
+{{- range $i, $inst := $v.rolloutServer.instances -}}
+{{- if and (ge (int $inst.port) (int $v.ports.base)) (lt (int $inst.port) $portsEnd) -}}
+{{- fail (printf "rolloutServer.instances[%d]: port %v lies in the internal port blocks %v-%d (ports.base, ports.blockSize); choose a port outside them or move ports.base" $i $inst.port $v.ports.base (sub $portsEnd 1)) -}}
+{{- end -}}
+{{- end -}}
 {{- if and $v.rolloutServer.instances (not (has $v.rolloutServer.host (list "127.0.0.1" "localhost" "::1"))) -}}
 {{- fail (printf "rolloutServer.host is %s: servers share the node's host network and must bind the loopback (127.0.0.1)" $v.rolloutServer.host) -}}
 {{- end -}}
@@ -125,12 +183,23 @@ The training YAML with the topology written in: server mode and the server list 
 {{- $ports = append $ports (int .port) -}}
 {{- $servers = append $servers (dict "base_url" (printf "http://%s:%v" $v.rolloutServer.host .port)) -}}
 {{- end -}}
+{{- $groupBase := int (fromYaml (include "rm.learnerPorts" $)).groupBase -}}
+{{- $groupPorts := list -}}
+{{- range $i, $_ := $v.rolloutServer.instances -}}
+{{- $groupPorts = append $groupPorts (add $groupBase $i) -}}
+{{- end -}}
 {{- if hasKey $cfg "rlhf" -}}
-{{- $rs := dict "vllm_tensor_parallel_size" (int $v.rolloutServer.tensorParallelSize) "vllm_data_parallel_size" (int $v.rolloutServer.dataParallelSize) "vllm_gpu_memory_utilization" $v.rolloutServer.gpuMemoryUtilization "vllm_max_model_len" (int $v.rolloutServer.maxModelLen) -}}
-{{- $patch := dict "rlhf" (dict "vllm_mode" "server" "vllm_server_host" $hosts "vllm_server_port" $ports) "custom" (dict "extra" (dict "rollout_server" $rs)) -}}
+{{- $rs := dict "vllm_tensor_parallel_size" (int $v.rolloutServer.tensorParallelSize) "vllm_data_parallel_size" (int $v.rolloutServer.dataParallelSize) -}}
+{{- if not (kindIs "invalid" $v.rolloutServer.gpuMemoryUtilization) -}}
+{{- $_ := set $rs "vllm_gpu_memory_utilization" $v.rolloutServer.gpuMemoryUtilization -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $v.rolloutServer.maxModelLen) -}}
+{{- $_ := set $rs "vllm_max_model_len" (int $v.rolloutServer.maxModelLen) -}}
+{{- end -}}
+{{- $patch := dict "rlhf" (dict "vllm_mode" "server" "vllm_server_host" $hosts "vllm_server_port" $ports "vllm_server_group_port" $groupPorts) "custom" (dict "extra" (dict "rollout_server" $rs)) -}}
 {{- $cfg = mustMergeOverwrite $cfg $patch -}}
 {{- else -}}
-{{- $patch := dict "custom" (dict "extra" (dict "rollout_matching" (dict "rollout_backend" "vllm" "vllm" (dict "mode" "server" "server" (dict "servers" $servers))))) -}}
+{{- $patch := dict "custom" (dict "extra" (dict "rollout_matching" (dict "rollout_backend" "vllm" "vllm" (dict "mode" "server" "server" (dict "servers" $servers) "sync" (dict "group_port" $groupBase))))) -}}
 {{- $cfg = mustMergeOverwrite $cfg $patch -}}
 {{- end -}}
 {{- end -}}
@@ -170,6 +239,9 @@ imagePullSecrets:
 {{- with .Values.serviceAccountName }}
 serviceAccountName: {{ . }}
 {{- end }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
 securityContext:
   runAsNonRoot: true
   runAsUser: {{ .Values.securityContext.runAsUser }}
@@ -195,10 +267,12 @@ securityContext:
   value: /home/app/.cache
 - name: HF_HOME
   value: /home/app/.cache/huggingface
+- name: VLLM_CACHE_ROOT
+  value: {{ printf "%s/vllm" .Values.caches.mountPath | quote }}
 - name: TRITON_CACHE_DIR
-  value: /home/app/.cache/triton
+  value: {{ printf "%s/triton" .Values.caches.mountPath | quote }}
 - name: TORCHINDUCTOR_CACHE_DIR
-  value: /tmp/torchinductor
+  value: {{ printf "%s/inductor" .Values.caches.mountPath | quote }}
 - name: MPLCONFIGDIR
   value: /tmp/matplotlib
 {{- range $k, $val := .Values.nccl.env }}
@@ -253,9 +327,16 @@ resources:
   mountPath: /dev/shm
 {{- end -}}
 
-{{- define "rm.hostDirVolume" -}}
+{{/* One volume from {hostPath | claimName | (emptyDir, sizeLimit)}. Args: dict "name" N "spec" S ["readOnly" B] ["hostPathType" T] */}}
+{{- define "rm.volume" -}}
 - name: {{ .name }}
-{{- if .spec.hostPath }}
+{{- if .spec.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ .spec.claimName }}
+    {{- if .readOnly }}
+    readOnly: true
+    {{- end }}
+{{- else if .spec.hostPath }}
   hostPath:
     path: {{ .spec.hostPath }}
     type: {{ .hostPathType | default "Directory" }}
@@ -265,4 +346,41 @@ resources:
 {{- else }}
   emptyDir: {}
 {{- end }}
+{{- end -}}
+
+{{/* Volumes every GPU pod mounts: models and data (read-only), extra volumes, the shared compile cache. */}}
+{{- define "rm.sharedVolumes" -}}
+{{- $s := .Values.storage -}}
+{{- if $s.models.enabled }}
+{{ include "rm.volume" (dict "name" "models" "spec" $s.models "readOnly" true) }}
+{{- end }}
+{{- if $s.data.enabled }}
+{{ include "rm.volume" (dict "name" "data" "spec" $s.data "readOnly" true) }}
+{{- end }}
+{{- range $s.extraVolumes }}
+{{ include "rm.volume" (dict "name" .name "spec" . "readOnly" (ne .readOnly false)) }}
+{{- end }}
+{{ include "rm.volume" (dict "name" "compile-cache" "spec" .Values.caches) }}
+{{- end -}}
+
+{{- define "rm.sharedMounts" -}}
+{{- $s := .Values.storage -}}
+{{- if $s.models.enabled }}
+- name: models
+  mountPath: {{ $s.models.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if $s.data.enabled }}
+# Rollout requests carry image paths: the servers read them from the same dataset mount.
+- name: data
+  mountPath: {{ $s.data.mountPath }}
+  readOnly: true
+{{- end }}
+{{- range $s.extraVolumes }}
+- name: {{ .name }}
+  mountPath: {{ .mountPath }}
+  readOnly: {{ ne .readOnly false }}
+{{- end }}
+- name: compile-cache
+  mountPath: {{ .Values.caches.mountPath }}
 {{- end -}}
