@@ -1,0 +1,357 @@
+"""The chart's production options (issue 19): per-pod port blocks, shared caches and volumes, the NCCL block,
+scheduling (priorityClassName, PDB, ttlSecondsAfterFinished, Kueue, JobSet) and the server lifecycle; every
+topology rendered with each option on and off, validated against the Kubernetes schemas and the semantic checks."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import yaml
+from deploy_helpers import (
+    CHART,
+    REPO,
+    TOPOLOGY_FILES,
+    args_of,
+    assert_valid_kubernetes,
+    flag,
+    helm,
+    load_values,
+    manifests_of,
+    pod_spec,
+    render_chart,
+    workload,
+)
+
+from trainer.config.loader import deep_merge
+from trainer.deploy.checks import check_manifests, check_ports, port_claims
+
+ALL_VALUES = (None, *TOPOLOGY_FILES)
+OPTIONS = {
+    "defaults": {},
+    "caches-hostpath": {"caches": {"hostPath": "/var/cache/rollout-matching"}},
+    "caches-pvc+models-pvc": {"caches": {"claimName": "compile-cache"},
+                              "storage": {"models": {"hostPath": "", "claimName": "models"},
+                                          "output": {"claimName": "runs"}}},
+    "extra-volume": {"storage": {"extraVolumes": [{"name": "tokenizers", "hostPath": "/data/tok", "mountPath": "/tok"}]}},
+    "no-lifecycle": {"lifecycle": {"enabled": False}},
+    "scheduling": {"priorityClassName": "training-high", "jobs": {"ttlSecondsAfterFinished": 86400},
+                   "podDisruptionBudget": {"enabled": True}},
+    "kueue": {"gang": {"queueName": "gpu-queue"}},
+    "jobset": {"gang": {"queueName": "gpu-queue", "jobSet": {"enabled": True, "maxRestarts": 2}}},
+    "other-ports": {"ports": {"base": 12000, "blockSize": 250}},
+    "nccl-multinode": {"nccl": {"hostIPC": True, "env": {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "0"}}},
+}
+
+
+def _render(values_file, option):
+    values = deep_merge(load_values(values_file), copy.deepcopy(OPTIONS[option]))
+    return values, manifests_of(render_chart(values))
+
+
+def _gpu_pods(docs):
+    """(name, component, pod spec) of every server and learner pod, Jobs or JobSet alike."""
+    out = []
+    for d in docs:
+        if d["kind"] == "Job":
+            out.append((d["metadata"]["name"], d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"],
+                        d["spec"]["template"]))
+        elif d["kind"] == "JobSet":
+            for rj in d["spec"]["replicatedJobs"]:
+                tpl = rj["template"]["spec"]["template"]
+                out.append((rj["name"], tpl["metadata"]["labels"]["app.kubernetes.io/component"], tpl))
+    return out
+
+
+def _env(pod):
+    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+
+
+def _validate(docs):
+    """Built-in kinds against the Kubernetes schemas; a JobSet's Jobs as Jobs (the CRD schema is not shipped)."""
+    builtin = [d for d in docs if d["kind"] != "JobSet"]
+    for d in docs:
+        if d["kind"] == "JobSet":
+            builtin += [{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": rj["name"], **rj["template"].get("metadata", {})},
+                         "spec": rj["template"]["spec"]} for rj in d["spec"]["replicatedJobs"]]
+    assert_valid_kubernetes(builtin)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("values_file", ALL_VALUES)
+def test_every_topology_with_every_option_lints_validates_and_is_coherent(values_file, option):
+    values, docs = _render(values_file, option)
+    report = helm.lint(str(CHART), values, strict=True)
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+    _validate(docs)
+    assert check_manifests(docs, values.get("node", {}).get("gpuCount", 8)) == []
+
+
+# --- ports ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option", ["defaults", "other-ports", "jobset", "no-lifecycle"])
+@pytest.mark.parametrize("values_file", ALL_VALUES)
+def test_every_port_any_pod_can_open_is_distinct_across_the_release(values_file, option):
+    values, docs = _render(values_file, option)
+    claims = port_claims(docs)
+    pods = _gpu_pods(docs)
+    n_servers = sum(c == "rollout-server" for _, c, _ in pods)
+    # every pod claims something; every server its HTTP port, rendezvous and vLLM's range; the learner its group ports
+    assert {c.owner for c in claims} == {f"{'JobSet' if option == 'jobset' else 'Job'} {n}" if option != "jobset" else
+                                         f"JobSet {docs_name(docs)}/{n}" for n, _, _ in pods}
+    assert sum(c.what == "HTTP --port" for c in claims) == n_servers
+    assert sum(c.what == "weight-sync group port" for c in claims) == n_servers
+    assert sum(c.what.startswith("VLLM_PORT") for c in claims) == n_servers + 1
+    ordered = sorted(claims, key=lambda c: c.first)
+    for a, b in zip(ordered, ordered[1:]):
+        assert a.last < b.first, f"{a} overlaps {b}"
+    assert check_ports(docs) == []
+
+
+def docs_name(docs):
+    (jobset,) = [d for d in docs if d["kind"] == "JobSet"]
+    return jobset["metadata"]["name"]
+
+
+def test_port_blocks_follow_the_instance_index():
+    _, docs = _render("values-6v2.yaml", "other-ports")
+    servers = workload(docs, "rollout-server")
+    for i, s in enumerate(servers):
+        first = 12000 + i * 250
+        assert s["spec"]["template"]["metadata"]["annotations"]["rollout-matching/ports"] == f"{first}-{first + 249}"
+        env = _env(s["spec"]["template"])
+        assert (env["VLLM_DP_MASTER_PORT"], env["VLLM_PORT"]) == (str(first), str(first + 1))
+    (learner,) = workload(docs, "learner")
+    first = 12000 + 6 * 250
+    env = _env(learner["spec"]["template"])
+    assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == str(first) and env["VLLM_PORT"] == str(first + 50)
+    assert flag(args_of(learner), "--control-port") == str(first + 1)
+    cfg = yaml.safe_load([d for d in docs if d["kind"] == "ConfigMap"][0]["data"]["train.yaml"])
+    assert cfg["custom"]["extra"]["rollout_matching"]["vllm"]["sync"]["group_port"] == first + 2
+    for s in servers:
+        assert flag(args_of(s), "--learner-control") == f"http://127.0.0.1:{first + 1}"
+
+
+def test_grpo_group_ports_are_one_per_server_in_the_learner_block():
+    values = load_values("values-6v2.yaml")
+    values["rolloutServer"].update(engine="swift", instances=[{"port": 8080, "gpus": [0, 1, 2]}, {"port": 8081, "gpus": [3, 4, 5]}],
+                                   dataParallelSize=3, gpuMemoryUtilization=None)
+    values["learner"]["config"] = {"rlhf": {"rlhf_type": "grpo"}, "model": {"path": "/models/policy"}}
+    docs = manifests_of(render_chart(values))
+    assert check_manifests(docs, 8) == []
+    cfg = yaml.safe_load([d for d in docs if d["kind"] == "ConfigMap"][0]["data"]["train.yaml"])
+    assert cfg["rlhf"]["vllm_server_group_port"] == [20202, 20203]
+    assert "vllm_gpu_memory_utilization" not in cfg["custom"]["extra"]["rollout_server"]
+    assert all("--gpu-memory-utilization" not in args_of(s) for s in workload(docs, "rollout-server"))
+
+
+@pytest.mark.parametrize(("mutate", "expected"), [
+    (lambda docs: _set_env(workload(docs, "rollout-server")[1], "VLLM_PORT", "20001"), "port collision"),
+    (lambda docs: _set_env(workload(docs, "learner")[0], "MASTER_PORT", "8003"), "port collision"),
+    (lambda docs: _set_env(workload(docs, "rollout-server")[0], "VLLM_DP_MASTER_PORT", "20150"), "outside its port block"),
+    (lambda docs: _set_group_port(docs, 20005), "port collision"),
+], ids=["vllm-ranges-overlap", "master-port-on-http-port", "outside-block", "group-port-in-server-block"])
+def test_port_check_catches_collisions(mutate, expected):
+    _, docs = _render("values-6v2.yaml", "defaults")
+    mutate(docs)
+    problems = check_manifests(docs, 8)
+    assert any(expected in p for p in problems), problems
+
+
+def _set_env(doc, name, value):
+    for e in pod_spec(doc)["containers"][0]["env"]:
+        if e["name"] == name:
+            e["value"] = value
+
+
+def _set_group_port(docs, port):
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    cfg = yaml.safe_load(cm["data"]["train.yaml"])
+    cfg["custom"]["extra"]["rollout_matching"]["vllm"]["sync"]["group_port"] = port
+    cm["data"]["train.yaml"] = yaml.safe_dump(cfg)
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ({"rolloutServer": {"instances": [{"port": 20050, "gpus": [0]}]}},
+     "rolloutServer.instances[0]: port 20050 lies in the internal port blocks 20000-20199"),
+    ({"ports": {"base": 65000, "blockSize": 400}}, "ends past 65535"),
+], ids=["http-port-in-a-block", "past-65535"])
+def test_port_rules_fail_the_render(values, expected):
+    with pytest.raises(helm.HelmRenderError) as err:
+        render_chart(values)
+    assert expected in str(err.value)
+
+
+def test_port_schema_rejects_small_blocks():
+    with pytest.raises(helm.HelmValuesError) as err:
+        render_chart({"ports": {"base": 20000, "blockSize": 10}})
+    assert "/ports/blockSize" in str(err.value)
+
+
+# --- caches and volumes -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("option", "source"), [
+    ("defaults", {"emptyDir": {}}),
+    ("caches-hostpath", {"hostPath": {"path": "/var/cache/rollout-matching", "type": "Directory"}}),
+    ("caches-pvc+models-pvc", {"persistentVolumeClaim": {"claimName": "compile-cache"}}),
+])
+def test_compile_caches_are_one_volume_shared_by_every_pod(option, source):
+    _, docs = _render("values-6v2.yaml", option)
+    pods = _gpu_pods(docs)
+    assert len(pods) == 7
+    for name, _, pod in pods:
+        (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == "compile-cache"]
+        assert {k: v for k, v in vol.items() if k != "name"} == source, name
+        (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "compile-cache"]
+        assert mount["mountPath"] == "/cache" and not mount.get("readOnly")
+        env = _env(pod)
+        assert (env["VLLM_CACHE_ROOT"], env["TRITON_CACHE_DIR"], env["TORCHINDUCTOR_CACHE_DIR"]) == (
+            "/cache/vllm", "/cache/triton", "/cache/inductor")
+
+
+def test_models_volume_is_read_only_and_the_same_for_every_pod():
+    for option, source in [("defaults", {"hostPath": {"path": "/data/models", "type": "Directory"}}),
+                           ("caches-pvc+models-pvc", {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}})]:
+        _, docs = _render("values-6v2.yaml", option)
+        for name, _, pod in _gpu_pods(docs):
+            (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == "models"]
+            assert {k: v for k, v in vol.items() if k != "name"} == source, name
+            (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "models"]
+            assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
+    (learner,) = workload(_render("values-6v2.yaml", "caches-pvc+models-pvc")[1], "learner")
+    (output,) = [v for v in pod_spec(learner)["volumes"] if v["name"] == "output"]
+    assert output["persistentVolumeClaim"] == {"claimName": "runs"}
+
+
+def test_extra_volumes_and_disabled_dataset():
+    values = deep_merge(load_values("values-3v1.yaml"), OPTIONS["extra-volume"])
+    values["storage"]["data"] = {"enabled": False, "hostPath": "", "mountPath": "/data"}
+    for name, _, pod in _gpu_pods(manifests_of(render_chart(values))):
+        names = [v["name"] for v in pod["spec"]["volumes"]]
+        assert "tokenizers" in names and "data" not in names, name
+        (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "tokenizers"]
+        assert mount["readOnly"] is True and mount["mountPath"] == "/tok"
+
+
+# --- NCCL -------------------------------------------------------------------------------------------------------
+
+def _nccl_defaults():
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.values["nccl"]["env"]
+
+
+def test_nccl_block_reaches_every_pod_and_each_variable_is_documented():
+    defaults = _nccl_defaults()
+    assert {"NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_SHM_DISABLE"} <= set(defaults)
+    _, docs = _render("values-6v2.yaml", "defaults")
+    for name, _, pod in _gpu_pods(docs):
+        env = _env(pod)
+        assert {k: env[k] for k in defaults} == {k: str(v) for k, v in defaults.items()}, name
+    guide = (REPO / "docs" / "DEPLOYMENT.md").read_text()
+    section = guide[guide.index("### NCCL"):]
+    for key in defaults:
+        assert re.search(rf"`{key}`[^\n]*\|[^\n]*\|", section), f"{key} has no row (what it is for, when to change) in docs/DEPLOYMENT.md"
+
+
+def test_nccl_values_override_the_defaults():
+    _, docs = _render("values-3v1.yaml", "nccl-multinode")
+    for _, _, pod in _gpu_pods(docs):
+        env = _env(pod)
+        assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["NCCL_IB_DISABLE"] == "0" and env["NCCL_CUMEM_ENABLE"] == "0"
+        assert pod["spec"]["hostIPC"] is True
+
+
+# --- scheduling -------------------------------------------------------------------------------------------------
+
+def test_scheduling_options_off_by_default():
+    _, docs = _render("values-6v2.yaml", "defaults")
+    assert not [d for d in docs if d["kind"] in ("PodDisruptionBudget", "JobSet")]
+    for d in [d for d in docs if d["kind"] == "Job"]:
+        assert "ttlSecondsAfterFinished" not in d["spec"] and "suspend" not in d["spec"]
+        assert "kueue.x-k8s.io/queue-name" not in d["metadata"]["labels"]
+        assert "priorityClassName" not in pod_spec(d)
+
+
+def test_priority_class_ttl_and_pdb():
+    _, docs = _render("values-6v2.yaml", "scheduling")
+    jobs = [d for d in docs if d["kind"] == "Job"]
+    assert len(jobs) == 7
+    for d in jobs:
+        assert pod_spec(d)["priorityClassName"] == "training-high"
+        assert d["spec"]["ttlSecondsAfterFinished"] == 86400
+    (pdb,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["minAvailable"] == 7
+    sel = pdb["spec"]["selector"]
+    for d in jobs:
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in sel["matchLabels"].items())
+        assert labels["app.kubernetes.io/component"] in sel["matchExpressions"][0]["values"]
+    (hook,) = [d for d in docs if d["kind"] == "Pod"]
+    assert hook["metadata"]["labels"]["app.kubernetes.io/component"] not in sel["matchExpressions"][0]["values"]
+
+
+def test_ttl_zero_is_kept():
+    docs = manifests_of(render_chart(deep_merge(load_values("values-3v1.yaml"), {"jobs": {"ttlSecondsAfterFinished": 0}})))
+    assert all(d["spec"]["ttlSecondsAfterFinished"] == 0 for d in docs if d["kind"] == "Job")
+
+
+def test_kueue_queue_suspends_every_job():
+    _, docs = _render("values-6v2.yaml", "kueue")
+    jobs = [d for d in docs if d["kind"] == "Job"]
+    assert len(jobs) == 7
+    for d in jobs:
+        assert d["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue" and d["spec"]["suspend"] is True
+
+
+def test_jobset_gang_places_all_pods_as_one_group():
+    _, docs = _render("values-6v2.yaml", "jobset")
+    assert not [d for d in docs if d["kind"] == "Job"]
+    (js,) = [d for d in docs if d["kind"] == "JobSet"]
+    assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue" and js["spec"]["suspend"] is True
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 2}
+    assert js["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["learner"]}
+    names = [rj["name"] for rj in js["spec"]["replicatedJobs"]]
+    assert names == [f"server-{i}" for i in range(6)] + ["learner"]
+    assert all(rj["replicas"] == 1 and "suspend" not in rj["template"]["spec"] for rj in js["spec"]["replicatedJobs"])
+    # the same pods as the separate Jobs
+    _, plain = _render("values-6v2.yaml", "defaults")
+    assert [p for _, _, p in _gpu_pods(docs)] == [p for _, _, p in sorted(_gpu_pods(plain), key=_server_first)]
+
+
+def _server_first(item):
+    name, component, _ = item
+    return (component != "rollout-server", int(name.rsplit("-", 1)[-1]) if component == "rollout-server" else 0)
+
+
+# --- lifecycle --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values_file", ("values-6v2.yaml", "values-3v1.yaml"))
+def test_servers_are_supervised_to_stop_when_the_learner_ends(values_file):
+    _, docs = _render(values_file, "defaults")
+    (learner,) = workload(docs, "learner")
+    servers = workload(docs, "rollout-server")
+    largs = args_of(learner)
+    assert largs[:2] == ["supervise", "learner"] and largs[largs.index("--") + 1:][:2] == ["launch", "learner"]
+    assert "--final-on-failure" in largs  # learner.backoffLimit 0: a failure is final
+    assert flag(largs, "--expect-watchers") == str(len(servers))
+    control = flag(largs, "--control-port")
+    for s in servers:
+        args = args_of(s)
+        assert args[:2] == ["supervise", "server"] and args[args.index("--") + 1:][:2] == ["launch", "server"]
+        assert flag(args, "--learner-control") == f"http://127.0.0.1:{control}"
+        assert s["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+
+
+def test_a_learner_with_retries_left_is_not_final_on_failure():
+    docs = manifests_of(render_chart(deep_merge(load_values("values-3v1.yaml"), {"learner": {"backoffLimit": 2}})))
+    (learner,) = workload(docs, "learner")
+    assert "--final-on-failure" not in args_of(learner) and learner["spec"]["backoffLimit"] == 2
+
+
+@pytest.mark.parametrize(("values_file", "option"), [("values-6v2.yaml", "no-lifecycle"), ("values-colocate.yaml", "defaults")])
+def test_no_supervisor_without_lifecycle_or_servers(values_file, option):
+    _, docs = _render(values_file, option)
+    for d in workload(docs, "rollout-server") + workload(docs, "learner"):
+        assert args_of(d)[0] == "launch"
