@@ -17,9 +17,9 @@ from trainer.data.synthetic import generate
 from trainer.losses.objective import LossWeights, per_segment_losses
 from trainer.modeling.fixtures import build_tiny_image_processor, build_tiny_model
 from trainer.modeling.prompts import PromptEncoder
+from trainer.packing.batching import pad_targets
 from trainer.packing.packed_batch import pack_targets
 from trainer.packing.varlen_attention import packed_attention, register_varlen_attention, varlen_available
-from trainer.sft.batching import pad_targets
 from trainer.sft.forward import LOSS_KEYS
 from trainer.sft.stage2 import Stage2Pipeline
 

@@ -16,10 +16,10 @@ from trainer.losses.objective import LossWeights, per_segment_losses
 from trainer.matching.targets import TrainTarget
 from trainer.modeling.fixtures import build_tiny_image_processor, build_tiny_model
 from trainer.modeling.prompts import PromptEncoder
+from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer, PackingBufferFull
 from trainer.packing.packed_batch import block_causal_mask, pack_targets
 from trainer.packing.select import SegmentTooLongError, fifo_greedy, select_segments
-from trainer.sft.batching import pad_targets
 from trainer.sft.forward import LOSS_KEYS
 from trainer.sft.stage2 import Stage2Pipeline
 

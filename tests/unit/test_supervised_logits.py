@@ -13,8 +13,8 @@ from trainer.losses.objective import LossWeights, objective, objective_from_rows
 from trainer.losses.supervised_logits import capture_lm_head_input, output_embedding, supervised_rows
 from trainer.modeling.fixtures import build_tiny_image_processor, build_tiny_model
 from trainer.modeling.prompts import PromptEncoder
+from trainer.packing.batching import pad_targets
 from trainer.packing.packed_batch import pack_targets
-from trainer.sft.batching import pad_targets
 from trainer.sft.forward import LOSS_KEYS
 from trainer.sft.stage2 import Stage2Pipeline
 

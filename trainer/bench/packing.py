@@ -29,9 +29,9 @@ from trainer.bench.models import H100_BF16_TFLOPS, QWEN3_0_6B, TINY, random_qwen
 from trainer.losses.objective import LossWeights
 from trainer.matching.targets import IGNORE_INDEX, TrainTarget
 from trainer.modeling.compile import compile_decoder_layers, decoder_layers
+from trainer.packing.batching import pad_targets
 from trainer.packing.packed_batch import pack_targets
 from trainer.packing.varlen_attention import packed_attention, register_varlen_attention, varlen_available
-from trainer.sft.batching import pad_targets
 from trainer.sft.forward import forward_loss
 
 __all__ = ["QWEN3_0_6B", "TINY", "model_flops", "plot", "run_bench", "stage2_segment"]

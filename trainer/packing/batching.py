@@ -1,4 +1,4 @@
-"""Targets → model batch. Loss positions are flat ``(row, col)`` indices so the padded layout (one target
+"""Targets → model batch, the padded layout (one target per row; ``packed_batch`` is the packed one). Loss positions are flat ``(row, col)`` indices so the padded layout (one target
 per row) and the packed layout (many targets in one row) share the loss code.
 
 A CE label at ``(r, c)`` is predicted by the logits at ``(r, c - 1)``; the same holds for coord slots.
@@ -13,7 +13,8 @@ import torch
 from trainer.matching.targets import IGNORE_INDEX, TrainTarget
 
 
-def _loss_indices(targets: Sequence[TrainTarget], rows: Sequence[int], offsets: Sequence[int]) -> dict[str, torch.Tensor]:
+def loss_indices(targets: Sequence[TrainTarget], rows: Sequence[int], offsets: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Flat ``(row, col)`` CE and coord positions of ``targets`` placed at ``rows`` / column ``offsets``."""
     ce_index, ce_labels, ce_seg = [], [], []
     co_index, co_targets, co_seg = [], [], []
     for seg, (t, r, off) in enumerate(zip(targets, rows, offsets)):
@@ -38,7 +39,8 @@ def _loss_indices(targets: Sequence[TrainTarget], rows: Sequence[int], offsets: 
     }
 
 
-def _mm(targets: Sequence[TrainTarget]) -> dict[str, torch.Tensor]:
+def multimodal_inputs(targets: Sequence[TrainTarget]) -> dict[str, torch.Tensor]:
+    """The image tensors of ``targets`` concatenated in target order (``{}`` for text-only targets)."""
     with_images = [t.mm_inputs for t in targets if t.mm_inputs]
     if not with_images:
         return {}
@@ -58,9 +60,9 @@ def pad_targets(targets: Sequence[TrainTarget], pad_id: int, image_token_id: int
     for i, t in enumerate(targets):
         ids[i, : t.length] = torch.tensor(t.input_ids)
         mask[i, : t.length] = 1
-    batch = {"input_ids": ids, "attention_mask": mask, **_mm(targets)}
+    batch = {"input_ids": ids, "attention_mask": mask, **multimodal_inputs(targets)}
     if "pixel_values" in batch and image_token_id is not None:
         batch["mm_token_type_ids"] = (ids == image_token_id).long() * mask
-    batch.update(_loss_indices(targets, list(range(len(targets))), [0] * len(targets)))
+    batch.update(loss_indices(targets, list(range(len(targets))), [0] * len(targets)))
     batch["num_segments"] = torch.tensor(len(targets))
     return batch

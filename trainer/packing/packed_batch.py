@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from trainer.matching.targets import TrainTarget
+from trainer.packing.batching import loss_indices, multimodal_inputs
 from trainer.packing.varlen_attention import VARLEN_IMPL
-from trainer.sft.batching import _loss_indices, _mm
 
 VARLEN_LAYOUTS = ("flash_attention_2", VARLEN_IMPL)
 
@@ -61,7 +61,7 @@ def pack_targets(targets: Sequence[TrainTarget], attn_implementation: str, model
     lengths = [t.length for t in targets]
     offsets = [sum(lengths[:i]) for i in range(len(lengths))]
     ids = torch.tensor([[tok for t in targets for tok in t.input_ids]])
-    batch: dict[str, torch.Tensor] = {"input_ids": ids, **_mm(targets)}
+    batch: dict[str, torch.Tensor] = {"input_ids": ids, **multimodal_inputs(targets)}
     if "pixel_values" in batch:
         if model is None or image_token_id is None:
             raise ValueError("packing a multimodal batch needs the model (for mRoPE) and the image token id")
@@ -81,6 +81,6 @@ def pack_targets(targets: Sequence[TrainTarget], attn_implementation: str, model
         batch["max_length_k"] = max(lengths)
     else:
         batch["attention_mask"] = block_causal_mask(lengths, None if attn_implementation == "sdpa" else mask_dtype)
-    batch.update(_loss_indices(targets, [0] * len(targets), offsets))
+    batch.update(loss_indices(targets, [0] * len(targets), offsets))
     batch["num_segments"] = torch.tensor(len(targets))
     return batch

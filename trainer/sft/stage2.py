@@ -66,7 +66,7 @@ class Stage2Pipeline:
             with timers.phase("match"):
                 matched = match_objects([o.to_det() for o in parsed.objects], sample.objects,
                                         s.iou_threshold, s.top_k, s.resolution)
-            with timers.phase("target"):
+            with timers.phase("build_target"):
                 target = build_target(sample.sample_id, req.prompt_token_ids, parsed, matched, sample.objects,
                                       self.eos_id, self.encode_with_offsets, self.coord_bin_by_id,
                                       s.sinkhorn_epsilon, s.sinkhorn_iters)

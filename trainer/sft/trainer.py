@@ -26,17 +26,21 @@ from trainer.data.records import Sample
 from trainer.losses.objective import LossWeights
 from trainer.matching.targets import TrainTarget
 from trainer.modeling.compile import eager_rollouts
+from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
 from trainer.packing.varlen_attention import choose_packed_attention, packed_attention
 from trainer.rollout.base import RolloutEngine
 from trainer.rollout.types import DecodingParams
-from trainer.sft.batching import pad_targets
 from trainer.sft.forward import forward_loss
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.telemetry import Counters, JsonlWriter, PhaseTimers, gpu_memory_snapshot
 
 ROLLOUT_STATE = "rollout_state.pt"
+#: the disjoint phases of ``training_step`` (``time/<phase>_s``); they sum to ``time/step_s``. ``backward`` is what the
+#: step spent outside the others (the backward pass and HF's bookkeeping). Sub-phases, also logged: ``generate``
+#: (inside ``rollout``), ``parse`` / ``match`` / ``build_target`` (inside ``target``).
+STEP_PHASES = ("weight_sync", "rollout", "target", "forward", "backward")
 LEDGER = "ledger.jsonl"
 logger = logging.getLogger(__name__)
 
@@ -135,6 +139,7 @@ class RolloutMatchingTrainer(Trainer):
             if moved is not None:
                 self.counters.add({"offload_param_bytes": moved.moved_param_bytes,
                                    "offload_optimizer_bytes": moved.moved_optimizer_bytes})
+        with self.timers.phase("target"):  # sub-phases parse / match / build_target
             targets = self.pipeline.targets(samples, requests, results, self.timers)
         self.counters.add({"samples": len(samples)})
         for t in targets:
@@ -164,18 +169,19 @@ class RolloutMatchingTrainer(Trainer):
     def _build_batch(self, samples: list[Sample]) -> dict[str, Any]:
         """Rollout → targets → padded batch or one packed row (what an E-step caches)."""
         targets = self.make_targets(samples)
-        if self.packing is None:
-            inputs = pad_targets(targets, self.pipeline.tokenizer.pad_token_id, self.image_token_id)
-            self.counters.add({"rows": int(inputs["input_ids"].shape[0]),
-                               "tokens_real": int(inputs["attention_mask"].sum()),
-                               "tokens_padded": int(inputs["input_ids"].numel())})
-        else:
-            self.packing.add(targets)
-            targets, stats = self.packing.pop_pack()
-            inputs = pack_targets(targets, self.packed_attn, self.accelerator.unwrap_model(self.model),
-                                  self.image_token_id)
-            self.counters.add({"rows": 1, "tokens_real": stats.tokens, "tokens_padded": stats.capacity,
-                               "packed_segments": stats.segments, "packing_carried": stats.carried})
+        with self.timers.phase("target"):  # padding / packing the targets into the training row(s)
+            if self.packing is None:
+                inputs = pad_targets(targets, self.pipeline.tokenizer.pad_token_id, self.image_token_id)
+                self.counters.add({"rows": int(inputs["input_ids"].shape[0]),
+                                   "tokens_real": int(inputs["attention_mask"].sum()),
+                                   "tokens_padded": int(inputs["input_ids"].numel())})
+            else:
+                self.packing.add(targets)
+                targets, stats = self.packing.pop_pack()
+                inputs = pack_targets(targets, self.packed_attn, self.accelerator.unwrap_model(self.model),
+                                      self.image_token_id)
+                self.counters.add({"rows": 1, "tokens_real": stats.tokens, "tokens_padded": stats.capacity,
+                                   "packed_segments": stats.segments, "packing_carried": stats.carried})
         inputs["sample_ids"] = [t.sample_id for t in targets]
         inputs["rollout_steps"] = [t.stats.get("rollout_step", -1) for t in targets]
         return inputs
@@ -293,8 +299,8 @@ class RolloutMatchingTrainer(Trainer):
             finally:
                 self._layout_stack = None
         spent = time.perf_counter() - start
-        inner = sum(self.timers.seconds.get(k, 0.0) - before.get(k, 0.0) for k in ("rollout", "forward", "target"))
-        self.timers.seconds["backward"] += max(0.0, spent - inner)
+        measured = sum(self.timers.seconds.get(k, 0.0) - before.get(k, 0.0) for k in STEP_PHASES[:-1])
+        self.timers.seconds["backward"] += max(0.0, spent - measured)
         self.timers.seconds["step"] += spent
         return loss
 

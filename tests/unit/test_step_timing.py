@@ -1,0 +1,71 @@
+"""``time/*_s`` of one stage-2 step: weight_sync, rollout, target, forward and backward are disjoint and add up to
+``time/step_s`` (issue 20: ``backward`` used to subtract ``target``, already inside ``rollout``, and never
+``weight_sync``). Each outer phase is made slow by a known sleep, so a phase that leaks into another shows."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from transformers import TrainingArguments
+
+from trainer.data.records import load_jsonl
+from trainer.data.synthetic import generate
+from trainer.losses.objective import LossWeights
+from trainer.modeling.coord_vocab import stop_token_ids
+from trainer.modeling.fixtures import build_tiny_model, tiny_tokenizer
+from trainer.modeling.prompts import PromptEncoder
+from trainer.rollout.hf import HFRolloutEngine
+from trainer.rollout.types import DecodingParams
+from trainer.sft.stage2 import Stage2Pipeline
+from trainer.sft.trainer import STEP_PHASES, RolloutMatchingTrainer, SampleDataset
+
+SYNC_S, GENERATE_S, TARGET_S = 0.4, 0.3, 1.5
+
+
+class SlowEngine:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, requests, params):
+        time.sleep(GENERATE_S)
+        return self.engine.generate(requests, params)
+
+    def close(self):
+        self.engine.close()
+
+
+class SlowPipeline(Stage2Pipeline):
+    def targets(self, *args, **kwargs):
+        time.sleep(TARGET_S)
+        return super().targets(*args, **kwargs)
+
+
+class SlowSync:
+    def ensure_fresh(self, model, step):
+        time.sleep(SYNC_S)
+        return True
+
+
+def test_step_phases_are_disjoint_and_sum_to_the_step(tmp_path):
+    tok = tiny_tokenizer()
+    model, _ = build_tiny_model("text", seed=0)
+    samples = load_jsonl(generate(tmp_path / "data", 2, seed=0, max_objects=2))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2,
+                             learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[],
+                             remove_unused_columns=False, disable_tqdm=True, use_cpu=True)
+    engine = SlowEngine(HFRolloutEngine(model, tok.pad_token_id, sorted(stop_token_ids(tok)), 2))
+    trainer = RolloutMatchingTrainer(model=model, args=args, train_dataset=SampleDataset(samples),
+                                     pipeline=SlowPipeline(PromptEncoder(tok)), engine=engine,
+                                     decoding=DecodingParams(max_new_tokens=8), loss_weights=LossWeights(),
+                                     target_source="rollout", weight_sync=SlowSync(), processing_class=tok)
+    trainer.train()
+    logged = next(r for r in trainer.state.log_history if "time/step_s" in r)
+    t = {p: logged[f"time/{p}_s"] for p in STEP_PHASES}
+    # disjoint and complete: with weight_sync counted in backward too, or target subtracted twice, this fails
+    assert sum(t.values()) == pytest.approx(logged["time/step_s"], rel=1e-6), t
+    assert t["weight_sync"] >= SYNC_S and t["target"] >= TARGET_S and t["rollout"] >= GENERATE_S
+    assert logged["time/generate_s"] >= GENERATE_S and logged["time/generate_s"] <= t["rollout"]
+    assert t["rollout"] - logged["time/generate_s"] < TARGET_S, "the target phase is not inside rollout"
+    assert t["backward"] > 0
+    assert logged["time/parse_s"] + logged["time/match_s"] + logged["time/build_target_s"] <= t["target"]
