@@ -7,8 +7,7 @@ import pytest
 
 from tests.grpo.conftest import REPO, SUMMARY_CONFIGS
 from trainer.config.errors import ConfigError
-from trainer.config.loader import resolve_yaml
-from trainer.grpo.schema import (
+from trainer.config.grpo import (
     IGNORED_IN_SERVER_MODE,
     RlhfConfig,
     RolloutServerConfig,
@@ -18,6 +17,7 @@ from trainer.grpo.schema import (
     server_urls,
     validate_grpo,
 )
+from trainer.config.loader import resolve_yaml
 
 
 @pytest.mark.parametrize("path", SUMMARY_CONFIGS)

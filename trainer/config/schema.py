@@ -19,11 +19,11 @@ import pydantic
 from pydantic import Field, model_validator
 
 from trainer.config.base import Section
+from trainer.config.deploy import DeployConfig
 from trainer.config.errors import ConfigError, ConfigErrors
+from trainer.config.grpo import GRPO_VARIANT, RlhfConfig, RolloutServerConfig, check_grpo
 from trainer.config.loader import resolve_yaml
-from trainer.deploy.schema import DeployConfig
-from trainer.grpo.schema import GRPO_VARIANT, RlhfConfig, RolloutServerConfig, check_grpo
-from trainer.rollout.vllm_schema import VllmConfig
+from trainer.config.vllm import VllmConfig
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +306,7 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
     t = cfg.training
     variant = cfg.custom.trainer_variant
     if t.deepspeed is not None:
-        from trainer.sft.deepspeed_config import problem
+        from trainer.config.deepspeed import problem
 
         why = problem(t.deepspeed)
         if why:

@@ -29,7 +29,7 @@ def _validate_training(data: dict[str, Any], source: str) -> None:
     """The same checks ``launch`` applies: the GRPO rules for ``grpo_summary`` configs, else the main schema
     (on everything but ``deploy`` while the main schema does not know that section)."""
     from trainer.config import schema
-    from trainer.grpo.schema import GRPO_VARIANT, check_grpo
+    from trainer.config.grpo import GRPO_VARIANT, check_grpo
 
     if ((data.get("custom") or {}).get("trainer_variant")) == GRPO_VARIANT:
         errors, warnings = check_grpo(data)

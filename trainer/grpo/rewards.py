@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.config.grpo import REWARD_NAMES as CONFIG_REWARD_NAMES
 from trainer.grpo.schema_tree import SchemaTree, score_schema_tree
 from trainer.grpo.summary_format import (
     DOMAINS,
@@ -194,6 +195,8 @@ REWARDS: dict[str, RewardFn] = {
     "summary.schema_tree": r_schema_tree,
 }
 REWARD_NAMES: tuple[str, ...] = tuple(REWARDS)
+if REWARD_NAMES != CONFIG_REWARD_NAMES:  # the schema validates rlhf.reward_funcs against its own list
+    raise ImportError(f"trainer.config.grpo.REWARD_NAMES {CONFIG_REWARD_NAMES} != implemented rewards {REWARD_NAMES}")
 
 
 def score(name: str, completion: str, reference: Reference, context: RewardContext | None = None) -> float:

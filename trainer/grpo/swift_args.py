@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.errors import ConfigError
-from trainer.grpo.schema import IGNORED_IN_SERVER_MODE, GrpoSections, _pick, grpo_sections, server_endpoint
+from trainer.config.grpo import IGNORED_IN_SERVER_MODE, GrpoSections, grpo_sections, pick, server_endpoint
 
 PLUGIN_FILE = Path(__file__).with_name("swift_plugin.py")
 
@@ -25,7 +25,7 @@ _SERVER_CONNECTION_KEYS = frozenset({"vllm_server_host", "vllm_server_port", "vl
 
 
 def model_path(cfg: Any) -> str:
-    path = _pick(cfg, "model.path")
+    path = pick(cfg, "model.path")
     if not path:
         raise ConfigError("model.path", "summary GRPO runs through ms-swift, which loads a local model directory; "
                                         "set model.path (model.tiny is for the stage-2 trainer only)")
@@ -33,30 +33,30 @@ def model_path(cfg: Any) -> str:
 
 
 def _tuner_arguments(cfg: Any) -> dict[str, Any]:
-    train_type = _pick(cfg, "tuner.train_type", "full")
+    train_type = pick(cfg, "tuner.train_type", "full")
     out: dict[str, Any] = {"tuner_type": "full" if train_type == "full" else "lora"}
     if train_type in ("lora", "dora"):
-        targets = _pick(cfg, "tuner.target_modules", "all-linear")
-        out.update(use_dora=train_type == "dora", lora_rank=_pick(cfg, "tuner.lora_rank", 8),
-                   lora_alpha=_pick(cfg, "tuner.lora_alpha", 16), lora_dropout=_pick(cfg, "tuner.lora_dropout", 0.0),
+        targets = pick(cfg, "tuner.target_modules", "all-linear")
+        out.update(use_dora=train_type == "dora", lora_rank=pick(cfg, "tuner.lora_rank", 8),
+                   lora_alpha=pick(cfg, "tuner.lora_alpha", 16), lora_dropout=pick(cfg, "tuner.lora_dropout", 0.0),
                    target_modules=[targets] if isinstance(targets, str) else list(targets))
-    out["freeze_vit"] = bool(_pick(cfg, "tuner.freeze_vit", True))
-    out["freeze_aligner"] = bool(_pick(cfg, "tuner.freeze_aligner", True))
+    out["freeze_vit"] = bool(pick(cfg, "tuner.freeze_vit", True))
+    out["freeze_aligner"] = bool(pick(cfg, "tuner.freeze_aligner", True))
     return out
 
 
 def _training_arguments(cfg: Any) -> dict[str, Any]:
-    out = {k: _pick(cfg, f"training.{k}") for k in _TRAINING_KEYS}
-    max_steps = _pick(cfg, "training.max_steps", -1)
+    out = {k: pick(cfg, f"training.{k}") for k in _TRAINING_KEYS}
+    max_steps = pick(cfg, "training.max_steps", -1)
     if max_steps and max_steps > 0:
         out["max_steps"] = max_steps
-    save_steps = _pick(cfg, "training.save_steps", 0)
+    save_steps = pick(cfg, "training.save_steps", 0)
     if save_steps:
         out["save_steps"] = save_steps
     else:
         out["save_strategy"] = "no"
-    out["bf16"] = bool(_pick(cfg, "training.bf16", False))
-    report = [r for r in _pick(cfg, "training.report_to", ["tensorboard"]) if r != "jsonl"]
+    out["bf16"] = bool(pick(cfg, "training.bf16", False))
+    report = [r for r in pick(cfg, "training.report_to", ["tensorboard"]) if r != "jsonl"]
     out["report_to"] = report or ["none"]
     out["eval_strategy"] = "no"
     out["check_model"] = False  # ms-swift would ask the ModelScope hub whether a local model is outdated
@@ -70,12 +70,12 @@ def rlhf_arguments(cfg: Any) -> dict[str, Any]:
     out.update(_pick_model_args(cfg, s))
     out.update(_tuner_arguments(cfg))
     out.update(_training_arguments(cfg))
-    train_jsonl = _pick(cfg, "data.train_jsonl")
+    train_jsonl = pick(cfg, "data.train_jsonl")
     if not train_jsonl:
         raise ConfigError("data.train_jsonl", "summary GRPO reads a JSONL dataset (messages, images, summary_ref, "
                                               "metadata); write one with python -m trainer.grpo.summary_data")
     out["dataset"] = [str(train_jsonl)]
-    out["system"] = _pick(cfg, "data.system_prompt")
+    out["system"] = pick(cfg, "data.system_prompt")
     server_mode = s.rlhf.vllm_mode == "server"
     for key, value in s.rlhf.model_dump().items():
         if key in _RLHF_OWN_KEYS or (server_mode and key in IGNORED_IN_SERVER_MODE):
@@ -90,7 +90,7 @@ def rlhf_arguments(cfg: Any) -> dict[str, Any]:
 
 def _pick_model_args(cfg: Any, s: GrpoSections) -> dict[str, Any]:
     return {"model_type": s.rlhf.model_type, "template": s.rlhf.template,
-            "torch_dtype": _pick(cfg, "model.torch_dtype"), "attn_impl": _pick(cfg, "model.attn_implementation")}
+            "torch_dtype": pick(cfg, "model.torch_dtype"), "attn_impl": pick(cfg, "model.attn_implementation")}
 
 
 def rollout_arguments(cfg: Any, model: str | None = None, host: str | None = None,

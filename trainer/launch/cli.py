@@ -14,8 +14,8 @@ import sys
 from typing import Any
 
 from trainer.config.errors import ConfigError, ConfigErrors
+from trainer.config.grpo import GRPO_VARIANT
 from trainer.config.loader import resolve_yaml
-from trainer.grpo.schema import GRPO_VARIANT
 from trainer.launch.commands import (
     LaunchCommand,
     ServerOptions,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config.errors import ConfigError
-from trainer.grpo.schema import GRPO_VARIANT, _pick, grpo_sections, server_endpoint, server_urls
+from trainer.config.grpo import GRPO_VARIANT, grpo_sections, pick, server_endpoint, server_urls
 from trainer.grpo.schema_tree import SCHEMA_DATASET_ENV
 from trainer.grpo.swift_args import rlhf_arguments, rollout_arguments, to_argv
 from trainer.launch.gpus import visible_devices
@@ -59,7 +59,7 @@ def _gpu_env(gpus: list[int] | None) -> dict[str, str]:
 def server_endpoint_for(opts: ServerOptions, config: dict[str, Any] | None = None) -> tuple[str, int]:
     """Where the server will listen: flags, else the GRPO config's rollout server, else 127.0.0.1:8000."""
     host, port = DEFAULT_HOST, DEFAULT_PORT
-    if config is not None and _pick(config, "rlhf") is not None:
+    if config is not None and pick(config, "rlhf") is not None:
         host, port = server_endpoint(grpo_sections(config))
     return opts.host or host, opts.port or port
 
@@ -68,7 +68,7 @@ def swift_rollout_command(opts: ServerOptions, config: dict[str, Any] | None = N
     """``swift rollout`` from ``custom.extra.rollout_server`` (when ``config`` is given) with flags overriding it."""
     if config is not None:
         args = rollout_arguments(config, model=opts.model, host=opts.host, port=opts.port)
-        gpus = opts.gpus if opts.gpus is not None else _pick(config, "custom.extra.rollout_server.gpus")
+        gpus = opts.gpus if opts.gpus is not None else pick(config, "custom.extra.rollout_server.gpus")
     else:
         if not opts.model:
             raise ConfigError("--model", "swift rollout needs --model DIR (or --config with model.path)")
@@ -100,7 +100,7 @@ def trainer_serve_command(opts: ServerOptions, config: dict[str, Any] | None = N
                                                   f"{opts.data_parallel_size}); run one server per GPU group, or "
                                                   "use --engine swift")
     host, port = server_endpoint_for(opts, config)
-    model = opts.model or (_pick(config, "model.path") if config is not None and opts.engine != "scripted" else None)
+    model = opts.model or (pick(config, "model.path") if config is not None and opts.engine != "scripted" else None)
     argv = [sys.executable, "-m", "trainer", "serve", "--engine", opts.engine, "--host", host, "--port", str(port)]
     if model:
         argv += ["--model", str(model)]
@@ -123,15 +123,15 @@ def server_command(opts: ServerOptions, config: dict[str, Any] | None = None) ->
 
 
 def trainer_variant(config: dict[str, Any]) -> str:
-    return str(_pick(config, "custom.trainer_variant", "rollout_matching_sft"))
+    return str(pick(config, "custom.trainer_variant", "rollout_matching_sft"))
 
 
 def config_server_urls(config: dict[str, Any]) -> list[str]:
     """The rollout servers a config's learner talks to (GRPO: ``rlhf.vllm_server_*``; stage 2: ``vllm.server``)."""
     if trainer_variant(config) == GRPO_VARIANT:
-        return server_urls(grpo_sections(config)) if _pick(config, "rlhf.vllm_mode") == "server" else []
-    server = _pick(config, "custom.extra.rollout_matching.vllm.server", {})
-    if _pick(config, "custom.extra.rollout_matching.vllm.mode") != "server":
+        return server_urls(grpo_sections(config)) if pick(config, "rlhf.vllm_mode") == "server" else []
+    server = pick(config, "custom.extra.rollout_matching.vllm.server", {})
+    if pick(config, "custom.extra.rollout_matching.vllm.mode") != "server":
         return []
     urls = [str(s.get("base_url", "")).rstrip("/") for s in server.get("servers") or [] if isinstance(s, dict)]
     return urls or [f"http://{h}:{p}" for h, p in zip(server.get("host") or [], server.get("port") or [])]
@@ -151,7 +151,7 @@ def learner_command(config_path: str, config: dict[str, Any], nproc: int, gpus: 
                               f"{gbs} must be divisible by per_device_train_batch_size × nproc_per_node = "
                               f"{s.per_device_train_batch_size} × {nproc} = {global_batch}")
         env["NPROC_PER_NODE"] = str(nproc)
-        train_jsonl = _pick(config, "data.train_jsonl")
+        train_jsonl = pick(config, "data.train_jsonl")
         if train_jsonl:
             env[SCHEMA_DATASET_ENV] = os.path.abspath(str(train_jsonl))
         return LaunchCommand(["swift", "rlhf", *to_argv(rlhf_arguments(config)), *extra], env)

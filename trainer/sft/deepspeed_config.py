@@ -4,10 +4,9 @@ precision and clipping fields are ``"auto"`` (filled from the training arguments
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-PRESETS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+from trainer.config.deepspeed import PRESETS, problem  # noqa: F401 - problem re-exported for callers
 
 
 def preset(name: str) -> dict[str, Any]:
@@ -29,14 +28,6 @@ def preset(name: str) -> dict[str, Any]:
     return {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
             "train_micro_batch_size_per_gpu": "auto", "zero_allow_untested_optimizer": True}
-
-
-def problem(value: str) -> str | None:
-    """Why ``value`` is not a usable ``training.deepspeed`` (None when it is)."""
-    if value in PRESETS or os.path.isfile(value):
-        return None
-    return (f"{value!r} is neither a preset ({', '.join(PRESETS)}) nor an existing DeepSpeed JSON file "
-            f"(paths are relative to the working directory)")
 
 
 def resolve(value: str | None) -> dict[str, Any] | str | None:

@@ -1,4 +1,5 @@
-"""Config sections for summary GRPO: ``rlhf.*`` (the ms-swift ``RLHFArguments`` subset our configs use) and
+"""Config sections for summary GRPO (moved here from ``trainer/grpo/schema.py``: the schema package owns every
+section; ``trainer.grpo`` imports it, never the reverse): ``rlhf.*`` (the ms-swift ``RLHFArguments`` subset our configs use) and
 ``custom.extra.rollout_server.*`` (how the ``swift rollout`` server is launched), plus the cross-key rules.
 
 ``check_grpo(cfg)`` returns every problem and warning; ``validate_grpo(cfg)`` raises the first problem as a
@@ -18,6 +19,25 @@ from trainer.config.base import Section
 from trainer.config.errors import ConfigError
 
 GRPO_VARIANT = "grpo_summary"
+
+#: the summary rewards ``rlhf.reward_funcs`` may name; ``trainer.grpo.rewards.REWARDS`` implements exactly these
+#: (checked at its import)
+REWARD_NAMES: tuple[str, ...] = (
+    "summary.format",
+    "summary.header",
+    "summary.strict",
+    "summary.parse",
+    "summary.no_dup_keys",
+    "summary.dataset",
+    "summary.category_recall",
+    "summary.content_structured_tversky",
+    "summary.text_bbu",
+    "summary.notes_bbu",
+    "summary.group_stats_presence",
+    "summary.attr_key_recall",
+    "summary.attr_path_recall",
+    "summary.schema_tree",
+)
 
 #: trainer-side ``rlhf.*`` vLLM knobs that ms-swift ignores when it talks to an external ``swift rollout``
 #: server, with the place that does take effect.
@@ -162,7 +182,7 @@ class GrpoSections:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _pick(cfg: Any, dotted: str, default: Any = None) -> Any:
+def pick(cfg: Any, dotted: str, default: Any = None) -> Any:
     """``cfg.a.b`` for mappings or attribute objects; ``default`` where any part is absent or ``None``."""
     cur = cfg
     for part in dotted.split("."):
@@ -191,16 +211,16 @@ def _as_model(value: Any, model: type[Section], path: str) -> Any:
 
 def grpo_sections(cfg: Any) -> GrpoSections:
     """Typed GRPO sections from a resolved mapping or the typed root config (raises ``ConfigError``)."""
-    rlhf = _as_model(_pick(cfg, "rlhf"), RlhfConfig, "rlhf")
+    rlhf = _as_model(pick(cfg, "rlhf"), RlhfConfig, "rlhf")
     if rlhf is None:
         raise ConfigError("rlhf", f"required when custom.trainer_variant is {GRPO_VARIANT}")
-    server = _as_model(_pick(cfg, "custom.extra.rollout_server"), RolloutServerConfig, "custom.extra.rollout_server")
+    server = _as_model(pick(cfg, "custom.extra.rollout_server"), RolloutServerConfig, "custom.extra.rollout_server")
     return GrpoSections(
         rlhf=rlhf,
         rollout_server=server,
-        trainer_variant=_pick(cfg, "custom.trainer_variant"),
-        train_type=str(_pick(cfg, "tuner.train_type", "full")),
-        per_device_train_batch_size=int(_pick(cfg, "training.per_device_train_batch_size", 1)),
+        trainer_variant=pick(cfg, "custom.trainer_variant"),
+        train_type=str(pick(cfg, "tuner.train_type", "full")),
+        per_device_train_batch_size=int(pick(cfg, "training.per_device_train_batch_size", 1)),
     )
 
 
@@ -333,8 +353,6 @@ def check_grpo(cfg: Any) -> tuple[list[ConfigError], list[str]]:
         errors.append(ConfigError(
             "rlhf.reward_weights",
             f"{len(r.reward_weights)} weight(s) for {len(r.reward_funcs)} reward function(s); give one per function"))
-    from trainer.grpo.rewards import REWARD_NAMES
-
     unknown = [f for f in r.reward_funcs if f.startswith("summary.") and f not in REWARD_NAMES]
     if unknown:
         errors.append(ConfigError("rlhf.reward_funcs",

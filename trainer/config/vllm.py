@@ -1,0 +1,85 @@
+"""Config section ``custom.extra.rollout_matching.vllm``: colocate engine knobs, server list, weight sync."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from trainer.config.base import Section
+
+
+class VllmServerEntry(Section):
+    base_url: str
+    api_key_env: str | None = None
+
+
+class VllmServerConfig(Section):
+    """``servers`` (preferred) or the strict legacy paired lists ``host`` + ``port`` (same length).
+
+    Faults: a chunk that fails (down, stalled past ``infer_timeout_s``, bad answer) is retried on the other
+    servers up to ``max_retries`` rounds and the server is quarantined (no rollouts, no weight pushes; NCCL:
+    dropped from the group). ``readmit_after_s``: seconds after the failure before a quarantined server is probed
+    on ``/health/`` (at the next weight sync); a failed probe doubles the wait up to ``readmit_max_interval_s``;
+    a server that answers gets the full current weights pushed to it alone and serves again only once that
+    succeeded. ``null`` keeps failed servers quarantined for the rest of the run.
+    """
+
+    servers: list[VllmServerEntry] = Field(default_factory=list)
+    host: list[str] | None = None
+    port: list[int] | None = None
+    timeout_s: float = Field(240.0, gt=0)
+    infer_timeout_s: float | None = Field(None, gt=0)
+    max_retries: int = Field(1, ge=0)
+    readmit_after_s: float | None = Field(30.0, gt=0)
+    readmit_max_interval_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> VllmServerConfig:
+        legacy = self.host is not None or self.port is not None
+        if legacy and self.servers:
+            raise ValueError("use either server.servers or the legacy server.host/server.port lists, not both")
+        if legacy:
+            if self.host is None or self.port is None or len(self.host) != len(self.port) or not self.host:
+                raise ValueError("legacy server.host and server.port must be non-empty lists of the same length")
+        return self
+
+    def base_urls(self) -> list[str]:
+        if self.servers:
+            return [s.base_url.rstrip("/") for s in self.servers]
+        return [f"http://{h}:{p}" for h, p in zip(self.host or [], self.port or [])]
+
+
+class VllmSyncConfig(Section):
+    """``mode``: full (merged weights) | adapter (LoRA only) | auto. ``transport`` (server mode): nccl (GPU,
+    what swift rollout expects) | inband (our HTTP transport, any device) | auto (nccl on CUDA, else inband).
+    ``nccl_backend`` (nccl transport): pynccl (vLLM's PyNcclCommunicator, what swift rollout speaks; needs vLLM
+    on the learner) | torch (a ProcessGroupNCCL built without the default process group; no vLLM needed; our
+    servers only) | auto (pynccl when vLLM is importable on the learner, else torch)."""
+
+    mode: Literal["full", "adapter", "auto"] = "full"
+    fallback_to_full: bool = True
+    transport: Literal["auto", "nccl", "inband"] = "auto"
+    nccl_backend: Literal["auto", "pynccl", "torch"] = "auto"
+    group_port: int = Field(51216, ge=1024, le=65535)
+    bucket_mb: int = Field(512, ge=1)
+
+    @model_validator(mode="after")
+    def _backend_needs_nccl(self) -> VllmSyncConfig:
+        if self.transport == "inband" and self.nccl_backend != "auto":
+            raise ValueError(f"sync.nccl_backend: {self.nccl_backend} only applies to sync.transport nccl (or auto); "
+                             "the inband transport has no communicator — drop nccl_backend or set transport: nccl")
+        return self
+
+
+class VllmConfig(Section):
+    mode: Literal["colocate", "server"] = "colocate"
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.45, gt=0.0, le=1.0)
+    max_model_len: int | None = Field(None, ge=16)
+    enable_lora: bool = False
+    enable_prefix_caching: bool = True
+    sleep_level: Literal[0, 1, 2] = 0
+    enforce_eager: bool = False
+    server: VllmServerConfig = Field(default_factory=VllmServerConfig)
+    sync: VllmSyncConfig = Field(default_factory=VllmSyncConfig)
