@@ -69,7 +69,33 @@ def test_every_config_renders_valid_jobs(config, monkeypatch):
     mounted = yaml.safe_load(manifests[0]["data"]["train.yaml"])
     resolved = resolve_yaml(config)
     assert "extends" not in mounted and "deploy" not in mounted
-    assert mounted == {k: v for k, v in resolved.items() if k != "deploy"}
+    assert _without_topology(mounted) == _without_topology({k: v for k, v in resolved.items() if k != "deploy"})
+
+
+# keys of the training config the chart writes from the topology (server list, server mode, weight-sync ports)
+TOPOLOGY_KEYS = ("rlhf.vllm_mode", "rlhf.vllm_server_host", "rlhf.vllm_server_port", "rlhf.vllm_server_group_port",
+                 "custom.extra.rollout_matching.rollout_backend", "custom.extra.rollout_matching.vllm.mode",
+                 "custom.extra.rollout_matching.vllm.server.servers", "custom.extra.rollout_matching.vllm.sync.group_port")
+
+
+def _without_topology(config):
+    import copy
+
+    out = copy.deepcopy(config)
+    for dotted in TOPOLOGY_KEYS:
+        *parents, leaf = dotted.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+
+    def prune(node):
+        if isinstance(node, dict):
+            return {k: prune(v) for k, v in node.items() if not (isinstance(v, dict) and not prune(v))}
+        return node
+
+    return prune(out)
 
 
 def _stage2_server_config(tmp_path, servers, deploy=""):
@@ -125,7 +151,7 @@ def test_grpo_server_mode_is_six_gpu_swift_rollout_plus_two_gpu_learner():
     assert check_manifests(manifests, 8) == []
     (server,), (learner,) = workload(manifests, "rollout-server"), workload(manifests, "learner")
     args = args_of(server)
-    assert args[:2] == ["launch", "server"]
+    assert args[:2] == ["supervise", "server"] and args[args.index("--") + 1:][:2] == ["launch", "server"]
     assert (flag(args, "--engine"), flag(args, "--port"), flag(args, "--gpus")) == ("swift", "8080", "0,1,2,3,4,5")
     assert (flag(args, "--tensor-parallel-size"), flag(args, "--data-parallel-size")) == ("1", "6")
     assert (flag(args, "--max-model-len"), flag(args, "--gpu-memory-utilization")) == ("8192", "0.6")

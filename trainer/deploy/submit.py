@@ -36,8 +36,18 @@ def _client() -> Any:
     return client.ApiClient()
 
 
+def _is_custom(api_version: str) -> bool:
+    """A CRD's group (``jobset.x-k8s.io``), not a built-in one (core, ``apps``, ``batch``, ``*.k8s.io``)."""
+    group = api_version.split("/")[0] if "/" in api_version else ""
+    return group.endswith("x-k8s.io") or ("." in group and not group.endswith(".k8s.io"))
+
+
 def submit(manifests: list[dict[str, Any]], namespace: str) -> list[str]:
     """Create every manifest in order; returns ``kind/name`` of each. Stops at the first failure."""
+    custom = sorted({d["kind"] for d in manifests if _is_custom(d.get("apiVersion", ""))})
+    if custom:
+        raise SubmitError(f"{', '.join(custom)} is a custom resource the kubernetes client cannot create from a dict; "
+                          "print the manifests with DRY_RUN=1 and apply them with kubectl apply -f -")
     api = _client()
     from kubernetes import utils
     from kubernetes.client.exceptions import ApiException

@@ -1,5 +1,8 @@
 """Which pods a training config needs on its GPU node: rollout servers (server mode) and the learner.
 
+This is the plan only (how many servers, their ports, sizes and node GPU ids, with errors naming the config key
+to change); the pods themselves come from the Helm chart (``trainer.deploy.render``).
+
 ``plan_topology`` is pure: resolved training config (a mapping) + ``DeployConfig`` → ``Topology``. Server mode is
 read from the stage-2 keys (``custom.extra.rollout_matching.vllm.mode: server`` + ``server.servers``) or the GRPO
 keys (``rlhf.vllm_mode: server`` + ``rlhf.vllm_server_host``/``vllm_server_port``); server sizes and GPU ids come
@@ -18,7 +21,6 @@ from trainer.config.errors import ConfigError
 from trainer.deploy.schema import DeployConfig
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-HEALTH_PATH = "/health/"
 
 
 @dataclass(frozen=True)
