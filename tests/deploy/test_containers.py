@@ -261,6 +261,13 @@ def test_chart_rendered_3v1_pods_talk_to_each_other(images, assets, tmp_path):
             url = f"http://{probe['host']}:{probe['port']}"
             wait_healthy(url, ctr, path=probe["path"])
             urls.append(url)
+        # helm test while the servers run (they stop once the learner is done)
+        hook_ctr = pod_container(hook["spec"], configmaps, f"helm-test-{os.getpid()}", tmp_path / "emptydirs")
+        started.append(hook_ctr)
+        hook_ctr.start()
+        hook_status = hook_ctr.get_wrapped_container().wait(timeout=120)
+        assert hook_status["StatusCode"] == 0, logs(hook_ctr)
+        assert "deployment check passed" in logs(hook_ctr)
         learner_ctr = pod_container(learner["spec"]["template"]["spec"], configmaps, f"learner-{os.getpid()}",
                                     tmp_path / "emptydirs")
         started.append(learner_ctr)
@@ -269,17 +276,16 @@ def test_chart_rendered_3v1_pods_talk_to_each_other(images, assets, tmp_path):
         learner_log = logs(learner_ctr)
         assert status["StatusCode"] == 0, learner_log[-8000:]
         assert f"waiting up to 180s for 3 server(s): {', '.join(urls)}" in learner_log
-        for url, ctr in zip(urls, started):
-            assert '"POST /infer/ HTTP/1.1" 200' in logs(ctr), f"{url} served no rollouts"
-        hook_ctr = pod_container(hook["spec"], configmaps, f"helm-test-{os.getpid()}", tmp_path / "emptydirs")
-        started.append(hook_ctr)
-        hook_ctr.start()
-        hook_status = hook_ctr.get_wrapped_container().wait(timeout=120)
-        assert hook_status["StatusCode"] == 0, logs(hook_ctr)
-        assert "deployment check passed" in logs(hook_ctr)
-        for url in urls:
-            updates = httpx.get(f"{url}/rm/info/", timeout=10).json()["updates"]
-            assert [u for u in updates if u.get("kind") == "full"], f"{url} received no weight update: {updates}"
+        assert "3/3 server(s) read the final state" in learner_log
+        # lifecycle: every server stops on its own once the learner succeeded (exit 0: its Job would complete)
+        for url, ctr in zip(urls, started[:3]):
+            server_status = ctr.get_wrapped_container().wait(timeout=120)
+            server_log = logs(ctr)
+            assert server_status["StatusCode"] == 0, server_log[-4000:]
+            assert "learner succeeded (exit 0): stopping the server" in server_log
+            assert '"POST /infer/ HTTP/1.1" 200' in server_log, f"{url} served no rollouts"
+            assert "POST /rm/update_weights_inband/?kind=full HTTP/1.1\" 200" in server_log, \
+                f"{url} received no full weight update"
     finally:
         for ctr in started:
             _remove(ctr)
