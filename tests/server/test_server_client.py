@@ -253,7 +253,8 @@ def test_rank_whose_servers_all_failed_borrows_the_other_ranks_healthy_servers(s
         res = r1.generate(reqs, PARAMS)
         assert [r.sample_id for r in res] == [r.sample_id for r in reqs], "no sample lost, order kept"
         assert r1.quarantined == {slow} and {r.extra["server"] for r in res} == {a, b}
-        r1.quarantined.update({a, b})
+        r1.fleet.quarantine(a, "test")
+        r1.fleet.quarantine(b, "test")
         with pytest.raises(RolloutServerError, match="quarantined servers"):
             r1.generate(reqs[:1], PARAMS)
 

@@ -46,6 +46,12 @@ def _rank_main(rank, world, init_file, urls, model_dir, out_dir):
         def sync_adapter(self, m):
             client.sync_adapter(m)
 
+        def begin_sync(self):
+            client.begin_sync()
+
+        def end_sync(self):
+            client.end_sync()
+
     sync = WeightSync.for_model(SlowPush(), model, "full")
     records = []
     for step in range(2):
@@ -111,15 +117,18 @@ def _quarantine_rank_main(rank, world, init_file, urls, model_dir, out_dir):
                                  clock=clock)
     sync = WeightSync.for_model(client, model, "full")
     records = []
+    readmitted = []
     for step in range(N_STEPS):
         torch.manual_seed(step)  # same on both ranks: they hold the same weights, as after an optimizer step
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.01)
         clock.t = step * STEP_S
+        seen = len(client.readmissions)
         sync.ensure_fresh(model, step)
+        readmitted += [[step, r["server"]] for r in client.readmissions[seen:]]
         after_sync = sorted(client.quarantined)
-        pushed_to = [s.base_url for s in client._transport.servers] if client._transport is not None else None
+        pushed_to = [s.base_url for s in client.fleet.healthy()] if rank == 0 else None
         reqs = [RolloutRequest(f"r{rank}s{step}i{i}", ({"role": "user", "content": f"rank {rank} step {step} {i}"},),
                                (1, 2, 3, rank, step, i)) for i in range(4)]
         res = client.generate(reqs, DecodingParams(max_new_tokens=8))
@@ -130,7 +139,7 @@ def _quarantine_rank_main(rank, world, init_file, urls, model_dir, out_dir):
                         "versions": [r.extra["weights_version"] for r in res],
                         "quarantined_after_rollouts": sorted(client.quarantined)})
         dist.barrier()  # stands for the step's gradient all-reduce: no rank syncs while another still rolls out
-    out = {"steps": records, "history": sync.history, "readmitted": sync.readmitted,
+    out = {"steps": records, "history": sync.history, "readmitted": readmitted,
            "readmissions": [r["server"] for r in client.readmissions]}
     with open(os.path.join(out_dir, f"q-rank{rank}.json"), "w") as f:
         json.dump(out, f)

@@ -84,10 +84,11 @@ def test_killed_server_is_quarantined_then_resynced_and_readmitted(scripted_serv
         w1 = perturb(learner, 1)
         clock.t = 4.9
         sync.ensure_fresh(learner, 1)  # not due yet: no probe
-        assert client._probe[url_b] == (5.0, 5.0)
+        assert (client.fleet.probe_of(url_b).due, client.fleet.probe_of(url_b).wait) == (5.0, 5.0)
         clock.t = 5.0
         sync.ensure_fresh(learner, 2)  # due, still down: the wait doubles
-        assert client.quarantined == {url_b} and client._probe[url_b] == (15.0, 10.0)
+        probe = client.fleet.probe_of(url_b)
+        assert client.quarantined == {url_b} and (probe.due, probe.wait) == (15.0, 10.0)
         assert eng_a.weights_version == eng_c.weights_version == w1, "healthy servers keep receiving pushes"
         assert [u["digest"][:16] for u in eng_a.updates] == [w0, w1, w1]
 
@@ -105,7 +106,7 @@ def test_killed_server_is_quarantined_then_resynced_and_readmitted(scripted_serv
         sync.ensure_fresh(learner, 4)
         assert client.quarantined == set()
         assert [u["digest"][:16] for u in eng_b2.updates] == [w1], "exactly one full re-sync with the current weights"
-        assert sync.readmitted == [(4, url_b)]
+        assert [r["server"] for r in client.readmissions] == [url_b]
         info = http.get(url_b + "/rm/info/").json()
         assert info["weights_version"] == w1
         assert [(u["transport"], u["kind"]) for u in info["updates"]] == [("inband", "full")]
@@ -118,7 +119,7 @@ def test_killed_server_is_quarantined_then_resynced_and_readmitted(scripted_serv
         assert [e.weights_version for e in (eng_a, eng_b2, eng_c)] == [w2] * 3, "re-admitted server gets pushes again"
         meta = client.metadata()
         assert meta["quarantined"] == [] and [r["server"] for r in meta["readmissions"]] == [url_b]
-        assert sync.metadata()["readmitted"] == [(4, url_b)]
+        assert meta["readmissions"][0]["mode"] == "full" and meta["readmissions"][0]["transport"] == "inband"
 
 
 def test_failed_resync_keeps_the_server_quarantined(scripted_server, get_free_port, learner, caplog):
@@ -143,7 +144,8 @@ def test_failed_resync_keeps_the_server_quarantined(scripted_server, get_free_po
         clock.t = 1.0
         with caplog.at_level(logging.WARNING, logger="trainer.rollout.server_client"):
             sync.ensure_fresh(learner, 1)
-        assert client.quarantined == {url_b} and client._probe[url_b] == (3.0, 2.0)
+        probe = client.fleet.probe_of(url_b)
+        assert client.quarantined == {url_b} and (probe.due, probe.wait) == (3.0, 2.0)
         assert any(url_b in m and "re-sync failed" in m and "stays quarantined" in m and "disk full" in m
                    for m in caplog.messages), caplog.messages
         calls = eng_b.generate_calls
@@ -251,7 +253,7 @@ def test_nccl_transport_drops_a_dead_server_and_readmits_it_with_a_fresh_communi
         proc_b.wait(10)
         res = client.generate(requests(4), PARAMS)
         assert {r.extra["server"] for r in res} == {url_a} and client.quarantined == {url_b}
-        assert [s.base_url for s in transport.servers] == [url_a] and set(transport.comms) == {url_a}, \
+        assert [s.base_url for s in client.fleet.healthy()] == [url_a] and set(transport.comms) == {url_a}, \
             "the dead server must leave the collective group"
 
         w1 = perturb(learner, 1)

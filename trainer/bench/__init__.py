@@ -5,7 +5,9 @@ One module per benchmark, all building their random-weight models with ``trainer
 * ``packing``: teacher-forced forward+backward, padded vs packed (``packing.json`` / ``.png``);
 * ``offload``: peak GPU memory with and without offloading the training state (``offload.json``; CUDA only);
 * ``rollout``: HF rollout batching and rollout-buffer M-steps (``rollout.json`` / ``.png``);
-* ``weight_sync``: NCCL full-weight sync learner → rollout server (``weight_sync.json``; two GPUs, else a CPU dry run).
+* ``weight_sync``: NCCL full-weight sync learner → rollout server (``weight_sync.json``; two GPUs, else a CPU dry run);
+* ``vllm``: the vLLM colocate engine vs plain vLLM, colocate / in-band sync GB/s, and (``vllm-step``) a stage-2 step
+  with vLLM colocate vs the HF backend (``vllm.json`` / ``.png``; CUDA + vLLM).
 
 The benchmark modules are pure functions (no pydantic, no config); this file holds only the command line and
 imports them lazily, so ``python -m trainer --help`` stays fast.
@@ -17,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-ONLY = ("all", "packing", "rollout", "weight-sync")
+ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-step")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,6 +32,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     only = getattr(args, "only", "all")
+    if only in ("vllm", "vllm-step"):  # not part of "all": they need vLLM on the GPU machine
+        from trainer.bench.vllm import run as run_vllm
+
+        run_vllm(out, only)
+        return 0
     if only == "weight-sync":  # not part of "all": it needs two GPUs (else a CPU dry run)
         from trainer.bench.weight_sync import run as run_weight_sync
 
@@ -81,6 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-compile", action="store_true", help="skip the compiled-decoder-layer variants")
     p.add_argument("--only", choices=ONLY, default="all",
                    help="packing: packed vs padded fwd+bwd (+ offload); rollout: HF rollout batching + rollout "
-                        "buffer; weight-sync: NCCL learner -> server sync (two GPUs; not part of 'all')")
+                        "buffer; weight-sync: NCCL learner -> server sync (two GPUs; not part of 'all'); vllm / "
+                        "vllm-step: vLLM engine + sync / stage-2 step benchmarks (GPU + vLLM; not part of 'all')")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.set_defaults(func=run)

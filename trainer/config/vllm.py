@@ -55,7 +55,10 @@ class VllmSyncConfig(Section):
     what swift rollout expects) | inband (our HTTP transport, any device) | auto (nccl on CUDA, else inband).
     ``nccl_backend`` (nccl transport): pynccl (vLLM's PyNcclCommunicator, what swift rollout speaks; needs vLLM
     on the learner) | torch (a ProcessGroupNCCL built without the default process group; no vLLM needed; our
-    servers only) | auto (pynccl when vLLM is importable on the learner, else torch)."""
+    servers only) | auto (pynccl when vLLM is importable on the learner, else torch). ``allow_dtype_cast``: let the
+    colocated engine take weights of another floating dtype than it serves (``vllm.dtype``) and cast them; off, a
+    learner/engine dtype mismatch is a config error at start-up (rollout servers decide this with
+    ``serve --allow-dtype-cast``)."""
 
     mode: Literal["full", "adapter", "auto"] = "full"
     fallback_to_full: bool = True
@@ -63,6 +66,7 @@ class VllmSyncConfig(Section):
     nccl_backend: Literal["auto", "pynccl", "torch"] = "auto"
     group_port: int = Field(51216, ge=1024, le=65535)
     bucket_mb: int = Field(512, ge=1)
+    allow_dtype_cast: bool = False
 
     @model_validator(mode="after")
     def _backend_needs_nccl(self) -> VllmSyncConfig:
@@ -81,5 +85,6 @@ class VllmConfig(Section):
     enable_prefix_caching: bool = True
     sleep_level: Literal[0, 1, 2] = 0
     enforce_eager: bool = False
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     server: VllmServerConfig = Field(default_factory=VllmServerConfig)
     sync: VllmSyncConfig = Field(default_factory=VllmSyncConfig)

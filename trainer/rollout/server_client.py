@@ -11,12 +11,11 @@ Contracts:
 - ``timeout_s`` bounds start-up health waits and control calls, ``infer_timeout_s`` each ``/infer/`` post;
 - weight sync: rank 0 pushes to every server (``WeightSync`` adds the barrier), through our in-band HTTP
   transport or NCCL (``sync.transport``);
-- faults: a server whose chunk fails (or whose weight push fails) is quarantined: it gets no rollouts and no
-  weight pushes (NCCL: dropped from the collective group). A rank whose own servers are all quarantined borrows the
-  other ranks' healthy servers (deterministic order) instead of failing. With ``readmit_after_s`` set, a quarantined server is
-  probed on ``/health/`` at weight-sync points, first ``readmit_after_s`` after the failure, then with the wait
-  doubling up to ``readmit_max_interval_s``; once it answers, ``WeightSync`` pushes it the full current weights
-  alone (in-band: one POST; NCCL: a fresh communicator first) and only then does it serve rollouts again.
+- faults: membership lives in one ``ServerFleet`` (``trainer.rollout.server_fleet``). A server whose chunk fails
+  (or whose weight push fails) is quarantined: no rollouts, no weight pushes (NCCL: its communicator is dropped).
+  A rank whose own servers are all quarantined borrows the other ranks' healthy servers. At each sync, quarantined
+  servers that are due and answer ``/health/`` get the weights built for that sync pushed to them alone (NCCL: a
+  fresh communicator) and serve again only once that succeeded (``sync_full`` / ``sync_adapter``).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +33,10 @@ from typing import Any
 import httpx
 import torch
 
+from trainer.rollout.server_fleet import ServerFleet, servers_for_rank  # noqa: F401 - part of this module's API
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 from trainer.sync.transports import InbandTransport, NcclTransport, WeightTransport, WeightTransportError
-from trainer.sync.weights import adapter_weights, full_weights
+from trainer.sync.weights import AdapterWeights, adapter_weights, full_weights
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +54,6 @@ class ServerEndpoint:
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-
-def servers_for_rank(num_servers: int, rank: int, world_size: int) -> list[int]:
-    """Server indices rank ``rank`` of ``world_size`` sends to: every W-th server starting at ``rank`` when
-    there are at least as many servers as ranks, else the single server ``rank % S``."""
-    if num_servers < 1 or world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"bad topology: {num_servers} servers, rank {rank} of {world_size}")
-    if num_servers >= world_size:
-        return list(range(rank, num_servers, world_size))
-    return [rank % num_servers]
 
 
 def contiguous_chunks(n: int, k: int) -> list[tuple[int, int]]:
@@ -146,13 +136,15 @@ class ServerRolloutEngine:
                  clock: Any = time.monotonic, nccl_backend: str = "auto"):
         import torch.distributed as dist
 
-        if not servers:
-            raise ValueError(f"{KEY}.servers: at least one server is needed")
         dist_on = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if dist_on else 0)
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if dist_on else 1)
-        self.servers = list(servers)
-        self.mine = [self.servers[i] for i in servers_for_rank(len(self.servers), self.rank, self.world_size)]
+        self.fleet = ServerFleet(servers, rank=self.rank, world_size=self.world_size, readmit_after_s=readmit_after_s,
+                                 readmit_max_interval_s=readmit_max_interval_s, clock=clock,
+                                 probe_timeout_s=min(5.0, timeout_s))
+        self.fleet.on_quarantine.append(self._forget_connection)
+        self.servers = self.fleet.servers
+        self.mine = self.fleet.mine
         self.timeout_s = timeout_s
         self.infer_timeout_s = infer_timeout_s
         self.inline_images = inline_images
@@ -163,15 +155,17 @@ class ServerRolloutEngine:
         self._transport: WeightTransport | None = None
         self._engine_types: list[dict[str, Any]] | None = None
         self.max_retries = max_retries
-        self.quarantined: set[str] = set()
-        self.readmit_after_s = readmit_after_s
-        self.readmit_max_interval_s = max(readmit_max_interval_s, readmit_after_s or 0.0)
-        self._probe: dict[str, tuple[float, float]] = {}  # url -> (next probe time, current wait)
-        self.readmissions: list[dict[str, Any]] = []
         self.nccl_backend = nccl_backend
-        self.clock = clock
         if wait:
             self.wait_healthy(timeout_s)
+
+    @property
+    def quarantined(self) -> frozenset[str]:
+        return self.fleet.quarantined
+
+    @property
+    def readmissions(self) -> list[dict[str, Any]]:
+        return self.fleet.readmissions
 
     def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
         """Block until every server answers ``/health/`` with 200, or fail after ``timeout_s`` naming the rest."""
@@ -223,7 +217,7 @@ class ServerRolloutEngine:
     def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
         """Chunk over this rank's healthy servers; a failed chunk is re-chunked deterministically over the servers
         that are still healthy, up to ``max_retries`` rounds. A failed server is quarantined (it may come back
-        with stale weights) until ``WeightSync`` re-syncs and re-admits it (``readmit_after_s``). Exhausted → ``RolloutServerError`` naming servers and
+        with stale weights) until a sync re-admits it. Exhausted → ``RolloutServerError`` naming servers and
         sample ids. Results keep request order."""
         if not requests:
             return []
@@ -232,7 +226,7 @@ class ServerRolloutEngine:
         pending = list(range(len(requests)))
         failures: list[str] = []
         for _ in range(self.max_retries + 1):
-            healthy = self._healthy_servers()
+            healthy = self.fleet.healthy_for_rank()
             if not healthy:
                 break
             spans = contiguous_chunks(len(pending), len(healthy))
@@ -242,7 +236,7 @@ class ServerRolloutEngine:
             for (server, idx), fut in zip(work, futures):
                 if fut.exception() is not None:
                     failures.append(str(fut.exception()))
-                    self._quarantine(server, str(fut.exception()))
+                    self.fleet.quarantine(server.base_url, str(fut.exception()))
                     continue
                 for i, res in zip(idx, fut.result()):
                     results[i] = res
@@ -255,108 +249,9 @@ class ServerRolloutEngine:
             f"{self.max_retries} retr{'y' if self.max_retries == 1 else 'ies'} ({KEY}.max_retries); "
             f"quarantined servers: {sorted(self.quarantined)}; errors: " + "; ".join(failures))
 
-    def _healthy_servers(self) -> list[ServerEndpoint]:
-        """This rank's healthy servers; when all of them are quarantined, the healthy servers of the other ranks
-        (they receive the same weight pushes), so one rank's faults never stop it while others can serve."""
-        own = [s for s in self.mine if s.base_url not in self.quarantined]
-        if own:
-            return own
-        borrowed = [s for s in self.servers if s.base_url not in self.quarantined]
-        if borrowed:
-            log.warning("rank %d: all of its rollout servers are quarantined; borrowing %s", self.rank,
-                        [s.base_url for s in borrowed])
-        return borrowed
-
-    def _endpoint(self, url: str) -> ServerEndpoint:
-        return next(s for s in self.servers if s.base_url == url)
-
-    def _quarantine(self, server: ServerEndpoint, reason: str = "") -> None:
-        if server.base_url in self.quarantined:
-            return
-        when = (f"probed for re-admission in {self.readmit_after_s:g}s ({KEY}.readmit_after_s)"
-                if self.readmit_after_s else f"for the rest of the run ({KEY}.readmit_after_s is off)")
-        log.warning("quarantining rollout server %s (%s): no rollouts or weight pushes until re-admitted; %s",
-                    server.base_url, reason[:300] or "failed", when)
-        self.quarantined.add(server.base_url)
-        if self.readmit_after_s:
-            self._probe[server.base_url] = (self.clock() + self.readmit_after_s, self.readmit_after_s)
+    def _forget_connection(self, url: str) -> None:
         if self._transport is not None:
-            self._transport.drop(server.base_url)
-
-    def set_quarantined(self, urls: set[str] | Sequence[str]) -> None:
-        """Adopt a quarantine set decided elsewhere (rank 0 in a multi-rank learner): new members are quarantined,
-        missing ones re-admitted (rank 0 re-synced them)."""
-        urls = set(urls)
-        known = {s.base_url for s in self.servers}
-        for url in sorted(urls - self.quarantined):
-            if url in known:
-                self._quarantine(self._endpoint(url), "failed on another learner rank")
-        for url in sorted(self.quarantined - urls):
-            self._readmitted(url)
-
-    def _readmitted(self, url: str) -> None:
-        self.quarantined.discard(url)
-        self._probe.pop(url, None)
-        transport = self._transport
-        if transport is not None and url not in {s.base_url for s in transport.servers}:
-            transport.readmit(self._endpoint(url))
-
-    def answering_quarantined(self) -> list[str]:
-        """Quarantined servers due for a probe that answer ``/health/`` now (they still need a re-sync); a probe
-        that fails doubles the wait, up to ``readmit_max_interval_s``."""
-        if not self.readmit_after_s:
-            return []
-        now = self.clock()
-        answering = []
-        for url in sorted(self.quarantined):
-            due, wait = self._probe.get(url, (now, self.readmit_after_s))
-            if due > now:
-                continue
-            try:
-                ok = self.client.get(url + "/health/", timeout=min(5.0, self.timeout_s)).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok:
-                answering.append(url)
-            else:
-                wait = min(wait * 2, self.readmit_max_interval_s)
-                self._probe[url] = (now + wait, wait)
-                log.info("quarantined rollout server %s still down; next probe in %.0fs", url, wait)
-        return answering
-
-    def resync_and_readmit(self, urls: Sequence[str], model: torch.nn.Module, mode: str) -> list[str]:
-        """Push the current weights to each of ``urls`` alone (``mode`` full: merged weights; adapter: base +
-        adapter); each server that took them is re-admitted. A failure keeps the server quarantined (logged, next
-        probe after the backed-off wait). Returns the re-admitted urls."""
-        if not urls:
-            return []
-        transport = self.transport()
-        full = full_weights(model, merge_adapter=(mode == "full"))
-        adapter = adapter_weights(model) if mode == "adapter" else None
-        done = []
-        for url in urls:
-            server = self._endpoint(url)
-            t0 = time.monotonic()
-            try:
-                transport.readmit(server)
-                transport.push_full(full, only=[url])
-                if adapter is not None:
-                    transport.push_adapter(adapter, only=[url])
-            except Exception as exc:  # noqa: BLE001 - any failure: the server stays quarantined
-                transport.drop(url)
-                _, wait = self._probe.get(url, (0.0, self.readmit_after_s or 1.0))
-                wait = min(wait * 2, self.readmit_max_interval_s)
-                self._probe[url] = (self.clock() + wait, wait)
-                log.warning("rollout server %s answers again but its weight re-sync failed, so it stays quarantined "
-                            "(next try in %.0fs): %s", url, wait, exc)
-                continue
-            self._readmitted(url)
-            self.readmissions.append({"server": url, "mode": mode, "transport": transport.name,
-                                      "seconds": round(time.monotonic() - t0, 3)})
-            log.warning("rollout server %s re-admitted after a full weight re-sync (%s, %s transport, %.1fs)",
-                        url, mode, transport.name, time.monotonic() - t0)
-            done.append(url)
-        return done
+            self._transport.disconnect(url)
 
     def engine_types(self) -> list[dict[str, Any]]:
         if self._engine_types is None:
@@ -377,52 +272,90 @@ class ServerRolloutEngine:
             choice = self.transport_choice
             if choice == "auto":
                 choice = "nccl" if torch.cuda.is_available() else "inband"
-            live = [s for s in self.servers if s.base_url not in self.quarantined]
             if choice == "nccl":
-                transport: WeightTransport = NcclTransport(live, self.group_port, self.timeout_s, self.bucket_bytes,
-                                                           backend=self.nccl_backend)
+                self._transport = NcclTransport(self.servers, self.group_port, self.timeout_s, self.bucket_bytes,
+                                                backend=self.nccl_backend)
             elif choice == "inband":
-                transport = InbandTransport(live, timeout_s=max(self.timeout_s, 600.0))
+                self._transport = InbandTransport(timeout_s=max(self.timeout_s, 600.0))
             else:
                 raise ValueError(f"unknown weight transport {choice!r}; use auto, nccl or inband")
-            self._transport = transport
-            log.info("weight transport: %s to %s", transport.name, [s.base_url for s in live])
+            log.info("weight transport: %s", self._transport.name)
         return self._transport
 
-    def _push(self, fn) -> None:
-        """Push to the active servers; servers the push failed on are quarantined (the others got the whole
-        update). Raises only when it failed on every server it was sent to (a config problem, usually)."""
-        transport = self.transport()
-        sent = len(transport.servers)
-        try:
-            fn(transport)
-        except WeightTransportError as exc:
-            if not exc.failed:
-                raise
-            for url in exc.failed:
-                self._quarantine(self._endpoint(url), f"weight push failed: {exc.failed[url]}")
-            if len(exc.failed) >= sent:
-                raise
+    # -- weight sync (rank 0 pushes; membership from the fleet) ----------------------------------------------------
+    def begin_sync(self) -> None:
+        """Every rank, before a sync: pool the ranks' quarantines on rank 0 (it pushes to none of them)."""
+        self.fleet.pool_on_rank0()
+
+    def end_sync(self) -> None:
+        """Every rank, after a sync: adopt rank 0's membership (its pushes and re-admissions)."""
+        self.fleet.adopt_rank0()
+
+    def _push(self, push: Callable[[WeightTransport, list[ServerEndpoint]], dict[str, str]], what: str) -> None:
+        """Push to the healthy servers; those it failed on are quarantined (the others got the whole update).
+        Raises ``WeightTransportError`` only when it failed on every server it was sent to (a config problem or a
+        refused update, usually)."""
+        targets = self.fleet.healthy()
+        failed = push(self.transport(), targets)
+        for url, err in failed.items():
+            self.fleet.quarantine(url, f"{what} failed: {err}")
+        if targets and len(failed) >= len(targets):
+            raise WeightTransportError(f"{what} failed on every rollout server: "
+                                       + "; ".join(f"{u}: {e}" for u, e in failed.items()), failed)
 
     def sync_full(self, model: torch.nn.Module, merge_adapter: bool = True) -> None:
         tensors = full_weights(model, merge_adapter=merge_adapter)
-        self._push(lambda t: t.push_full(tensors))
+        self._push(lambda t, targets: t.push_full(tensors, targets), "full weight push")
+        self._readmit_due("full" if merge_adapter else "base", full=tensors)
 
     def sync_adapter(self, model: torch.nn.Module) -> None:
         adapter = adapter_weights(model)
-        self._push(lambda t: t.push_adapter(adapter))
+        self._push(lambda t, targets: t.push_adapter(adapter, targets), "adapter push")
+        self._readmit_due("adapter", adapter=adapter, base=lambda: full_weights(model, merge_adapter=False))
+
+    def _readmit_due(self, mode: str, full: dict[str, torch.Tensor] | None = None, adapter: AdapterWeights | None = None,
+                     base: Callable[[], dict[str, torch.Tensor]] | None = None) -> list[str]:
+        """Quarantined servers that are due and answer get this sync's weights alone (``full``; adapter mode: the
+        base built once, then ``adapter``) and are re-admitted when that succeeded; otherwise they back off."""
+        urls = self.fleet.due_and_answering()
+        if not urls:
+            return []
+        transport = self.transport()
+        if full is None and base is not None:
+            full = base()
+        done = []
+        for url in urls:
+            server = self.fleet.endpoint(url)
+            t0 = time.monotonic()
+            transport.disconnect(url)
+            failed = transport.push_full(full, [server]) if full is not None else {}
+            if not failed and adapter is not None:
+                failed = transport.push_adapter(adapter, [server])
+            if failed:
+                transport.disconnect(url)
+                self.fleet.back_off(url)
+                probe = self.fleet.probe_of(url)
+                log.warning("rollout server %s answers again but its weight re-sync failed, so it stays quarantined "
+                            "(next try in %.0fs): %s", url, probe.wait if probe else 0.0, failed[url])
+                continue
+            seconds = round(time.monotonic() - t0, 3)
+            self.fleet.readmit(url, mode=mode, transport=transport.name, seconds=seconds)
+            log.warning("rollout server %s re-admitted after a full weight re-sync (%s, %s transport, %.1fs)",
+                        url, mode, transport.name, seconds)
+            done.append(url)
+        return done
 
     def metadata(self) -> dict[str, Any]:
         return {"servers": [s.base_url for s in self.servers], "servers_this_rank": [s.base_url for s in self.mine],
                 "rank": self.rank, "world_size": self.world_size,
                 "transport": self._transport.name if self._transport else self.transport_choice,
-                "max_retries": self.max_retries, "readmit_after_s": self.readmit_after_s,
-                "quarantined": sorted(self.quarantined), "readmissions": list(self.readmissions)}
+                "max_retries": self.max_retries, **self.fleet.metadata()}
 
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+        self.fleet.close()
         self.client.close()
 
 

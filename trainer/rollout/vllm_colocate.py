@@ -8,34 +8,32 @@ Contracts:
 - learner world size W, ``tensor_parallel_size`` T: ``W % T == 0``; ranks ``[g*T, (g+1)*T)`` form TP group g,
   which makes one engine call on the concatenation of its ranks' requests (rank order) and slices the
   results back, so every rank gets its own results in request order;
-- weight sync (``sync_full`` / ``sync_adapter``) goes through vLLM's in-place reload and ``LoRARequest``
-  (``trainer.sync.vllm_worker``); every rank syncs its own engine.
+- weight sync: ``sync_full`` hands the learner's tensors (HF names, LoRA merged) to the engine's model in this
+  process (``InProcessVllm.load_weights``: checked, then copied into the live parameters; no file); ``sync_adapter``
+  serves the LoRA adapter through ``LoRARequest``; every rank syncs its own engine;
+- sleep mode: the engine sleeps after each ``generate`` and wakes only its weights for a sync.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.data.images import load_image
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
-from trainer.sync.weights import AdapterWeights, adapter_weights, full_weights, safetensors_bytes, write_adapter_dir
+from trainer.rollout.vllm_inprocess import InProcessVllm, VllmEngineError, VllmSettings
+from trainer.sync.weights import adapter_weights, full_weights
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "trainer.sync.vllm_worker.WeightSyncWorkerExtension"
-LORA_NAME = "rm_policy"
-LORA_ID = 1
+__all__ = ["VllmColocateEngine", "VllmEngineError", "engine_from_config", "gather_generate_slice", "tp_groups"]
+
 KEY = "custom.extra.rollout_matching.vllm"
-
-
-class VllmEngineError(RuntimeError):
-    """vLLM failed; the message says what to change (no silent fallback to another backend)."""
 
 
 def tp_groups(world_size: int, tp: int) -> list[list[int]]:
@@ -69,15 +67,6 @@ def check_fits(requests: Sequence[RolloutRequest], max_new_tokens: int, max_mode
             )
 
 
-def _vllm_prompt(r: RolloutRequest) -> dict[str, Any]:
-    prompt: dict[str, Any] = {"prompt_token_ids": list(r.prompt_token_ids)}
-    if r.images:
-        from PIL import Image
-
-        prompt["multi_modal_data"] = {"image": [Image.open(p).convert("RGB") for p in r.images]}
-    return prompt
-
-
 def sampling_params(params: DecodingParams, stop_ids: Sequence[int]):
     from vllm import SamplingParams
 
@@ -102,7 +91,7 @@ def results_from_outputs(requests: Sequence[RolloutRequest], outputs: Sequence[A
 
 
 class VllmColocateEngine:
-    """In-process ``vllm.LLM`` rollout engine (see module docstring)."""
+    """The colocate rollout backend: an ``InProcessVllm`` per rank (see module docstring)."""
 
     name = "vllm"
     syncs_on_every_rank = True
@@ -111,7 +100,7 @@ class VllmColocateEngine:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.45, enable_lora: bool = False,
                  max_lora_rank: int = 16, enable_prefix_caching: bool = True, sleep_level: int = 0, seed: int = 0,
                  dtype: str = "auto", rank: int | None = None, world_size: int | None = None,
-                 engine_kwargs: dict[str, Any] | None = None):
+                 allow_dtype_cast: bool = False, engine_kwargs: dict[str, Any] | None = None):
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
@@ -128,142 +117,72 @@ class VllmColocateEngine:
                 g = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.group = g
-        if sleep_level and not torch.cuda.is_available():
-            raise ValueError(f"{KEY}.sleep_level={sleep_level} needs a CUDA GPU (vLLM's CPU backend cannot sleep); set 0")
         self.stop_ids = sorted(set(stop_ids))
         self.max_model_len = max_model_len
         self.enable_lora = enable_lora
-        self.sleep_level = sleep_level
-        self.lora_request = None
-        self._last_full: Path | None = None
-        self._sync_dir = Path(tempfile.mkdtemp(prefix="rm-vllm-sync-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-        kwargs: dict[str, Any] = dict(
-            model=str(model_dir), tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed, dtype=dtype,
-            worker_extension_cls=WORKER_EXTENSION,
-        )
-        if enable_lora:
-            kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
-        if sleep_level:
-            kwargs["enable_sleep_mode"] = True
-        if self.world_size > 1:
-            kwargs.update(distributed_executor_backend="external_launcher", seed=seed + self.rank // self.tp)
-        kwargs.update(engine_kwargs or {})
-        from vllm import LLM
+        self.vllm = InProcessVllm(VllmSettings(
+            model_dir=str(model_dir), max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
+            enable_prefix_caching=enable_prefix_caching, sleep_level=sleep_level,
+            seed=seed + (self.rank // self.tp if self.world_size > 1 else 0), dtype=dtype,
+            external_launcher=self.world_size > 1, allow_dtype_cast=allow_dtype_cast,
+            engine_kwargs=dict(engine_kwargs or {}), key=KEY))
+        self.timings: dict[str, float] = {}
 
-        try:
-            self.llm = LLM(**kwargs)
-        except Exception as exc:
-            shutil.rmtree(self._sync_dir, ignore_errors=True)
-            raise VllmEngineError(
-                f"vLLM could not start for {model_dir} ({type(exc).__name__}: {exc}). Lower {KEY}.gpu_memory_utilization "
-                f"or {KEY}.max_model_len when memory is short, check the model directory, or use "
-                "custom.extra.rollout_matching.rollout_backend: hf"
-            ) from exc
-        self._asleep = False
-        if sleep_level:
-            self._sleep()
-
-    def _sleep(self) -> None:
-        if self.sleep_level and not self._asleep:
-            self.llm.sleep(level=self.sleep_level)
-            self._asleep = True
-
-    def _wake(self) -> None:
-        if not self._asleep:
-            return
-        self.llm.wake_up()
-        self._asleep = False
-        if self.sleep_level == 2:
-            if self._last_full is not None:
-                self.llm.collective_rpc("rm_reload_from_file", args=(str(self._last_full),))
-            else:
-                self.llm.collective_rpc("reload_weights")
-            if self.lora_request is not None:
-                self._load_lora(self.lora_request.lora_path)
+    @property
+    def llm(self):
+        return self.vllm.llm
 
     def _generate_local(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
         if not requests:
             return []
-        sp = sampling_params(params, self.stop_ids)
-        try:
-            outputs = self.llm.generate([_vllm_prompt(r) for r in requests], sp, lora_request=self.lora_request,
-                                        use_tqdm=False)
-        except torch.OutOfMemoryError as exc:
-            raise VllmEngineError(
-                f"vLLM ran out of memory while decoding {len(requests)} requests; lower {KEY}.gpu_memory_utilization, "
-                "custom.extra.rollout_matching.rollout_generate_batch_size or decoding.max_new_tokens"
-            ) from exc
+        prompts = [self.vllm.prompt(r.prompt_token_ids, [load_image(p) for p in r.images]) for r in requests]
+        outputs = self.vllm.generate(prompts, sampling_params(params, self.stop_ids))
         return results_from_outputs(requests, outputs)
 
     def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
         check_fits(requests, params.max_new_tokens, self.max_model_len)
-        self._wake()
+        t0 = time.perf_counter()
         try:
             if self.tp == 1:
                 return self._generate_local(requests, params)
             return gather_generate_slice(list(requests), lambda reqs: self._generate_local(reqs, params), self.group,
                                          len(self.group_ranks), self.group_ranks.index(self.rank))
         finally:
-            self._sleep()
+            t1 = time.perf_counter()
+            self.vllm.sleep()
+            self.timings = {**self.timings, "generate_s": t1 - t0, "sleep_s": time.perf_counter() - t1}
 
     def supports_adapter_sync(self) -> bool:
         return self.enable_lora
 
+    def begin_sync(self) -> None:
+        """Every rank syncs its own engine: nothing to agree on."""
+
+    def end_sync(self) -> None:
+        """See ``begin_sync``."""
+
     def sync_full(self, model: torch.nn.Module, merge_adapter: bool = True) -> None:
-        """Reload the engine's weights from ``model`` (LoRA merged unless ``merge_adapter`` is false)."""
-        self.load_full_tensors(full_weights(model, merge_adapter=merge_adapter), drop_adapter=merge_adapter)
-
-    def load_full_tensors(self, tensors: dict[str, torch.Tensor], drop_adapter: bool = True) -> None:
-        """Reload weights given in HF checkpoint names (all of them: vLLM re-processes whole layers)."""
-        path = self._sync_dir / "full.safetensors"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(safetensors_bytes(tensors))
-        tmp.replace(path)
-        self._wake()
-        try:
-            self.llm.collective_rpc("rm_reload_from_file", args=(str(path),))
-            self.llm.reset_prefix_cache()
-        finally:
-            self._sleep()
-        self._last_full = path
-        if drop_adapter:
-            self.lora_request = None
-        elif self.lora_request is not None:
-            self._load_lora(self.lora_request.lora_path)
-
-    def _load_lora(self, path: str) -> None:
-        from vllm.lora.request import LoRARequest
-
-        self.llm.llm_engine.add_lora(LoRARequest(LORA_NAME, LORA_ID, path, load_inplace=True))
-        self.lora_request = LoRARequest(LORA_NAME, LORA_ID, path)
+        """Load the model's weights (LoRA merged unless ``merge_adapter`` is false) into the engine, in process."""
+        self.vllm.weights_source = lambda: full_weights(model, merge_adapter=merge_adapter)
+        report = self.vllm.load_weights(self.vllm.weights_source())
+        self.timings = {"sync_check_s": report.check_s, "sync_load_s": report.load_s,
+                        "sync_gb_per_s": report.gb_per_s, "sync_bytes": report.bytes}
+        if merge_adapter:
+            self.vllm.drop_adapter()
 
     def sync_adapter(self, model: torch.nn.Module) -> None:
-        """Replace the engine's LoRA adapter by the model's active adapter (needs ``enable_lora``)."""
-        self.load_adapter(adapter_weights(model))
-
-    def load_adapter(self, adapter: AdapterWeights) -> None:
+        """Serve the model's active LoRA adapter (needs ``enable_lora``)."""
         if not self.enable_lora:
             raise ValueError(f"{KEY}.enable_lora must be true to sync LoRA adapters to the vLLM engine")
-        path = write_adapter_dir(self._sync_dir / "adapter", adapter)
-        self._wake()
-        try:
-            self._load_lora(str(path))
-            self.llm.reset_prefix_cache()
-        finally:
-            self._sleep()
+        adapter = adapter_weights(model)
+        self.vllm.load_adapter(adapter.peft_config, adapter.tensors)
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self.llm.reset_prefix_cache())
+        return self.vllm.reset_prefix_cache()
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-            if core is not None:
-                core.shutdown()
-            self.llm = None
-        shutil.rmtree(self._sync_dir, ignore_errors=True)
+        self.vllm.close()
 
 
 def gather_generate_slice(requests: list[RolloutRequest], generate: Callable[[list[RolloutRequest]], list[RolloutResult]],
@@ -303,11 +222,15 @@ def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
     lora_rank = 16
     if is_peft_model(model):
         lora_rank = vllm_lora_rank(max(int(c.r) for c in model.peft_config.values()))
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    learner_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    dtype = learner_dtype if v.dtype == "auto" else v.dtype
+    if dtype != learner_dtype and not v.sync.allow_dtype_cast:
+        raise ValueError(f"{KEY}.dtype={dtype} but the learner's weights are {learner_dtype}: every sync would cast; "
+                         f"set {KEY}.sync.allow_dtype_cast: true to allow that, or {KEY}.dtype: auto")
     return VllmColocateEngine(
         loaded.model_dir, sorted(stop_token_ids(loaded.tokenizer)), max_model_len=v.max_model_len,
         tensor_parallel_size=v.tensor_parallel_size, gpu_memory_utilization=v.gpu_memory_utilization,
         enable_lora=v.enable_lora, max_lora_rank=lora_rank, enable_prefix_caching=v.enable_prefix_caching,
-        sleep_level=v.sleep_level, seed=rm.decoding.seed or 0, dtype=dtype,
-        engine_kwargs={"enforce_eager": True} if getattr(v, "enforce_eager", False) else None,
+        sleep_level=v.sleep_level, seed=rm.decoding.seed or 0, dtype=dtype, allow_dtype_cast=v.sync.allow_dtype_cast,
+        engine_kwargs={"enforce_eager": True} if v.enforce_eager else None,
     )

@@ -7,6 +7,11 @@ config as the ``peft_config`` metadata entry) — the CPU-capable weight transpo
 Engine calls run one at a time on a worker thread. As in ``swift rollout``, the NCCL update endpoints answer
 at once and receive in the background (the client broadcasts after the answer); a failure there is reported
 by the next call that waits (``/process_weights_after_loading/``, ``/infer/``, ...).
+
+Every weight update is checked by the engine before any served weight changes (``trainer.sync.update_check``);
+a refused one (``WeightUpdateRefused``: unknown name, shape, dtype, non-finite values) answers HTTP 422 with
+``detail`` naming the tensor and the reason (plus ``tensor`` and ``reason`` fields), also when the refusal
+happened in a background NCCL receive (then on the next waiting call, once); the old weights keep serving.
 """
 
 from __future__ import annotations
@@ -37,14 +42,15 @@ from trainer.server.protocol import (
     UpdateNamedParamBody,
     rollout_output,
 )
-from trainer.sync.transports import vllm_available
+from trainer.sync.nccl import offered_wire_backends
+from trainer.sync.transports import INBAND_PATH
+from trainer.sync.update_check import WeightUpdateRefused
 from trainer.sync.weights import AdapterWeights, tensors_from_safetensors
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 DEFAULT_MAX_INBAND_BYTES = 4 * 2**30
-INBAND_PATH = "/rm/update_weights_inband/"
 
 
 class BodyTooLarge(HTTPException):
@@ -120,6 +126,9 @@ class EngineRunner:
         def run():
             with self.lock:
                 failure, self.failure = self.failure, None
+            if isinstance(failure, WeightUpdateRefused):
+                raise WeightUpdateRefused(failure.tensor, f"{failure.reason} (refused by an earlier background "
+                                          "weight-update call)") from failure
             if isinstance(failure, EngineRequestError):
                 raise EngineRequestError(f"an earlier background weight-update call was refused: {failure}") from failure
             if failure is not None:
@@ -189,6 +198,11 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
     @app.exception_handler(EngineRequestError)
     async def _bad_request(_: Request, exc: EngineRequestError):
         return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.exception_handler(WeightUpdateRefused)
+    async def _refused(_: Request, exc: WeightUpdateRefused):
+        log.warning("%s", exc)
+        return JSONResponse({"detail": str(exc), "tensor": exc.tensor, "reason": exc.reason}, status_code=422)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
@@ -330,13 +344,7 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
 
 def nccl_backends() -> list[str]:
     """The ``/init_communicator/`` backends this server process can build (reported by ``/rm/info/``)."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    out = ["pynccl"] if cuda and vllm_available() else []
-    if cuda and hasattr(torch.distributed, "ProcessGroupNCCL"):
-        out.append("torch-nccl")
-    return [*out, "torch-gloo"]
+    return offered_wire_backends()
 
 
 def _safetensors_metadata(blob: bytes) -> dict[str, str]:

@@ -8,15 +8,14 @@ first ``nccl_receive_*`` and ``finish_weights`` form one update).
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from trainer.data.images import ImageRefError
+from trainer.data.images import load_image as read_image
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 from trainer.server.protocol import RolloutInferRequestIn
 from trainer.sync.weights import AdapterWeights
@@ -26,6 +25,14 @@ IMAGE_TAG = "<image>"
 
 class EngineRequestError(ValueError):
     """The request cannot be served by this engine (answered with HTTP 400 and this message)."""
+
+
+def load_image(ref: str):
+    """``trainer.data.images.load_image``; an unreadable reference is a bad request (400)."""
+    try:
+        return read_image(ref)
+    except ImageRefError as exc:
+        raise EngineRequestError(str(exc)) from exc
 
 
 class ServerEngine(Protocol):
@@ -61,30 +68,6 @@ class ServerEngine(Protocol):
     def nccl_close(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-def load_image(ref: str):
-    """A PIL image from a local path, a ``data:`` URI or bare base64 (no network fetches)."""
-    from PIL import Image
-
-    if ref.startswith(("http://", "https://")):
-        raise EngineRequestError(f"image URLs are not fetched by this server; send a local path or base64 ({ref[:60]})")
-    if ref.startswith("data:"):
-        ref = ref.split(",", 1)[-1]
-    else:
-        try:
-            is_file = Path(ref).is_file()
-        except (OSError, ValueError):  # name too long, NUL byte, ...
-            is_file = False
-        if is_file:
-            try:
-                return Image.open(ref).convert("RGB")
-            except (OSError, ValueError, Image.DecompressionBombError) as exc:
-                raise EngineRequestError(f"image file {ref[:200]!r} cannot be read as an image: {exc}") from exc
-    try:
-        return Image.open(io.BytesIO(base64.b64decode(ref, validate=True))).convert("RGB")
-    except (binascii.Error, ValueError, OSError, Image.DecompressionBombError) as exc:
-        raise EngineRequestError(f"image {ref[:60]!r} is neither a readable file nor base64 image data") from exc
 
 
 class PromptCodec:
@@ -168,100 +151,56 @@ def load_codec(model_dir: str | Path) -> PromptCodec:
     return PromptCodec(tok, processor)
 
 
-class LocalNcclReceiver:
-    """NCCL weight receiver inside the server process (scripted and hf engines; vLLM's workers have their own).
-
-    Joins the learner's group as rank 0 of 2. ``backend`` (sent by the learner in ``/init_communicator/``):
-    ``pynccl`` (ms-swift's; the default when absent) = vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator``
-    (GPU only); ``torch-nccl`` / ``torch-gloo`` = ``trainer.sync.transports.TorchStatelessCommunicator`` on our
-    ``StoreGroup`` (no vLLM; NCCL on this process's GPU, or gloo on CPU). Received tensors are collected until
-    ``finish`` hands them to ``apply``.
-    """
-
-    def __init__(self):
-        self.comm = None
-        self.pending: dict[str, torch.Tensor] = {}
-
-    def init(self, host: str, port: int, world_size: int, backend: str = "pynccl") -> None:
-        from trainer.sync.transports import TorchStatelessCommunicator, make_group
-
-        if backend not in ("pynccl", "torch-nccl", "torch-gloo"):
-            raise EngineRequestError(f"unknown NCCL backend {backend!r}; use pynccl, torch-nccl or torch-gloo")
-        if backend in ("pynccl", "torch-nccl") and not torch.cuda.is_available():
-            raise EngineRequestError(
-                f"NCCL weight sync needs a CUDA GPU on the server ({backend} backend); on CPU use torch-gloo "
-                "(sync.nccl_backend: torch on a CPU learner) or our in-band transport (POST /rm/update_weights_inband/)"
-            )
-        if world_size != 2:
-            raise EngineRequestError(f"this server has world size 1, so the group must have 2 ranks (got {world_size})")
-        self.close()
-        group = make_group("pynccl" if backend == "pynccl" else "torch", host, port, 0, world_size)
-        if backend == "pynccl":
-            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-
-            self.comm = PyNcclCommunicator(group, device=torch.device("cuda", torch.cuda.current_device()))
-        elif backend == "torch-nccl":
-            self.comm = TorchStatelessCommunicator(group, torch.device("cuda", torch.cuda.current_device()))
-        else:
-            self.comm = TorchStatelessCommunicator(group, torch.device("cpu"))
-
-    def receive(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        if self.comm is None:
-            raise EngineRequestError("communicator not initialised: call /init_communicator/ first")
-        buf = torch.empty(shape, dtype=dtype, device=self.comm.device)
-        cuda = buf.is_cuda
-        self.comm.broadcast(buf, src=1, stream=torch.cuda.current_stream() if cuda else None)
-        if cuda:
-            torch.cuda.synchronize()
-        self.comm.group.barrier()
-        return buf
-
-    def close(self) -> None:
-        self.comm = None
-        self.pending = {}
-
-
 class LocalNcclMixin:
-    """``nccl_*`` for engines that live in the server process: receive into ``pending`` (on ``weights_device``:
-    the served model's device, so a GPU model's update never leaves the GPU), apply on finish."""
+    """``nccl_*`` for engines whose model lives in the server process (hf, scripted, vllm with one GPU): one
+    ``trainer.sync.nccl.NcclReceiver`` (rank 0 of 2) receives onto ``weights_device``; buckets are staged in
+    ``pending`` and handed to ``load_full`` (which checks them) on ``finish_weights``, so a refused update changes
+    nothing. Adapters are applied when their bucket arrives (``load_adapter`` checks them)."""
 
-    _receiver: LocalNcclReceiver | None = None
-    _pending_adapter: AdapterWeights | None = None
+    _receiver = None
+    _pending: dict[str, torch.Tensor] | None = None
     weights_device: torch.device = torch.device("cpu")
 
-    def _rx(self) -> LocalNcclReceiver:
+    def _rx(self):
         if self._receiver is None:
-            self._receiver = LocalNcclReceiver()
+            raise EngineRequestError("communicator not initialised: call /init_communicator/ first")
         return self._receiver
 
     def nccl_init(self, host: str, port: int, world_size: int, backend: str = "pynccl") -> None:
-        self._rx().init(host, port, world_size, backend)
+        from trainer.sync.nccl import NcclReceiver, NcclSetupError
+
+        if world_size != 2:
+            raise EngineRequestError(f"this server has world size 1, so the group must have 2 ranks (got {world_size})")
+        self.nccl_close()
+        device = self.weights_device
+        if backend in ("pynccl", "torch-nccl") and device.type != "cuda" and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        try:
+            self._receiver = NcclReceiver(host, port, 0, world_size, backend, device)
+        except NcclSetupError as exc:
+            raise EngineRequestError(str(exc)) from exc
+        self._pending = {}
+
+    def _stage(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self._pending is None:
+            self._pending = {}
+        self._pending.update({k: v.to(self.weights_device) for k, v in tensors.items()})
 
     def nccl_receive_named(self, name: str, dtype: str, shape: list[int]) -> None:
-        from trainer.sync.buckets import torch_dtype
-
-        self._rx().pending[name] = self._rx().receive(tuple(shape), torch_dtype(dtype)).to(self.weights_device)
+        self._stage(self._rx().receive_named(name, dtype, shape))
 
     def nccl_receive_flattened(self, metadatas: list[dict[str, Any]]) -> None:
-        from trainer.sync.buckets import FlatTensorMeta, unflatten
-
-        metas = [FlatTensorMeta.model_validate(m) for m in metadatas]
-        bucket = self._rx().receive((metas[-1].end_idx,), torch.uint8).to(self.weights_device)
-        self._rx().pending.update({k: v.clone() for k, v in unflatten(metas, bucket).items()})
+        self._stage(self._rx().receive_bucket(metadatas))
 
     def nccl_receive_adapter(self, peft_config: dict[str, Any], metadatas: list[dict[str, Any]]) -> None:
-        from trainer.sync.buckets import FlatTensorMeta, unflatten
-
-        metas = [FlatTensorMeta.model_validate(m) for m in metadatas]
-        bucket = self._rx().receive((metas[-1].end_idx,), torch.uint8).cpu()
-        self.load_adapter(AdapterWeights(peft_config, {k: v.clone() for k, v in unflatten(metas, bucket).items()}))
+        tensors = {k: v.cpu() for k, v in self._rx().receive_bucket(metadatas).items()}
+        self.load_adapter(AdapterWeights(peft_config, tensors))
 
     def finish_weights(self) -> None:
-        rx = self._rx()
-        if rx.pending:
-            tensors, rx.pending = rx.pending, {}
-            self.load_full(tensors)
+        pending, self._pending = self._pending, {}
+        if pending:
+            self.load_full(pending)
 
     def nccl_close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.close()
+        self._receiver = None
+        self._pending = {}

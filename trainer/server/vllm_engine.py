@@ -1,6 +1,13 @@
-"""The ``vllm`` server engine: ``VllmColocateEngine`` (one in-process ``vllm.LLM``, TP over local devices)
-behind the rollout protocol; NCCL weight updates are received by every vLLM worker
-(``trainer.sync.vllm_worker``), in-band updates go through vLLM's in-place reload."""
+"""The ``vllm`` server engine: an ``InProcessVllm`` behind the rollout protocol.
+
+Weight updates, all checked before any weight changes (``InProcessVllm.load_weights``):
+- in-band (``load_full``): the safetensors payload's tensors go straight into the model;
+- NCCL with one GPU (the engine is in this process): the server process is rank 0 of the group and receives onto
+  the model's GPU (``LocalNcclMixin``), stages the buckets, and loads them on ``finish_weights``;
+- NCCL with ``tensor_parallel_size`` > 1 (vLLM worker processes): every worker joins the group as its own rank and
+  receives the same buckets (``trainer.sync.nccl.NcclReceiver`` through ``collective_rpc``); each worker stages
+  them, the metadata is checked here, and ``finish_weights`` loads the staged tensors in every worker.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +17,56 @@ from typing import Any
 
 import torch
 
+from trainer.data.images import ImageRefError
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
-from trainer.rollout.vllm_colocate import VllmColocateEngine
-from trainer.server.engines import load_codec
+from trainer.rollout.vllm_colocate import check_fits, results_from_outputs, sampling_params
+from trainer.rollout.vllm_inprocess import InProcessVllm, VllmSettings
+from trainer.server.engines import EngineRequestError, LocalNcclMixin, load_codec, load_image
 from trainer.server.protocol import RolloutInferRequestIn
 from trainer.sync.weights import AdapterWeights
 
+KEY = "serve --engine vllm"
 
-class VllmServerEngine:
+
+def _worker_nccl_init(worker, host: str, port: int, world_size: int, wire: str) -> None:
+    from vllm.distributed.parallel_state import get_world_group
+
+    from trainer.sync.nccl import NcclReceiver
+
+    worker.rm_receiver = NcclReceiver(host, port, get_world_group().rank, world_size, wire, worker.device)
+    worker.rm_staged = {}
+
+
+def _worker_receive(worker, metadatas: list[dict[str, Any]] | None, named: tuple[str, str, list[int]] | None) -> int:
+    rx = getattr(worker, "rm_receiver", None)
+    if rx is None:
+        raise RuntimeError("weight-update communicator not initialised: call /init_communicator/ first")
+    got = rx.receive_bucket(metadatas) if metadatas is not None else rx.receive_named(*named)
+    worker.rm_staged.update(got)
+    return len(got)
+
+
+def _worker_take_staged(worker, load: bool) -> int:
+    from trainer.rollout import vllm_compat
+
+    staged, worker.rm_staged = getattr(worker, "rm_staged", {}), {}
+    if load and staged:
+        return vllm_compat.load_checkpoint_tensors(worker, staged)
+    return 0
+
+
+def _worker_nccl_close(worker) -> None:
+    worker.rm_receiver = None
+    worker.rm_staged = {}
+
+
+class VllmServerEngine(LocalNcclMixin):
     kind = "vllm"
 
     def __init__(self, model_dir: str | Path, *, max_model_len: int, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.45, enable_lora: bool = False, max_lora_rank: int = 64,
                  enable_prefix_caching: bool = True, seed: int = 0, dtype: str = "auto",
-                 engine_kwargs: dict[str, Any] | None = None):
+                 allow_dtype_cast: bool = False, engine_kwargs: dict[str, Any] | None = None):
         from trainer.modeling.coord_vocab import stop_token_ids
 
         self.model_name = str(model_dir)
@@ -31,12 +74,15 @@ class VllmServerEngine:
         self.world_size = tensor_parallel_size
         self.enable_lora = enable_lora
         self.max_model_len = max_model_len
-        self.engine = VllmColocateEngine(
-            model_dir, sorted(stop_token_ids(self.codec.tokenizer)), max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-            enable_lora=enable_lora, max_lora_rank=max_lora_rank, enable_prefix_caching=enable_prefix_caching,
-            seed=seed, dtype=dtype, rank=0, world_size=1, engine_kwargs=engine_kwargs)
-        self._adapter_dir = self.engine._sync_dir / "nccl-adapter"
+        self.stop_ids = sorted(stop_token_ids(self.codec.tokenizer))
+        self.vllm = InProcessVllm(VllmSettings(
+            model_dir=str(model_dir), max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
+            enable_prefix_caching=enable_prefix_caching, seed=seed, dtype=dtype, allow_dtype_cast=allow_dtype_cast,
+            engine_kwargs=dict(engine_kwargs or {}), key=KEY))
+        self.weights_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self._staged_meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
     def encode(self, request: RolloutInferRequestIn, index: int) -> RolloutRequest:
         return self.codec.encode(request, index)
@@ -45,42 +91,127 @@ class VllmServerEngine:
         return self.codec.decode(ids)
 
     def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
-        return self.engine.generate(requests, params)
+        try:
+            check_fits(requests, params.max_new_tokens, self.max_model_len)
+        except ValueError as exc:
+            raise EngineRequestError(str(exc).replace("custom.extra.rollout_matching.vllm.max_model_len",
+                                                      "the server's --max-model-len")) from exc
+        try:
+            prompts = [self.vllm.prompt(r.prompt_token_ids, [load_image(p) for p in r.images]) for r in requests]
+        except ImageRefError as exc:
+            raise EngineRequestError(str(exc)) from exc
+        return results_from_outputs(requests, self.vllm.generate(prompts, sampling_params(params, self.stop_ids)))
 
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.engine.load_full_tensors(tensors)
+        self.vllm.load_weights(tensors)
+        self.vllm.drop_adapter()
 
     def load_adapter(self, adapter: AdapterWeights) -> None:
-        self.engine.load_adapter(adapter)
+        if not self.enable_lora:
+            raise EngineRequestError("this server does not serve LoRA adapters (start it with --enable-lora)")
+        self.vllm.load_adapter(adapter.peft_config, adapter.tensors)
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine.reset_prefix_cache()
+        return self.vllm.reset_prefix_cache()
 
     def state_keys(self) -> list[str]:
-        keys = self.engine.llm.collective_rpc("rm_state_keys")
-        return list(keys[0]) if keys else []
+        """vLLM's runtime parameter names (fused ``qkv_proj`` etc.), as ``swift rollout`` answers."""
+        return self.vllm.collective_rpc(_worker_param_names)[0]
+
+    def weights_checksums(self) -> dict[str, str]:
+        """Checksums of the served parameters under vLLM's own names (stacked ``qkv_proj`` etc.)."""
+        return self.vllm.collective_rpc(_worker_checksums)[0]
+
+    # NCCL with worker processes (tensor_parallel_size > 1); one GPU uses LocalNcclMixin's in-process receiver.
+    def _multi_worker(self) -> bool:
+        return self.world_size > 1
 
     def nccl_init(self, host: str, port: int, world_size: int, backend: str = "pynccl") -> None:
-        self.engine.llm.collective_rpc("rm_init_communicator", args=(host, port, world_size, backend))
+        if not self._multi_worker():
+            return super().nccl_init(host, port, world_size, backend)
+        self.vllm.collective_rpc(_worker_nccl_init, host, port, world_size, backend)
+        self._staged_meta = {}
+
+    def _check_meta(self, meta: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        from trainer.sync.update_check import check_update
+
+        probes = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in meta.items()}
+        check_update(probes, self.vllm.update_spec(), allow_cast=self.vllm.settings.allow_dtype_cast,
+                     check_finite=False)
 
     def nccl_receive_named(self, name: str, dtype: str, shape: list[int]) -> None:
-        self.engine.llm.collective_rpc("rm_receive_named", args=(name, dtype, list(shape)))
+        if not self._multi_worker():
+            return super().nccl_receive_named(name, dtype, shape)
+        from trainer.sync.buckets import torch_dtype
+
+        self.vllm.collective_rpc(_worker_receive, None, (name, dtype, list(shape)))
+        self._staged_meta[name] = (tuple(shape), torch_dtype(dtype))
 
     def nccl_receive_flattened(self, metadatas: list[dict[str, Any]]) -> None:
-        self.engine.llm.collective_rpc("rm_receive_flattened", args=(metadatas,))
+        if not self._multi_worker():
+            return super().nccl_receive_flattened(metadatas)
+        from trainer.sync.buckets import torch_dtype
+
+        self.vllm.collective_rpc(_worker_receive, metadatas, None)
+        self._staged_meta.update({m["name"]: (tuple(m["shape"]), torch_dtype(m["dtype"])) for m in metadatas})
 
     def nccl_receive_adapter(self, peft_config: dict[str, Any], metadatas: list[dict[str, Any]]) -> None:
-        self.engine.llm.collective_rpc("rm_receive_adapter_flattened", args=(peft_config, metadatas, str(self._adapter_dir)))
-        self.engine._load_lora(str(self._adapter_dir))
-        self.engine.reset_prefix_cache()
+        if not self._multi_worker():
+            return super().nccl_receive_adapter(peft_config, metadatas)
+        self.vllm.collective_rpc(_worker_receive, metadatas, None)
+        tensors = self.vllm.collective_rpc(_worker_take_adapter)[0]
+        self.load_adapter(AdapterWeights(peft_config, tensors))
 
     def finish_weights(self) -> None:
-        if any(self.engine.llm.collective_rpc("rm_finish_update")):
-            self.engine.lora_request = None
-            self.engine.reset_prefix_cache()
+        if not self._multi_worker():
+            return super().finish_weights()
+        meta, self._staged_meta = self._staged_meta, {}
+        if not meta:
+            return
+        try:
+            self._check_meta(meta)
+            finite = all(self.vllm.collective_rpc(_worker_staged_finite))
+            if not finite:
+                from trainer.sync.update_check import WeightUpdateRefused
+
+                raise WeightUpdateRefused(None, "non-finite values (NaN or inf) in the staged update")
+        except Exception:
+            self.vllm.collective_rpc(_worker_take_staged, False)
+            raise
+        self.vllm.wake(("weights",))
+        self.vllm.collective_rpc(_worker_take_staged, True)
+        self.vllm.drop_adapter()
+        self.vllm.reset_prefix_cache()
 
     def nccl_close(self) -> None:
-        self.engine.llm.collective_rpc("rm_close_communicator")
+        if not self._multi_worker():
+            return super().nccl_close()
+        self.vllm.collective_rpc(_worker_nccl_close)
 
     def close(self) -> None:
-        self.engine.close()
+        self.nccl_close()
+        self.vllm.close()
+
+
+def _worker_param_names(worker) -> list[str]:
+    from trainer.rollout import vllm_compat
+
+    return [name for name, _ in vllm_compat.worker_model(worker).named_parameters()]
+
+
+def _worker_staged_finite(worker) -> bool:
+    from trainer.sync.update_check import first_non_finite
+
+    return first_non_finite(getattr(worker, "rm_staged", {})) is None
+
+
+def _worker_take_adapter(worker) -> dict[str, torch.Tensor]:
+    staged, worker.rm_staged = getattr(worker, "rm_staged", {}), {}
+    return {k: v.to("cpu") for k, v in staged.items()}
+
+
+def _worker_checksums(worker) -> dict[str, str]:
+    from trainer.rollout import vllm_compat
+    from trainer.sync.weights import tensor_checksums
+
+    return tensor_checksums(dict(vllm_compat.worker_model(worker).named_parameters()))

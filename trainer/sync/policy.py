@@ -6,11 +6,9 @@ Cadence (``WeightSync.ensure_fresh``), called only before fresh rollouts:
 - afterwards at most one sync per ``global_step`` (optimizer-step boundary), never per micro-step;
 - in a multi-process learner only the ranks the target asks for push (rank 0 for rollout servers, every
   rank for colocated engines), and a barrier follows so no rank rolls out on stale weights;
-- rollout servers with a quarantine (``ServerRolloutEngine``): at each sync, quarantined servers that answer
-  their health probe again get the full current weights pushed to them alone (full mode: merged weights;
-  adapter mode: base then adapter) and are re-admitted only if that succeeded. With several learner ranks the
-  quarantine is shared at each sync: every rank's failed servers are gathered to rank 0 (so it pushes to none
-  of them), rank 0 probes and re-syncs, and its resulting quarantine set is broadcast to every rank.
+- every target brackets a sync with ``begin_sync`` / ``end_sync`` on every rank (rollout servers: the fleet pools
+  the ranks' quarantines on rank 0 before, and every rank adopts rank 0's membership after; rank 0's
+  ``sync_full`` / ``sync_adapter`` also re-admit answering servers with the weights built for that sync).
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from trainer.sync.update_check import check_learner_weights
 from trainer.sync.weights import adapter_kind
 
 log = logging.getLogger(__name__)
@@ -74,6 +73,10 @@ class SyncTarget(Protocol):
 
     def supports_adapter_sync(self) -> bool: ...
 
+    def begin_sync(self) -> None: ...
+
+    def end_sync(self) -> None: ...
+
     def sync_full(self, model: torch.nn.Module, merge_adapter: bool = True) -> None: ...
 
     def sync_adapter(self, model: torch.nn.Module) -> None: ...
@@ -94,27 +97,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _shared_quarantine(local: set[str]) -> set[str]:
-    """Union of every rank's quarantine set (all ranks call this at the same sync)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return set(local)
-    gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(local))
-    return {u for g in gathered for u in (g or [])}
-
-
-def _from_rank0(value: set[str]) -> set[str]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    box: list[object] = [sorted(value)]
-    dist.broadcast_object_list(box, src=0)
-    return set(box[0] or [])
-
-
 class WeightSync:
     """Keeps a rollout engine on the learner's current weights (see module docstring for the cadence)."""
 
@@ -123,8 +105,6 @@ class WeightSync:
         self.decision = decision
         self.last_step: int | None = None
         self.history: list[tuple[int, str]] = []
-        self.readmitted: list[tuple[int, str]] = []
-        self.quarantines = hasattr(target, "answering_quarantined") and not target.syncs_on_every_rank
 
     @classmethod
     def for_model(cls, target: SyncTarget, model: torch.nn.Module, requested: RequestedMode = "full",
@@ -137,10 +117,10 @@ class WeightSync:
         """Sync unless already synced at ``global_step``; returns whether this call synced."""
         if self.last_step == global_step:
             return False
+        check_learner_weights(model, global_step, last_synced_step=self.last_step)  # NaN/inf never leave the learner
         rank, _ = _dist_info()
         first = self.last_step is None
-        if self.quarantines:
-            self.target.set_quarantined(_shared_quarantine(self.target.quarantined))
+        self.target.begin_sync()
         if self.target.syncs_on_every_rank or rank == 0:
             if self.decision.mode == "full":
                 self.target.sync_full(model)
@@ -151,19 +131,14 @@ class WeightSync:
                 self.target.sync_adapter(model)
                 kind = "base+adapter" if first else "adapter"
             self.history.append((global_step, kind))
-            if self.quarantines:
-                answering = self.target.answering_quarantined()
-                for url in self.target.resync_and_readmit(answering, model, self.decision.mode):
-                    self.readmitted.append((global_step, url))
-        if self.quarantines:
-            self.target.set_quarantined(_from_rank0(set(self.target.quarantined)))
+        self.target.end_sync()
         _barrier()
         self.last_step = global_step
         return True
 
     def metadata(self) -> dict[str, object]:
         return {"sync_mode": self.decision.mode, "sync_mode_reason": self.decision.reason,
-                "last_synced_step": self.last_step, "readmitted": list(self.readmitted)}
+                "last_synced_step": self.last_step}
 
 
 def build_weight_sync(rm, engine, model: torch.nn.Module) -> WeightSync | None:

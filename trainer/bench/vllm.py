@@ -1,0 +1,269 @@
+"""vLLM benchmarks (``python -m trainer bench --only vllm|vllm-step``; CUDA + vLLM; ``docs/benchmarks/vllm.json``):
+
+* ``engine``: new tokens/s of the project's colocate engine (``VllmColocateEngine``: in-process ``InProcessVllm``)
+  vs plain ``vllm.LLM.generate`` (default settings, its own process) on the same model and workload: Qwen3-0.6B
+  shape with random weights, 64 and 512 requests, prompts of 256–512 random tokens, 256 new tokens, greedy, no stop;
+* ``sync``: colocate full sync GB/s (in-process ``load_weights``, with the update check timed apart; plain and
+  LoRA-enabled engine with a LoRA learner, merge included) and in-band sync to ``serve --engine vllm``;
+* ``step`` (``vllm-step``): one stage-2 optimizer step, vLLM colocate (sleep level 2) vs the HF backend with a static
+  cache + compiled decoding, packing on, split into rollout / weight sync / forward / backward.
+Headline figures at the top level of the JSON: ``engine_over_raw_vllm`` (per workload and the minimum) and
+``colocate_sync_gb_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.bench.models import QWEN3_0_6B, device_name, random_qwen3
+
+WORKLOADS = (64, 512)
+NEW_TOKENS = 256
+
+
+def save_random_model_dir(out: Path, shape: dict[str, int] | None = None, dtype=torch.bfloat16) -> Path:
+    """A Qwen3-0.6B-shape random model directory (151,936-token vocabulary, tied embeddings) with the embedded
+    tokenizer (whose ids fit in that vocabulary) and no EOS, so decoding always runs to ``max_tokens``."""
+    from trainer.modeling.fixtures import tiny_tokenizer
+
+    if (out / "config.json").is_file():
+        return out
+    tok = tiny_tokenizer()
+    dims = {**QWEN3_0_6B, **(shape or {})}
+    if dims["vocab_size"] < len(tok):
+        raise ValueError(f"vocab_size {dims['vocab_size']} is smaller than the tokenizer's {len(tok)}")
+    model = random_qwen3(dims, dtype=dtype, eos_token_id=None, max_position_embeddings=4096)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def workload(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed + n)
+    lens = torch.randint(256, 513, (n,), generator=g)
+    return [torch.randint(100, vocab - 1, (int(k),), generator=g).tolist() for k in lens]
+
+
+def _raw_main(model_dir: str, util: float, out: str) -> None:
+    """Plain vLLM, as a user would call it (own process, default engine settings)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, gpu_memory_utilization=util, max_model_len=1024, dtype="bfloat16", seed=0,
+              skip_tokenizer_init=True)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+    res = {}
+    for n in WORKLOADS:
+        prompts = [{"prompt_token_ids": p} for p in workload(n, vocab)]
+        llm.generate(prompts[:8], sp, use_tqdm=False)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        toks = sum(len(o.outputs[0].token_ids) for o in outs)
+        res[str(n)] = {"requests": n, "new_tokens": toks, "seconds": dt, "tokens_per_s": toks / dt}
+    Path(out).write_text(json.dumps(res))
+
+
+def engine_bench(model_dir: Path, util: float = 0.5) -> dict[str, Any]:
+    from trainer.rollout.types import DecodingParams, RolloutRequest
+    from trainer.rollout.vllm_colocate import VllmColocateEngine
+
+    raw_out = model_dir.parent / "raw_vllm.json"
+    env = {**os.environ, "VLLM_PLUGINS": ""}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    subprocess.run([sys.executable, "-m", "trainer.bench.vllm", "--raw", str(model_dir), str(util), str(raw_out)],
+                   check=True, env=env)
+    raw = json.loads(raw_out.read_text())
+    engine = VllmColocateEngine(model_dir, [], max_model_len=1024, gpu_memory_utilization=util, dtype="bfloat16",
+                                engine_kwargs={"skip_tokenizer_init": True})
+    params = DecodingParams(max_new_tokens=NEW_TOKENS)
+    vocab = engine.llm.llm_engine.model_config.get_vocab_size()
+    ours = {}
+    try:
+        for n in WORKLOADS:
+            reqs = [RolloutRequest(f"b{i}", (), tuple(p)) for i, p in enumerate(workload(n, vocab))]
+            engine.generate(reqs[:8], params)
+            t0 = time.perf_counter()
+            res = engine.generate(reqs, params)
+            dt = time.perf_counter() - t0
+            toks = sum(len(r.response_token_ids) for r in res)
+            ours[str(n)] = {"requests": n, "new_tokens": toks, "seconds": dt, "tokens_per_s": toks / dt}
+    finally:
+        engine.close()
+    ratio = {n: ours[n]["tokens_per_s"] / raw[n]["tokens_per_s"] for n in ours}
+    return {"raw_vllm": raw, "engine": ours, "engine_over_raw_vllm": {**ratio, "min": min(ratio.values())}}
+
+
+def sync_bench(model_dir: Path, repeats: int = 5) -> dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trainer.rollout.vllm_colocate import VllmColocateEngine
+
+    learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    out: dict[str, Any] = {}
+    for variant in ("plain", "lora"):
+        lora = variant == "lora"
+        engine = VllmColocateEngine(model_dir, [], max_model_len=1024, gpu_memory_utilization=0.25, dtype="bfloat16",
+                                    enable_lora=lora, max_lora_rank=16,
+                                    engine_kwargs={"skip_tokenizer_init": True, "enforce_eager": True})
+        model = get_peft_model(learner, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                   init_lora_weights=False)) if lora else learner
+        runs = []
+        try:
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.sync_full(model)
+                torch.cuda.synchronize()
+                total = time.perf_counter() - t0
+                t = engine.timings
+                runs.append({"total_s": total, "check_s": t["sync_check_s"], "load_s": t["sync_load_s"],
+                             "bytes": t["sync_bytes"]})
+        finally:
+            engine.close()
+            if lora:
+                model.unload()
+        best = min(runs[1:] or runs, key=lambda r: r["total_s"])
+        out[variant] = {"runs": runs, "gb_per_s_end_to_end": best["bytes"] / 1e9 / best["total_s"],
+                        "check_fraction": best["check_s"] / best["total_s"], "bytes": best["bytes"]}
+    out["inband"] = inband_bench(model_dir, learner)
+    return out
+
+
+def inband_bench(model_dir: Path, learner) -> dict[str, Any]:
+    import socket
+
+    from trainer.rollout.server_client import ServerEndpoint, ServerRolloutEngine
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = model_dir.parent / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--engine", "vllm", "--model", str(model_dir),
+                             "--port", str(port), "--max-model-len", "1024", "--gpu-memory-utilization", "0.2",
+                             "--enforce-eager", "--dtype", "bfloat16"], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "VLLM_PLUGINS": ""})
+    try:
+        client = ServerRolloutEngine([ServerEndpoint(f"http://127.0.0.1:{port}")], timeout_s=300, transport="inband")
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            client.sync_full(learner)
+            times.append(time.perf_counter() - t0)
+        nbytes = sum(p.numel() * p.element_size() for p in learner.state_dict().values())
+        client.close()
+        return {"seconds": times, "bytes": nbytes, "gb_per_s": nbytes / 1e9 / min(times)}
+    except Exception as exc:  # noqa: BLE001 - recorded, the rest of the benchmark stands
+        return {"error": f"{type(exc).__name__}: {exc}", "log_tail": log.read_text()[-2000:]}
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def step_bench(model_dir: Path, out_dir: Path, steps: int = 4) -> dict[str, Any]:
+    from trainer.config.schema import validate_config
+    from trainer.sft.run import run_training
+    from trainer.telemetry import read_jsonl
+
+    res = {}
+    for backend in ("vllm", "hf"):
+        rm: dict[str, Any] = {"rollout_backend": backend, "rollout_generate_batch_size": 8,
+                              "decoding": {"max_new_tokens": 128, "temperature": 0.0}}
+        if backend == "vllm":
+            rm["vllm"] = {"mode": "colocate", "max_model_len": 2048, "sleep_level": 2, "gpu_memory_utilization": 0.3}
+        else:
+            rm["hf"] = {"cache_implementation": "static", "compile": True}
+        cfg = {"model": {"path": str(model_dir), "torch_dtype": "bfloat16"},
+               "data": {"synthetic": {"num_samples": 64, "seed": 0, "min_objects": 1, "max_objects": 3,
+                                      "image_size": 64}},
+               "training": {"output_dir": str(out_dir / backend), "max_steps": steps, "per_device_train_batch_size": 8,
+                            "learning_rate": 1e-5, "logging_steps": 1, "seed": 0, "disable_tqdm": True, "bf16": True,
+                            "report_to": ["jsonl"], "packing": True, "packing_length": 8192,
+                            "gradient_checkpointing": True},
+               "custom": {"extra": {"rollout_matching": rm}}}
+        t0 = time.perf_counter()
+        summary = run_training(validate_config(cfg))
+        rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
+        timed = rows[1:] or rows  # the first step pays start-up and compilation
+        keys = sorted({k for r in timed for k in r if k.startswith("time/")})
+        res[backend] = {"wall_s": time.perf_counter() - t0, "steps": len(rows),
+                        "per_step": {k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in keys}}
+    return res
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    eng = result.get("engine_bench", {})
+    if "engine" in eng:
+        ns = list(eng["engine"])
+        x = range(len(ns))
+        axes[0].bar([i - 0.2 for i in x], [eng["raw_vllm"][n]["tokens_per_s"] for n in ns], 0.4, label="vllm.LLM")
+        axes[0].bar([i + 0.2 for i in x], [eng["engine"][n]["tokens_per_s"] for n in ns], 0.4, label="ours")
+        axes[0].set_xticks(list(x), [f"{n} req" for n in ns])
+        axes[0].set_title("new tokens/s (0.6B, 256 new)")
+        axes[0].legend()
+    sync = result.get("sync_bench", {})
+    names = [k for k in ("plain", "lora") if k in sync] + (["inband"] if "gb_per_s" in sync.get("inband", {}) else [])
+    axes[1].bar(names, [sync[k].get("gb_per_s_end_to_end", sync[k].get("gb_per_s", 0)) for k in names])
+    axes[1].set_title("weight sync GB/s (0.6B, bf16)")
+    step = result.get("step_bench", {})
+    parts = ("rollout", "weight_sync", "target", "forward", "backward")
+    for i, backend in enumerate(step):
+        bottom = 0.0
+        for part in parts:
+            v = step[backend]["per_step"].get(f"time/{part}_s", 0.0)
+            axes[2].bar(i, v, bottom=bottom, label=part if i == 0 else None)
+            bottom += v
+    axes[2].set_xticks(range(len(step)), list(step))
+    axes[2].set_title("stage-2 step split (s)")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def run(out: Path, only: str = "vllm") -> dict[str, Any]:
+    """Run the vLLM benchmarks into ``out/vllm.json`` (merging into an existing file) and ``out/vllm.png``."""
+    if not torch.cuda.is_available():
+        raise SystemExit("bench --only vllm needs a CUDA GPU and vLLM (see ../shared/tools/gpu-bundle)")
+    work = Path(os.environ.get("RM_BENCH_WORK", "/tmp/rm-bench-vllm"))
+    model_dir = save_random_model_dir(work / "qwen3-0.6b-random")
+    path = out / "vllm.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    result.update({"device": device_name("cuda"), "torch": torch.__version__, "shape": "Qwen3-0.6B (random weights)"})
+    try:
+        import vllm
+
+        result["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    if only == "vllm":
+        result["engine_bench"] = engine_bench(model_dir)
+        result["engine_over_raw_vllm"] = result["engine_bench"]["engine_over_raw_vllm"]
+        result["sync_bench"] = sync_bench(model_dir)
+        result["colocate_sync_gb_s"] = {k: result["sync_bench"][k]["gb_per_s_end_to_end"] for k in ("plain", "lora")}
+    else:
+        result["step_bench"] = step_bench(model_dir, work / "step")
+    path.write_text(json.dumps(result, indent=2))
+    plot(result, out / "vllm.png")
+    print(json.dumps({k: result.get(k) for k in ("engine_over_raw_vllm", "colocate_sync_gb_s")}, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--raw":
+        _raw_main(sys.argv[2], float(sys.argv[3]), sys.argv[4])

