@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.telemetry import read_jsonl
@@ -34,6 +34,31 @@ class DemoReport:
     forward_s: float
     backward_s: float
     wall_s: float
+    # held-out eval rows (``eval/`` prefix stripped): (step, metrics) at the start of stage 2 (after the warm-up)
+    # and at its end; empty when the config has no eval split
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+
+    def eval_markdown(self) -> list[str]:
+        if len(self.evals) < 2:
+            return []
+        from trainer.evaluation.metrics import markdown_table
+
+        (s0, before), (s1, after) = self.evals[0], self.evals[-1]
+
+        def delta(key: str) -> str:
+            if key not in before or key not in after:
+                return "n/a"
+            return f"{after[key] - before[key]:+.3f}"
+
+        return [
+            f"## Held-out evaluation ({before.get('num_samples', 0):.0f} samples, greedy): before vs after stage 2",
+            "",
+            markdown_table([(f"after stage-1 warm-up (stage-2 step {s0})", before),
+                            (f"after stage 2 (step {s1})", after)]),
+            f"Stage 2 changed F1@0.5 by {delta('f1@50')}, AP 0.50:0.95 by {delta('ap')}, parse-failure rate by "
+            f"{delta('parse_failure_rate')} (negative is better).",
+            "",
+        ]
 
     def markdown(self) -> str:
         total = self.rollout_s + self.forward_s + self.backward_s or 1.0
@@ -49,6 +74,7 @@ class DemoReport:
             f"({self.forward_s / total:.0%}), backward {self.backward_s:.1f}s ({self.backward_s / total:.0%})",
             f"- wall time (whole demo): {self.wall_s:.0f}s",
             "",
+            *self.eval_markdown(),
         ])
 
 
@@ -71,6 +97,8 @@ def summarise(metrics_path: Path, wall_s: float) -> DemoReport:
 
     valid, invalid = total("rollout/valid_pred"), total("rollout/invalid_pred")
     step_s = total("time/step_s")
+    evals = [(r["step"], {k.removeprefix("eval/"): v for k, v in r.items() if k.startswith("eval/")})
+             for r in rows if r.get("phase") == "eval"]
     return DemoReport(
         stage1_steps=max((r["step"] for r in s1), default=0),
         stage2_steps=max(r["step"] for r in s2),
@@ -87,6 +115,7 @@ def summarise(metrics_path: Path, wall_s: float) -> DemoReport:
         forward_s=total("time/forward_s"),
         backward_s=total("time/backward_s"),
         wall_s=wall_s,
+        evals=evals,
     )
 
 
@@ -96,8 +125,19 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in read_jsonl(metrics_path) if "loss" in r]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    all_rows = read_jsonl(metrics_path)
+    rows = [r for r in all_rows if "loss" in r]
+    evals = [r for r in all_rows if r.get("phase") == "eval"]
+    fig, axes = plt.subplots(1, 4 if evals else 3, figsize=(21 if evals else 16, 4))
+    if evals:
+        steps = [r["step"] for r in evals]
+        for key, label in (("eval/f1@50", "F1 @ IoU 0.5"), ("eval/ap", "AP 0.50:0.95"), ("eval/ap50", "AP50"),
+                           ("eval/recall@50", "recall @ 0.5"), ("eval/parse_failure_rate", "parse-failure rate")):
+            axes[3].plot(steps, [r.get(key, float("nan")) for r in evals], marker="o", label=label)
+        axes[3].set_title("held-out eval (greedy; step 0 = after stage 1)")
+        axes[3].set_xlabel("stage-2 optimizer step")
+        axes[3].set_ylim(-0.02, 1.02)
+        axes[3].legend(fontsize=8)
     s2 = [r for r in rows if r["phase"] == "stage2"]
     for key, label in (("rollout/matched", "matched"), ("rollout/fn_appended", "FN appended"), ("rollout/fp", "FP"),
                        ("rollout/invalid_pred", "invalid objects")):
@@ -120,6 +160,16 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     plt.close(fig)
 
 
+def pin_determinism(threads: int) -> None:
+    """What can be pinned across machines: intra-op threads (reduction splits), deterministic algorithms, and
+    (in run_training / the HF Trainer) the seeds. CPU kernels still differ by instruction set and library build;
+    docs/EVALUATION.md says what varies and why."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from trainer.config.cli import load_or_report
     from trainer.sft.run import run_training
@@ -127,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_or_report(args.config)
     if cfg is None:
         return 2
+    pin_determinism(args.threads)
     if args.output_dir:
         cfg.training.output_dir = args.output_dir
     out = Path(cfg.training.output_dir)
@@ -138,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
     report = summarise(metrics, time.time() - start)
     plot_losses(metrics, out / "losses.png")
     text = report.markdown() + f"\nPlot: {out / 'losses.png'}\nMetrics: {metrics}\n"
+    if report.evals:
+        text += f"Held-out evals (metrics.json, metrics.md, samples.jsonl per step): {out / 'eval'}/step-*\n"
     (out / "REPORT.md").write_text(text)
     print("\n" + text)
     if report.matched == 0:
@@ -149,4 +202,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run the embedded default on CPU and print a report")
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--output-dir", default=None)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads, pinned so runs on machines with different core counts split "
+                        "reductions alike and no OpenMP spin-waits on a busy machine (default 1)")
     p.set_defaults(func=run)

@@ -4,7 +4,7 @@ Inputs are ``SamplePrediction``s: the valid objects the strict parser (``trainer
 invalid-object counts and whether the response was one complete JSON object, beside the ground truth. Outputs
 are per-sample ``SampleEval``s and one ``DetectionMetrics``.
 
-Definitions (decisions recorded in ``docs/DECISIONS.md``, "Evaluation"):
+Definitions (the decisions, with their reasons, are in ``docs/EVALUATION.md``):
 
 - **P / R / F1 @ IoU t**: the training matcher (``match_objects``: Hungarian on 1 − maskIoU, top-k candidates,
   gating at ``t``) with ``t`` as the gate; a matched pair is a TP, an unmatched prediction an FP, an unmatched
@@ -124,7 +124,7 @@ class DetectionMetrics:
             "ap": self.coco.ap, "ap50": self.coco.ap50, "ap75": self.coco.ap75, "class_ap": self.class_coco.ap,
             "mean_iou": self.mean_iou, "parse_failure_rate": self.parse_failure_rate,
             "invalid_object_rate": self.invalid_object_rate, "pred_per_image": self.pred_per_image,
-            "gt_per_image": self.gt_per_image, "tp@50": self.at50.tp, "fp@50": self.at50.fp, "fn@50": self.at50.fn,
+            "gt_per_image": self.gt_per_image, "num_samples": self.num_samples, "tp@50": self.at50.tp, "fp@50": self.at50.fp, "fn@50": self.at50.fn,
         }
         return {prefix + k: float(v) for k, v in values.items() if v is not None}
 
