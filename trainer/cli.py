@@ -24,7 +24,8 @@ SUBCOMMAND_MODULES = (
 # the other subcommands' dependencies, e.g. scipy for ``bench``)
 COMMAND_MODULES = {"validate": "trainer.config.cli", "train": "trainer.sft.cli", "eval": "trainer.evaluation.cli",
                    "serve": "trainer.server.cli",
-                   "launch": "trainer.launch.cli", "render-job": "trainer.deploy.cli", "demo": "trainer.demo",
+                   "launch": "trainer.launch.cli", "render-job": "trainer.deploy.cli", "supervise": "trainer.deploy.cli",
+                   "demo": "trainer.demo",
                    "bench": "trainer.bench"}
 
 

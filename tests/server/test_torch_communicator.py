@@ -126,8 +126,8 @@ def test_torch_backend_nccl_transport_syncs_a_real_hf_server_over_gloo(tiny_text
         transport = NcclTransport([ServerEndpoint(url)], group_port=get_free_port(), timeout_s=60,
                                   bucket_bytes=256 * 2**10, backend="torch")
         assert transport.backend == "torch" and transport.device.type == "cpu"
+        assert transport.push_full(tensors, [ServerEndpoint(url)]) == {}
         assert isinstance(transport.comms[url], TorchStatelessCommunicator)
-        transport.push_full(tensors)
         stats = transport.last_push
         assert stats["buckets"] > 1, "the tiny model spans several 256 KiB buckets"
         assert stats["bytes"] >= sum(t.numel() * t.element_size() for t in tensors.values())
@@ -140,7 +140,7 @@ def test_torch_backend_nccl_transport_syncs_a_real_hf_server_over_gloo(tiny_text
             for p in learner.parameters():
                 p.add_(0.01)
         tensors = full_weights(learner)
-        transport.push_full(tensors)
+        assert transport.push_full(tensors, [ServerEndpoint(url)]) == {}
         assert {n: c for n, c in _served_checksums(http, url).items() if n in tensors} == tensor_checksums(tensors)
         transport.close()
 
@@ -154,7 +154,9 @@ def test_torch_backend_refuses_a_server_without_it(scripted_server, get_free_por
         original = app_module.nccl_backends
         app_module.nccl_backends = lambda: ["pynccl"]
         try:
+            transport = NcclTransport([ServerEndpoint(url)], group_port=get_free_port(), timeout_s=10, backend="torch")
             with pytest.raises(WeightTransportError, match="offers NCCL backends"):
-                NcclTransport([ServerEndpoint(url)], group_port=get_free_port(), timeout_s=10, backend="torch")
+                transport.connect(ServerEndpoint(url))
+            assert "offers NCCL backends" in transport.push_full({}, [ServerEndpoint(url)])[url]
         finally:
             app_module.nccl_backends = original

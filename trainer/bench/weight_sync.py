@@ -230,10 +230,13 @@ def run(out_dir: str | Path, *, bucket_mbs: tuple[int, ...] = (256, 1024), repea
                 transport = NcclTransport([ServerEndpoint(url)], group_port=_free_port(), timeout_s=300,
                                           bucket_bytes=mb * 2**20, backend="torch",
                                           device=learner_dev.index if gpu else None)
+                transport.connect(ServerEndpoint(url))
                 connect_s = time.perf_counter() - t0
                 pushes = []
                 for i in range(repeats + 1):
-                    transport.push_full(tensors)
+                    failed = transport.push_full(tensors, [ServerEndpoint(url)])
+                    if failed:
+                        raise RuntimeError(f"weight push failed: {failed}")
                     st = dict(transport.last_push)
                     st["GBps"] = st["bytes"] / st["seconds"] / GB
                     st["broadcast_GBps"] = st["bytes"] / st["broadcast_s"] / GB
