@@ -29,6 +29,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto",
                    help="weights dtype (vllm: passed on; hf: auto = float32, else e.g. bfloat16)")
     p.add_argument("--device", help="hf engine: the device to serve on (e.g. cuda:0; default CPU)")
+    p.add_argument("--allow-dtype-cast", action="store_true",
+                   help="accept weight updates in another floating dtype than the served one and cast them (default: "
+                        "refused with 422; a non-floating dtype for a floating weight is always refused)")
     v = p.add_argument_group("vllm engine")
     v.add_argument("--max-model-len", type=int, help="required with --engine vllm")
     v.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -57,17 +60,23 @@ def _is_loopback(host: str) -> bool:
 
 def build_engine(args: argparse.Namespace):
     if args.engine == "scripted":
+        import torch
+
         from trainer.server.scripted import ScriptedEngine
 
         responses = json.loads(args.responses.read_text()) if args.responses else None
-        return ScriptedEngine(args.model, responses=responses, delay_s=args.delay_s, enable_lora=True)
+        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype, None)
+        if args.dtype != "auto" and not isinstance(dtype, torch.dtype):
+            raise SystemExit(f"serve --dtype {args.dtype}: not a torch dtype (e.g. float32, bfloat16)")
+        return ScriptedEngine(args.model, responses=responses, delay_s=args.delay_s, enable_lora=True, dtype=dtype,
+                              allow_dtype_cast=args.allow_dtype_cast)
     if not args.model:
         raise SystemExit(f"serve --engine {args.engine} needs --model DIR (a local HF model directory)")
     if args.engine == "hf":
         from trainer.server.hf_engine import HFServerEngine
 
         return HFServerEngine(args.model, dtype="float32" if args.dtype == "auto" else args.dtype,
-                              device=args.device)
+                              device=args.device, allow_dtype_cast=args.allow_dtype_cast)
     if args.max_model_len is None:
         raise SystemExit("serve --engine vllm needs --max-model-len (prompt + max new tokens must fit)")
     from trainer.extras import require
@@ -84,7 +93,7 @@ def build_engine(args: argparse.Namespace):
         args.model, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_lora=args.enable_lora,
         max_lora_rank=args.max_lora_rank, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-        dtype=args.dtype, engine_kwargs=engine_kwargs)
+        dtype=args.dtype, allow_dtype_cast=args.allow_dtype_cast, engine_kwargs=engine_kwargs)
 
 
 def serve(args: argparse.Namespace) -> int:

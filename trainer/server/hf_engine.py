@@ -1,5 +1,6 @@
 """The ``hf`` server engine: transformers ``generate`` on the served model (CPU or one GPU); full-weight
-updates only (no adapter serving)."""
+updates only (no adapter serving). Every update is checked against the served state dict (names, shapes, dtype,
+finite values; ``trainer.sync.update_check``) before any weight changes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 from trainer.server.engines import EngineRequestError, LocalNcclMixin, load_codec
 from trainer.server.protocol import RolloutInferRequestIn
+from trainer.sync.update_check import check_update, spec_from_state_dict
 from trainer.sync.weights import AdapterWeights
 
 
@@ -19,7 +21,8 @@ class HFServerEngine(LocalNcclMixin):
     world_size = 1
     enable_lora = False
 
-    def __init__(self, model_dir: str | Path, batch_size: int = 8, dtype: str = "float32", device: str | None = None):
+    def __init__(self, model_dir: str | Path, batch_size: int = 8, dtype: str = "float32", device: str | None = None,
+                 allow_dtype_cast: bool = False):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         from trainer.modeling.coord_vocab import stop_token_ids
@@ -34,6 +37,8 @@ class HFServerEngine(LocalNcclMixin):
         if device:
             self.model.to(device)
         self.weights_device = next(self.model.parameters()).device
+        self.allow_dtype_cast = allow_dtype_cast
+        self.spec = spec_from_state_dict(self.model.state_dict())
         tok = self.codec.tokenizer
         self.rollout = HFRolloutEngine(self.model, tok.pad_token_id, sorted(stop_token_ids(tok)), batch_size,
                                        getattr(self.model.config, "image_token_id", None))
@@ -49,14 +54,11 @@ class HFServerEngine(LocalNcclMixin):
 
     @torch.no_grad()
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Check the whole update (``WeightUpdateRefused`` → HTTP 422, nothing changed), then copy it in."""
+        check_update(tensors, self.spec, allow_cast=self.allow_dtype_cast)
         state = self.model.state_dict()
-        unknown = sorted(set(tensors) - set(state))
-        if unknown:
-            raise EngineRequestError(f"{len(unknown)} weight names are not in the served model (first: {unknown[0]!r})")
         for name, value in tensors.items():
-            if tuple(value.shape) != tuple(state[name].shape):
-                raise EngineRequestError(f"weight {name!r}: shape {list(value.shape)} != served {list(state[name].shape)}")
-            state[name].copy_(value.to(state[name].dtype))
+            state[name].copy_(value)  # same dtype, or a floating cast allowed by --allow-dtype-cast
 
     def load_adapter(self, adapter: AdapterWeights) -> None:
         raise EngineRequestError("the hf engine does not serve LoRA adapters; sync merged weights (sync.mode: full)")

@@ -5,8 +5,14 @@
 - Responses: a replayed answer when the request's ``uuid`` (our sample id) is in ``responses`` (text, encoded
   and closed with the end-of-turn token, or token ids), else 1–8 ids drawn from a hash of (prompt ids,
   weights version) followed by a stop id. Decoding knobs other than ``max_new_tokens`` are ignored.
-- Weight updates are accepted on every transport and recorded; the weights version (a digest of the last
+- Weight updates arrive on every transport and are recorded; the weights version (a digest of the last
   full and adapter updates) changes the hashed answers, so stale weights are observable.
+- Full updates are checked as a real engine checks them (``trainer.sync.update_check``: names, shapes, dtype,
+  finite values) before anything changes: against ``spec`` when given, else the model directory's checkpoint
+  (its safetensors headers; ``dtype`` overrides the floating dtype), else the first accepted full update
+  fixes the names, shapes and dtypes (only finite values are checked for that one). A refused update raises
+  ``WeightUpdateRefused`` (HTTP 422) and leaves the weights version, answers and checksums unchanged.
+  Adapters are checked for finite values.
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ import torch
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 from trainer.server.engines import LocalNcclMixin, PromptCodec, load_codec
 from trainer.server.protocol import RolloutInferRequestIn
-from trainer.sync.weights import AdapterWeights
+from trainer.sync.update_check import (
+    TensorSpec,
+    WeightUpdateRefused,
+    check_update,
+    first_non_finite,
+    spec_from_checkpoint,
+    spec_from_state_dict,
+)
+from trainer.sync.weights import AdapterWeights, tensor_checksums
 
 
 class ByteCodec:
@@ -56,7 +70,8 @@ class ScriptedEngine(LocalNcclMixin):
     world_size = 1
 
     def __init__(self, model_dir: str | Path | None = None, responses: dict[str, str | list[int]] | None = None,
-                 delay_s: float = 0.0, enable_lora: bool = True):
+                 delay_s: float = 0.0, enable_lora: bool = True, spec: dict[str, TensorSpec] | None = None,
+                 dtype: torch.dtype | None = None, allow_dtype_cast: bool = False):
         self.codec: PromptCodec | ByteCodec = load_codec(model_dir) if model_dir else ByteCodec()
         self.model_name = str(model_dir) if model_dir else "scripted"
         self.responses = dict(responses or {})
@@ -74,6 +89,11 @@ class ScriptedEngine(LocalNcclMixin):
             self.stop_ids = [ByteCodec.stop_id]
             self.end_of_turn = ByteCodec.stop_id
             self.content_ids = list(range(32, 127))
+        if spec is None and model_dir and any(Path(model_dir).glob("*.safetensors")):
+            spec = spec_from_checkpoint(model_dir, dtype)
+        self.spec = spec
+        self.allow_dtype_cast = allow_dtype_cast
+        self.checksums: dict[str, str] = {}
         self.full_version = "initial"
         self.adapter_version: str | None = None
         self.updates: list[dict[str, Any]] = []
@@ -122,12 +142,23 @@ class ScriptedEngine(LocalNcclMixin):
         return digest[:16]
 
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.spec is not None:
+            check_update(tensors, self.spec, allow_cast=self.allow_dtype_cast)
+        else:
+            bad = first_non_finite(tensors)
+            if bad is not None:
+                raise WeightUpdateRefused(bad, "holds non-finite values (NaN or inf)")
+            self.spec = spec_from_state_dict(tensors)
         self.full_version = self._record("full", tensors)
+        self.checksums.update(tensor_checksums(tensors))
         self.adapter_version = None
 
     def load_adapter(self, adapter: AdapterWeights) -> None:
         if not self.enable_lora:
             raise ValueError("this scripted server was started without adapter support (--no-enable-lora)")
+        bad = first_non_finite(adapter.tensors)
+        if bad is not None:
+            raise WeightUpdateRefused(bad, "holds non-finite values (NaN or inf)")
         self.adapter_version = self._record("adapter", adapter.tensors)
         self.updates[-1]["peft_config"] = adapter.peft_config
 
@@ -136,6 +167,10 @@ class ScriptedEngine(LocalNcclMixin):
 
     def state_keys(self) -> list[str]:
         return []
+
+    def weights_checksums(self) -> dict[str, str]:
+        """``tensor_checksum`` of each weight received so far (the engine has no weights of its own)."""
+        return dict(self.checksums)
 
     def close(self) -> None:
         self.nccl_close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from trainer.config.cli import load_or_report
 
@@ -18,8 +19,13 @@ def run(args: argparse.Namespace) -> int:
     if args.max_steps is not None:
         cfg.training.max_steps = args.max_steps
     from trainer.sft.run import run_training
+    from trainer.sync.update_check import NonFiniteWeightsError
 
-    summary = run_training(cfg, resume_from_checkpoint=args.resume_from_checkpoint)
+    try:
+        summary = run_training(cfg, resume_from_checkpoint=args.resume_from_checkpoint)
+    except NonFiniteWeightsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     print(f"done: {summary.stage2_steps} stage-2 steps, outputs in {summary.output_dir}")
     return 0
 

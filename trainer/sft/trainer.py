@@ -34,6 +34,7 @@ from trainer.rollout.base import RolloutEngine
 from trainer.rollout.types import DecodingParams
 from trainer.sft.forward import forward_loss
 from trainer.sft.stage2 import Stage2Pipeline
+from trainer.sync.update_check import NonFiniteWeightsError, check_learner_weights
 from trainer.telemetry import Counters, JsonlWriter, PhaseTimers, gpu_memory_snapshot
 
 ROLLOUT_STATE = "rollout_state.pt"
@@ -229,6 +230,8 @@ class RolloutMatchingTrainer(Trainer):
             self.rollout_buffer.cache = state["rollout_buffer"]["cache"]
 
     def _save_checkpoint(self, model, trial) -> None:
+        # never a checkpoint of non-finite weights: the last good one stays the newest complete checkpoint
+        check_learner_weights(self.accelerator.unwrap_model(self.model), self.state.global_step)
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         path = os.path.join(folder, f"rank{self.args.process_index}-{ROLLOUT_STATE}")
@@ -267,7 +270,10 @@ class RolloutMatchingTrainer(Trainer):
             self._truncate_ledger(step)
             if self.rollout_buffer is not None:
                 self._skip_repeated_batches(step)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        except NonFiniteWeightsError as exc:  # stop the run, naming the last good checkpoint
+            raise exc.with_checkpoint(self.latest_complete_checkpoint()) from None
 
     def _skip_repeated_batches(self, step: int) -> None:
         """HF's resume skips batches of the raw loader, not of the window repeater: skip in the repeater instead."""
