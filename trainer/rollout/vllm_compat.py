@@ -116,3 +116,15 @@ def add_lora(llm, name: str, lora_id: int, path: str):
 
     llm.llm_engine.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
     return LoRARequest(name, lora_id, path)
+
+
+def release_distributed_state() -> None:
+    """Tear down the model-parallel groups and process group an in-process engine created, and free its memory."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -254,10 +254,16 @@ class InProcessVllm:
         return self.llm.collective_rpc(_model_dtype_in_worker)[0]
 
     def close(self) -> None:
+        """Shut the engine down and free its memory; an in-process engine that owns its distributed state (not under
+        an external launcher, whose process group is the learner's) also tears that down, so a later engine in this
+        process starts clean."""
         llm = getattr(self, "llm", None)
         if llm is not None:
             core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             self.llm = None
+            del llm
+            if vllm_compat.engine_in_process() and not self.settings.external_launcher:
+                vllm_compat.release_distributed_state()
         shutil.rmtree(self._dir, ignore_errors=True)
