@@ -111,12 +111,12 @@ def assert_greedy(model, results, what: str) -> float:
     return max(gaps)
 
 
-def perturbed(model, seed=7, scale=0.05):
+def perturbed(model, seed=7, scale=0.2):
     learner = copy.deepcopy(model)
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in learner.parameters():
-            p.add_(torch.randn_like(p) * scale * p.float().std().clamp(min=1e-3).to(p.dtype))
+            p.add_(torch.randn_like(p) * scale)
     return learner
 
 
@@ -214,9 +214,19 @@ def test_colocate_adapter_and_auto_policy(text_dir, tok, stop_ids, hf_model):
         engine.close()
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_sleep_levels_release_memory_and_wake_identical(text_dir, tok, stop_ids, hf_model, level):
-    engine, _ = colocate(text_dir, stop_ids, sleep_level=level, util=0.3)
+def sleep_check(level: int) -> dict:
+    """One sleep level in this process: memory released, outputs after wake equal outputs before, timings."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from trainer.modeling.coord_vocab import stop_token_ids
+    from trainer.modeling.fixtures import save_tiny_model, tiny_tokenizer
+
+    text_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "text", "text")
+    tok = tiny_tokenizer()
+    hf_model = AutoModelForCausalLM.from_pretrained(text_dir, dtype=DT).cuda().eval()
+    engine, _ = colocate(text_dir, sorted(stop_token_ids(tok)), sleep_level=level, util=0.3)
     try:
         reqs = make_requests(tok)
         engine.sync_full(hf_model)
@@ -243,10 +253,22 @@ def test_sleep_levels_release_memory_and_wake_identical(text_dir, tok, stop_ids,
         if level == 2:  # weights discarded: a generate without a sync reloads them from the learner
             engine.vllm.sleep()
             assert [r.response_token_ids for r in engine.generate(reqs, params())] == before
-        record(f"sleep_level_{level}", freed_gib=freed / 2**30, sleep_s=sleep_s, wake_s=wake_s, sync_s=sync_s,
-               per_step_overhead_s=sleep_s + wake_s + sync_s)
+        return {"freed_gib": freed / 2**30, "sleep_s": sleep_s, "wake_s": wake_s, "sync_s": sync_s,
+                "per_step_overhead_s": sleep_s + wake_s + sync_s}
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_levels_release_memory_and_wake_identical(level):
+    """Each level in a fresh process: vLLM's sleep-mode allocator (CuMemAllocator) is one per process, and a second
+    sleep-mode engine in the same process fails to allocate (seen with vLLM 0.26); one engine per process is how the
+    trainer uses it."""
+    proc = subprocess.run([sys.executable, __file__, "sleep", str(level)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VLLM_PLUGINS": ""})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("SLEEP_RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record(f"sleep_level_{level}", **json.loads(line.removeprefix("SLEEP_RESULT ")))
 
 
 def _free_port() -> int:
@@ -308,21 +330,20 @@ def test_serve_vllm_inband_sync_and_refused_bad_update(text_dir, tok, stop_ids, 
         _stop(proc)
 
 
-def _stage2_config(tmp_path, kind, rm_vllm, steps=6, warmup=400, model=None):
+def _stage2_config(tmp_path, kind, rm_vllm, steps=6, warmup=600, model=None):
     model_cfg = {"path": str(model)} if model else {"tiny": kind}
     return {
-        "model": {**model_cfg, "torch_dtype": "float32"},
+        "model": {**model_cfg, "torch_dtype": "bfloat16"},
         "data": {"synthetic": {"num_samples": 64, "seed": 0, "min_objects": 1, "max_objects": 3, "image_size": 64}},
         "training": {"output_dir": str(tmp_path / "run"), "max_steps": steps, "per_device_train_batch_size": 8,
                      "learning_rate": 2e-4, "logging_steps": 1, "seed": 0, "disable_tqdm": True,
-                     "report_to": ["jsonl"], "packing": True, "packing_length": 4096},
+                     "report_to": ["jsonl"], "bf16": True, "packing": True, "packing_length": 4096},
         "stage1": {"steps": warmup, "learning_rate": 3e-3, "batch_size": 16},
         "custom": {"extra": {"rollout_matching": {
             "rollout_backend": "vllm", "rollout_generate_batch_size": 8,
             "decoding": {"max_new_tokens": 160, "temperature": 0.0},
             "matching": {"mask_iou_threshold": 0.3, "candidate_top_k": 3, "mask_resolution": 128},
-            "vllm": {"max_model_len": 2048, "dtype": "bfloat16", "enforce_eager": True, **rm_vllm,
-                     "sync": {"allow_dtype_cast": True, **rm_vllm.get("sync", {})}}}}},
+            "vllm": {"max_model_len": 2048, "enforce_eager": True, **rm_vllm}}}},
     }
 
 
@@ -378,3 +399,7 @@ def test_stage2_training_server_mode_one_gpu(tmp_path):
                **{k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys})
     finally:
         _stop(proc)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["sleep"]:
+    print("SLEEP_RESULT " + json.dumps(sleep_check(int(sys.argv[2]))), flush=True)

@@ -8,6 +8,9 @@ Tested: vLLM 0.26.0 on CUDA (H100, bf16; the release built for torch 2.11) and `
   the tensors in place (what TRL's colocate mode does). On CPU, vLLM repacks linear weights for its GEMM kernels
   (``dispatch_cpu_unquantized_gemm(remove_weight=True)``) and a quantized model repacks too, so there the layerwise
   reload (restore checkpoint layout → load → re-run ``process_weights_after_loading``) is used.
+- Images: vLLM expands each image placeholder itself (one ``<|image_pad|>`` per image in a token prompt becomes one per
+  merged patch); our prompts are already expanded (the training forward needs them so), so the runs are collapsed
+  to one placeholder before vLLM sees them, and the prompt ids vLLM returns are checked against ours.
 - LoRA: with ``enable_lora`` vLLM wraps layers (``BaseLayerWithLoRA``; parameters become ``x.base_layer.weight``).
   vLLM 0.26's ``AutoWeightsLoader`` cannot load checkpoint names into wrapped layers, so the wrappers are swapped
   for their base layers while loading (the base layers are the modules the wrappers compute with).
@@ -42,6 +45,22 @@ def is_multimodal(llm) -> bool:
     cfg = model_config(llm)
     value = getattr(cfg, "is_multimodal_model", False)
     return bool(value() if callable(value) else value)
+
+
+def image_token_id(llm) -> int | None:
+    cfg = model_config(llm).hf_config
+    value = getattr(cfg, "image_token_id", None)
+    return int(value) if value is not None else None
+
+
+def collapse_image_placeholders(ids, token_id: int) -> list[int]:
+    """Each run of ``token_id`` reduced to one token (the unexpanded form vLLM's processors expand)."""
+    out: list[int] = []
+    for t in ids:
+        if t == token_id and out and out[-1] == token_id:
+            continue
+        out.append(t)
+    return out
 
 
 def served_dtype(llm) -> torch.dtype:

@@ -13,8 +13,9 @@ Contracts:
   cache stays released), ``generate`` wakes the rest. After a level-2 sleep the weights are gone: the next
   ``generate`` reloads them from ``weights_source`` (set by the caller, e.g. the learner's current weights) and fails
   naming that setting when there is none;
-- images are passed to multimodal models only; a text-only model decodes the prompt ids alone (as the HF backend
-  does), and says so once in the log.
+- images are passed to multimodal models only (each expanded image-pad run collapsed to the one placeholder vLLM
+  expands itself; the prompt ids vLLM returns are checked against ours by the caller); a text-only model decodes the
+  prompt ids alone (as the HF backend does), and says so once in the log.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class InProcessVllm:
                 f"or {s.key}.max_model_len when memory is short, check the model directory, or use "
                 "custom.extra.rollout_matching.rollout_backend: hf") from exc
         self.multimodal = vllm_compat.is_multimodal(self.llm)
+        self.image_token_id = vllm_compat.image_token_id(self.llm) if self.multimodal else None
         self.dtype = vllm_compat.served_dtype(self.llm)
         self.lora_request = None
         self.weights_source: Callable[[], dict[str, torch.Tensor]] | None = None
@@ -224,6 +226,8 @@ class InProcessVllm:
         """A vLLM token prompt; ``images`` (PIL images) only for a multimodal model."""
         p: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
         if images and self.multimodal:
+            if self.image_token_id is not None:
+                p["prompt_token_ids"] = vllm_compat.collapse_image_placeholders(prompt_token_ids, self.image_token_id)
             p["multi_modal_data"] = {"image": list(images)}
         elif images and not self._warned_images:
             log.info("the served model is text-only: request images are not passed to vLLM (the prompt ids decide)")
