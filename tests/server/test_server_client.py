@@ -80,6 +80,16 @@ def test_payloads_validate_against_the_protocol_models(tiny_tok):
                                                   repetition_penalty=1.0, return_details=True)
 
 
+def test_a_text_prompt_sends_no_images_even_when_the_record_has_them():
+    """A text model's prompt places no image (the scene text stands for it), so the record's images are not sent: a
+    server would answer 400 ('image(s) in the request have no placeholder'), as ``serve --engine vllm`` did on the
+    H100 in server-mode training on the tiny text model."""
+    req = RolloutRequest("t1", ({"role": "user", "content": "Detect.\nScene: a red square"},), (1, 2),
+                         images=("/img/1.png",))
+    payload = infer_request(req)
+    assert payload["images"] == [] and payload["messages"][0]["content"].endswith("a red square")
+
+
 def test_three_servers_chunk_in_order_and_n0_is_a_noop(scripted_server, tiny_text_dir, tiny_tok):
     with n_servers(scripted_server, 3, tiny_text_dir) as servers:
         client = ServerRolloutEngine([ServerEndpoint(u) for u, _ in servers], timeout_s=10)

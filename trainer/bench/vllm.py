@@ -58,7 +58,7 @@ def _raw_main(model_dir: str, util: float, out: str) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, gpu_memory_utilization=util, max_model_len=1024, dtype="bfloat16", seed=0,
-              skip_tokenizer_init=True)
+              skip_tokenizer_init=True, enforce_eager=os.environ.get("RM_BENCH_EAGER") == "1")
     vocab = llm.llm_engine.model_config.get_vocab_size()
     sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
     res = {}
@@ -84,7 +84,8 @@ def engine_bench(model_dir: Path, util: float = 0.5) -> dict[str, Any]:
                    check=True, env=env)
     raw = json.loads(raw_out.read_text())
     engine = VllmColocateEngine(model_dir, [], max_model_len=1024, gpu_memory_utilization=util, dtype="bfloat16",
-                                engine_kwargs={"skip_tokenizer_init": True})
+                                engine_kwargs={"skip_tokenizer_init": True,
+                                               "enforce_eager": os.environ.get("RM_BENCH_EAGER") == "1"})
     params = DecodingParams(max_new_tokens=NEW_TOKENS)
     vocab = engine.llm.llm_engine.model_config.get_vocab_size()
     ours = {}

@@ -89,7 +89,7 @@ def infer_request(req: RolloutRequest, inline_images: bool = False) -> dict[str,
         content, imgs = _content_to_swift(m.get("content"))
         messages.append({"role": m["role"], "content": content})
         inline.extend(imgs)
-    images = list(req.images) or inline
+    images = inline  # exactly the images the messages place (a text model's prompt places none)
     if inline_images:
         images = [base64.b64encode(open(p, "rb").read()).decode("ascii") if os.path.isfile(p) else p for p in images]
     return {"messages": messages, "images": images, "audios": [], "videos": [], "tools": None, "objects": {},
