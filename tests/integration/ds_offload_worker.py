@@ -175,7 +175,7 @@ def scenario(stage: int, optim: str) -> dict:
     at the step boundary, pending again; one of them exits by exception), vs a reference engine without offload."""
     import torch
 
-    from trainer.buffering.offload import OffloadUnsupportedError, offload_for_rollout
+    from trainer.memory.offload import OffloadUnsupportedError, offload_for_rollout
 
     frozen = os.environ.get("OFFLOAD_FROZEN", "1") == "1"
     ref, eng = build(stage, optim, frozen=frozen), build(stage, optim, frozen=frozen)
@@ -231,7 +231,7 @@ def negative_control(stage: int) -> dict:
     """The plain-torch path applied to a ZeRO-1/2 engine's bare module (what the guard refuses): parameters get new
     storage, the flat bf16 buffer the optimizer owns stays where it was, so nothing is freed on a GPU and the
     parameters are detached from the buffer until DeepSpeed's next step re-points them."""
-    from trainer.buffering import offload as off
+    from trainer.memory import offload as off
 
     eng = build(stage, "torch")
     micro(eng, batches(1, eng.device)[0])
@@ -246,7 +246,7 @@ def negative_control(stage: int) -> dict:
 def bench(stage: int, optim: str, hidden: int, layers: int, repeats: int) -> dict:
     import torch
 
-    from trainer.buffering.offload import offload_for_rollout
+    from trainer.memory.offload import offload_for_rollout
 
     eng = build(stage, optim, hidden=hidden, layers=layers, frozen=False)
     xs = batches(2, eng.device)
@@ -282,7 +282,7 @@ def main() -> None:
     args = ap.parse_args()
     _env()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from trainer.buffering import offload as off
+    from trainer.memory import offload as off
 
     off._SIMULATE_DEVICE_MOVES = args.simulate
     try:

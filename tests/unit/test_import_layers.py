@@ -8,11 +8,11 @@ strictly lower layers (never sideways, never up):
 0. foundation — ``trainer`` (the root package), ``trainer.extras``, ``trainer.telemetry``: no trainer imports
 1. ``trainer.config`` — loader, errors and the typed schema of *every* section (deploy, grpo, vllm, deepspeed
    presets included); the only place that knows config key paths
-2. ``trainer.data``, ``trainer.sync``, ``trainer.buffering`` — records/synthetic data, weight-update transports,
+2. ``trainer.data``, ``trainer.sync``, ``trainer.buffering``, ``trainer.memory`` — records/synthetic data, weight-update transports,
    the rollout buffer and offload
 3. ``trainer.matching``, ``trainer.losses`` — parse / match / targets, loss terms (pure functions)
 4. ``trainer.modeling``, ``trainer.packing`` — model loading and prompts, padded and packed model batches
-5. ``trainer.rollout`` — rollout engines (HF, vLLM colocate, server client)
+5. ``trainer.rollout`` — rollout engines (HF, vLLM colocate, server client) and the request/response codec
 6. ``trainer.server``, ``trainer.evaluation``, ``trainer.grpo`` — rollout server, held-out evaluation, summary GRPO
 7. ``trainer.sft`` — the stage-2 trainer and its run
 8. ``trainer.launch``, ``trainer.deploy`` — launchers and job rendering
@@ -36,7 +36,7 @@ PACKAGE = ROOT / "trainer"
 LAYERS: list[tuple[str, ...]] = [
     ("trainer", "trainer.extras", "trainer.telemetry"),
     ("trainer.config",),
-    ("trainer.data", "trainer.sync", "trainer.buffering"),
+    ("trainer.data", "trainer.sync", "trainer.buffering", "trainer.memory"),
     ("trainer.matching", "trainer.losses"),
     ("trainer.modeling", "trainer.packing"),
     ("trainer.rollout",),
@@ -49,12 +49,7 @@ LAYERS: list[tuple[str, ...]] = [
 
 # Known edges that break the rules, each with its owner; the list should be empty. An entry is
 # (importing module, imported package).
-KNOWN_EDGES: set[tuple[str, str]] = {
-    # evaluate_config (the `eval` command's wiring) builds the stage-2 pipeline with sft.run.build_pipeline while
-    # sft.run's periodic eval uses evaluation.run: owned by the held-out-eval work (issue 17); the fix is to move
-    # the `eval` command's wiring above sft (or build_pipeline below evaluation)
-    ("trainer.evaluation.run", "trainer.sft"),
-}
+KNOWN_EDGES: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

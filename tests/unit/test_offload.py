@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.buffering.offload import OffloadUnsupportedError, offload_for_rollout
+from trainer.memory.offload import OffloadUnsupportedError, offload_for_rollout
 
 
 def _setup():
@@ -59,7 +59,7 @@ def test_zero3_partitioned_parameters_are_refused():
 
 def test_simulated_device_moves_copy_and_restore(monkeypatch):
     """CPU-only hosts: with simulated moves every tensor really leaves its storage, so the restore is exercised."""
-    from trainer.buffering import offload
+    from trainer.memory import offload
 
     monkeypatch.setattr(offload, "_SIMULATE_DEVICE_MOVES", True)
     model, opt, _ = _setup()
@@ -78,7 +78,7 @@ def test_simulated_device_moves_copy_and_restore(monkeypatch):
 
 
 def test_zero_optimizer_with_bare_module_is_refused():
-    from trainer.buffering.offload import check_offloadable
+    from trainer.memory.offload import check_offloadable
 
     DeepSpeedZeroOptimizer = type("DeepSpeedZeroOptimizer", (), {"__module__": "deepspeed.runtime.zero.stage_1_and_2"})
     wrapper = type("DeepSpeedOptimizerWrapper", (), {})()

@@ -1,5 +1,5 @@
 """Offload benchmark (CUDA only): peak GPU memory while a colocated rollout engine holds its share, with and without
-moving the training model + optimizer state to CPU (``trainer.buffering.offload``), and what the moves cost."""
+moving the training model + optimizer state to CPU (``trainer.memory.offload``), and what the moves cost."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from trainer.bench.models import QWEN3_0_6B, random_qwen3
 def offload_bench(hidden: int, layers: int, engine_gib: float) -> dict:
     """Peak GPU memory while a colocated engine holds ``engine_gib`` (weights + KV), with and without offload,
     and the cost of moving the training state out and back (seconds)."""
-    from trainer.buffering.offload import offload_for_rollout
+    from trainer.memory.offload import offload_for_rollout
 
     shape = dict(QWEN3_0_6B, vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 3,
                  num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 512))

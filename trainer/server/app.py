@@ -32,7 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from trainer.rollout.types import DecodingParams
-from trainer.server.engines import EngineRequestError, ServerEngine
+from trainer.server.codec import EngineRequestError
+from trainer.server.engines import ServerEngine
 from trainer.server.protocol import (
     InferBody,
     InitCommunicatorBody,

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
-from trainer.server.engines import EngineRequestError, LocalNcclMixin, load_codec
+from trainer.server.codec import EngineRequestError, load_codec
+from trainer.server.engines import LocalNcclMixin
 from trainer.server.protocol import RolloutInferRequestIn
 from trainer.sync.update_check import check_update, spec_from_state_dict
 from trainer.sync.weights import AdapterWeights

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
-from trainer.server.engines import LocalNcclMixin, PromptCodec, load_codec
+from trainer.server.codec import PromptCodec, load_codec
+from trainer.server.engines import LocalNcclMixin
 from trainer.server.protocol import RolloutInferRequestIn
 from trainer.sync.update_check import (
     TensorSpec,

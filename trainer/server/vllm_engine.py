@@ -21,7 +21,8 @@ from trainer.data.images import ImageRefError
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 from trainer.rollout.vllm_colocate import check_fits, results_from_outputs, sampling_params
 from trainer.rollout.vllm_inprocess import InProcessVllm, VllmSettings
-from trainer.server.engines import EngineRequestError, LocalNcclMixin, load_codec, load_image
+from trainer.server.codec import EngineRequestError, load_codec, load_image
+from trainer.server.engines import LocalNcclMixin
 from trainer.server.protocol import RolloutInferRequestIn
 from trainer.sync.weights import AdapterWeights
 

@@ -20,11 +20,11 @@ from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from trainer.buffering.offload import offload_for_rollout
 from trainer.buffering.rollout_buffer import RepeatingLoader, RolloutBuffer, repeated_length
 from trainer.data.records import Sample
 from trainer.losses.objective import LossWeights
 from trainer.matching.targets import TrainTarget
+from trainer.memory.offload import offload_for_rollout
 from trainer.modeling.compile import eager_rollouts
 from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer
