@@ -32,6 +32,7 @@ from trainer.evaluation.metrics import (
     markdown_table,
     sample_record,
 )
+from trainer.rollout.codec import RolloutCodec
 from trainer.rollout.types import DecodingParams, RolloutResult, check_prompt_alignment
 from trainer.telemetry import JsonlWriter
 
@@ -64,7 +65,7 @@ def greedy(decoding: DecodingParams) -> DecodingParams:
     return DecodingParams(decoding.max_new_tokens, 0.0, 1.0, -1, decoding.repetition_penalty, None)
 
 
-def predictions(pipeline: Any, samples: Sequence[Sample], results: Sequence[RolloutResult]) -> list[SamplePrediction]:
+def predictions(pipeline: RolloutCodec, samples: Sequence[Sample], results: Sequence[RolloutResult]) -> list[SamplePrediction]:
     """Strict parse of each rollout (the training parser) → ``SamplePrediction`` beside its GT."""
     out = []
     for sample, res in zip(samples, results):
@@ -87,9 +88,11 @@ class EvalResult:
 
 
 class Evaluator:
-    """One held-out split scored through one rollout engine (the one training uses, or one built for ``eval``)."""
+    """One held-out split scored through one rollout engine (the one training uses, or one built for ``eval``).
+    ``pipeline`` encodes the prompts and parses the responses: training's ``Stage2Pipeline`` or a bare
+    ``RolloutCodec`` (the ``eval`` command)."""
 
-    def __init__(self, pipeline: Any, engine: Any, samples: Sequence[Sample], decoding: DecodingParams, *,
+    def __init__(self, pipeline: RolloutCodec, engine: Any, samples: Sequence[Sample], decoding: DecodingParams, *,
                  top_k: int = 5, resolution: int = DEFAULT_RESOLUTION, weight_sync: Any = None):
         if not samples:
             raise EvalSetupError("the eval split is empty")
@@ -232,8 +235,8 @@ def load_for_eval(cfg: Any, checkpoint: Path | None) -> tuple[Any, Any]:
 
 def evaluate_config(cfg: Any, checkpoint: str | None = None, split: str | None = None) -> tuple[EvalResult, str]:
     """The ``eval`` command's work: returns the result and a title naming what was evaluated."""
+    from trainer.modeling.prompts import PromptEncoder
     from trainer.rollout.factory import build_rollout_engine
-    from trainer.sft.run import build_pipeline
     from trainer.sync.policy import build_weight_sync
 
     ckpt = resolve_checkpoint(cfg, checkpoint)
@@ -244,7 +247,8 @@ def evaluate_config(cfg: Any, checkpoint: str | None = None, split: str | None =
     engine = build_rollout_engine(rm, loaded, model)
     try:
         weight_sync = build_weight_sync(rm, engine, model)
-        evaluator = Evaluator(build_pipeline(cfg, loaded), engine, samples,
+        codec = RolloutCodec(PromptEncoder(loaded.tokenizer, loaded.image_processor, cfg.data.system_prompt))
+        evaluator = Evaluator(codec, engine, samples,
                               DecodingParams(d.max_new_tokens, repetition_penalty=d.repetition_penalty),
                               top_k=rm.matching.candidate_top_k, weight_sync=weight_sync)
         result = evaluator.run(model, 0)

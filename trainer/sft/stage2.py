@@ -1,7 +1,8 @@
 """The stage-2 data path without a model: samples → rollout requests; rollouts → parse → match → targets.
 
 ``Stage2Pipeline`` holds the tokenizer-derived tables and the matching/poly config; every method is
-deterministic given its inputs. Side effects (generation, GPU) stay in the trainer.
+deterministic given its inputs. Side effects (generation, GPU) stay in the trainer. Requests and parsing come from
+``trainer.rollout.codec.RolloutCodec`` (held-out evaluation uses the same codec).
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from dataclasses import dataclass
 
 from trainer.data.records import Sample
 from trainer.matching.match import match_objects
-from trainer.matching.parse import ParseResult, parse_rollout
 from trainer.matching.targets import TrainTarget, build_target, ground_truth_target
-from trainer.modeling.coord_vocab import build_parse_vocab
-from trainer.modeling.prompts import EncodedPrompt, PromptEncoder
+from trainer.modeling.prompts import PromptEncoder
+from trainer.rollout.codec import RolloutCodec
 from trainer.rollout.types import RolloutRequest, RolloutResult, check_prompt_alignment
 from trainer.telemetry import PhaseTimers
 
@@ -28,12 +28,10 @@ class MatchingSettings:
     sinkhorn_iters: int = 50
 
 
-class Stage2Pipeline:
+class Stage2Pipeline(RolloutCodec):
     def __init__(self, encoder: PromptEncoder, settings: MatchingSettings = MatchingSettings()):
-        self.encoder = encoder
-        self.tokenizer = encoder.tokenizer
+        super().__init__(encoder)
         self.settings = settings
-        self.vocab = build_parse_vocab(self.tokenizer)
         self.coord_bin_by_id = dict(self.vocab.coord_bin_by_id)
         self.eos_id = self.tokenizer.eos_token_id
         self.open_brace_ids = self.vocab.encode("{")
@@ -41,17 +39,6 @@ class Stage2Pipeline:
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-
-    def requests(self, samples: Sequence[Sample]) -> tuple[list[RolloutRequest], list[EncodedPrompt]]:
-        encoded = [self.encoder.encode(s) for s in samples]
-        reqs = [
-            RolloutRequest(s.sample_id, tuple(e.messages), tuple(e.input_ids), tuple(e.images), dict(e.mm_inputs))
-            for s, e in zip(samples, encoded)
-        ]
-        return reqs, encoded
-
-    def parse(self, result: RolloutResult) -> ParseResult:
-        return parse_rollout(result.response_token_ids, self.vocab)
 
     def targets(self, samples: Sequence[Sample], requests: Sequence[RolloutRequest],
                 results: Sequence[RolloutResult], timers: PhaseTimers | None = None) -> list[TrainTarget]:
