@@ -67,7 +67,7 @@ def test_stalled_server_mid_training_loses_no_sample(serve, tmp_path):
         })
         t0 = time.monotonic()
         collect = Collect()
-        client_log = logging.getLogger("trainer.rollout.server_client")
+        client_log = logging.getLogger("trainer.rollout")  # the client and its fleet (membership)
         client_log.addHandler(collect)
         level = client_log.level
         client_log.setLevel(logging.INFO)
