@@ -6,6 +6,8 @@ One module per benchmark, all building their random-weight models with ``trainer
 * ``offload``: peak GPU memory with and without offloading the training state (``offload.json``; CUDA only);
 * ``rollout``: HF rollout batching and rollout-buffer M-steps (``rollout.json`` / ``.png``);
 * ``weight_sync``: NCCL full-weight sync learner → rollout server (``weight_sync.json``; two GPUs, else a CPU dry run);
+* ``async``: step timeline with and without ``async_rollouts`` against scripted servers with a set decode time
+  (``async_rollouts.json`` / ``.png``; CPU-runnable, not part of ``all``);
 * ``vllm``: the vLLM colocate engine vs plain vLLM, colocate / in-band sync GB/s, and (``vllm-step``) a stage-2 step
   with vLLM colocate vs the HF backend (``vllm.json`` / ``.png``; CUDA + vLLM).
 
@@ -19,12 +21,17 @@ import argparse
 import json
 from pathlib import Path
 
-ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-step")
+ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-step", "async")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    if getattr(args, "only", "all") == "async":  # CPU-runnable: scripted servers with a set decode time
+        from trainer.bench.async_rollouts import run as run_async
+
+        run_async(Path(args.out), delay_s=args.decode_s)
+        return 0
     if not args.quick and not torch.cuda.is_available():
         print("bench: the full benchmarks need a CUDA GPU (Qwen3-0.6B shapes, H100 figures in docs/benchmarks); "
               "on this machine run `python -m trainer bench --quick` for a CPU smoke run")
@@ -89,6 +96,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--only", choices=ONLY, default="all",
                    help="packing: packed vs padded fwd+bwd (+ offload); rollout: HF rollout batching + rollout "
                         "buffer; weight-sync: NCCL learner -> server sync (two GPUs; not part of 'all'); vllm / "
-                        "vllm-step: vLLM engine + sync / stage-2 step benchmarks (GPU + vLLM; not part of 'all')")
+                        "vllm-step: vLLM engine + sync / stage-2 step benchmarks (GPU + vLLM; not part of 'all'); async: "
+                        "step timeline with/without async_rollouts (scripted servers, CPU; not part of 'all')")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
+    p.add_argument("--decode-s", type=float, default=None,
+                   help="async: seconds per /infer/ call of the scripted servers (default: the measured train step)")
     p.set_defaults(func=run)

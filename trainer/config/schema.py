@@ -345,6 +345,15 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
             if v.mode == "colocate" and cfg.tuner.train_type in ("lora", "dora") and not v.enable_lora:
                 errs.append(ConfigError("custom.extra.rollout_matching.vllm.enable_lora",
                                         f"must be true with tuner.train_type={cfg.tuner.train_type} so adapters sync to the colocated engine"))
+        if v.server.async_rollouts.enabled:
+            key = "custom.extra.rollout_matching.vllm.server.async_rollouts.enabled"
+            if not (rm.rollout_backend == "vllm" and v.mode == "server"):
+                errs.append(ConfigError(key, "asynchronous rollouts need rollout servers (rollout_backend: vllm, "
+                                             f"vllm.mode: server), not {rm.rollout_backend}"
+                                             f"{'/' + v.mode if rm.rollout_backend == 'vllm' else ''}; disable it"))
+            if rm.rollout_buffer.enabled:
+                errs.append(ConfigError(key, "not combined with rollout_buffer.enabled (M-steps decode nothing to "
+                                             "overlap); disable one of them"))
         if rm.offload.enabled and not (rm.rollout_backend == "vllm" and v.mode == "colocate"):
             errs.append(ConfigError("custom.extra.rollout_matching.offload.enabled",
                                     "offload only applies to the vllm colocate backend; disable it for this backend"))

@@ -14,6 +14,16 @@ class VllmServerEntry(Section):
     api_key_env: str | None = None
 
 
+class AsyncRolloutsConfig(Section):
+    """``async_rollouts`` (stage-2 server mode): while the learner trains on micro-batch i, the servers already decode
+    micro-batch i+1 (a background request; weight pushes wait for it). ``max_staleness_steps``: the most optimizer
+    steps a sample's decode weights may lag the step that trains on it (1 = one step off-policy; 0 = overlap only
+    inside an optimizer step, useful with gradient_accumulation_steps > 1). See the stage-2 runbook."""
+
+    enabled: bool = False
+    max_staleness_steps: int = Field(1, ge=0)
+
+
 class VllmServerConfig(Section):
     """``servers`` (preferred) or the strict legacy paired lists ``host`` + ``port`` (same length).
 
@@ -33,6 +43,7 @@ class VllmServerConfig(Section):
     max_retries: int = Field(1, ge=0)
     readmit_after_s: float | None = Field(30.0, gt=0)
     readmit_max_interval_s: float = Field(300.0, gt=0)
+    async_rollouts: AsyncRolloutsConfig = Field(default_factory=AsyncRolloutsConfig)
 
     @model_validator(mode="after")
     def _one_form(self) -> VllmServerConfig:

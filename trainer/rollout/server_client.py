@@ -15,18 +15,25 @@ Contracts:
   (or whose weight push fails) is quarantined: no rollouts, no weight pushes (NCCL: its communicator is dropped).
   A rank whose own servers are all quarantined borrows the other ranks' healthy servers. At each sync, quarantined
   servers that are due and answer ``/health/`` get the weights built for that sync pushed to them alone (NCCL: a
-  fresh communicator) and serve again only once that succeeded (``sync_full`` / ``sync_adapter``).
+  fresh communicator) and serve again only once that succeeded (``sync_full`` / ``sync_adapter``);
+- overlap (``async_rollouts``): ``generate_async`` runs a ``generate`` in a background thread. Every ``generate``
+  holds a read lock for its whole run (retries included) and every sync a write lock (``begin_sync`` …
+  ``end_sync`` on every rank, or the push alone): a push waits for the ``/infer/`` calls in flight and new calls
+  wait for the push, so a request never straddles two weight versions. ``generate_async`` takes the read lock in
+  the caller's thread before returning, so the weights it decodes with are those of the caller's last sync.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +129,39 @@ def result_from_item(req: RolloutRequest, item: dict[str, Any], url: str) -> Rol
     return RolloutResult(req.sample_id, tuple(prompt_ids), tuple(token_ids), finish, extra)
 
 
+class WeightVersionLock:
+    """Readers (``/infer/`` rounds) share, a writer (a weight push) excludes them; a waiting writer blocks new
+    readers. Not owned by a thread: a reader taken in one thread may be released in another."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    def acquire_read(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writer and not self._writers_waiting)
+            self._readers += 1
+
+    def release_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    def acquire_write(self) -> None:
+        with self._cond:
+            self._writers_waiting += 1
+            self._cond.wait_for(lambda: not self._writer and self._readers == 0)
+            self._writers_waiting -= 1
+            self._writer = True
+
+    def release_write(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
 class ServerRolloutEngine:
     """Rollout engine backed by rollout servers (see module docstring)."""
 
@@ -156,6 +196,9 @@ class ServerRolloutEngine:
         self._engine_types: list[dict[str, Any]] | None = None
         self.max_retries = max_retries
         self.nccl_backend = nccl_backend
+        self.version_lock = WeightVersionLock()
+        self._sync_held = False
+        self._background: ThreadPoolExecutor | None = None
         if wait:
             self.wait_healthy(timeout_s)
 
@@ -221,6 +264,33 @@ class ServerRolloutEngine:
         sample ids. Results keep request order."""
         if not requests:
             return []
+        self.version_lock.acquire_read()
+        try:
+            return self._generate(requests, params)
+        finally:
+            self.version_lock.release_read()
+
+    def generate_async(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> Future:
+        """``generate`` in a background thread (one at a time, in order). The read lock is taken here, before
+        returning, so the decode runs on the weights of this caller's last sync, whenever the thread starts."""
+        requests = list(requests)
+        if self._background is None:
+            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-prefetch")
+        self.version_lock.acquire_read()
+
+        def run() -> list[RolloutResult]:
+            try:
+                return self._generate(requests, params) if requests else []
+            finally:
+                self.version_lock.release_read()
+
+        try:
+            return self._background.submit(run)
+        except BaseException:
+            self.version_lock.release_read()
+            raise
+
+    def _generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
         cfg = request_config(params)
         results: list[RolloutResult | None] = [None] * len(requests)
         pending = list(range(len(requests)))
@@ -284,12 +354,35 @@ class ServerRolloutEngine:
 
     # -- weight sync (rank 0 pushes; membership from the fleet) ----------------------------------------------------
     def begin_sync(self) -> None:
-        """Every rank, before a sync: pool the ranks' quarantines on rank 0 (it pushes to none of them)."""
+        """Every rank, before a sync: wait for this rank's ``/infer/`` calls in flight (and hold new ones back until
+        ``end_sync``), then pool the ranks' quarantines on rank 0 (it pushes to none of them)."""
+        if not self._sync_held:
+            self.version_lock.acquire_write()
+            self._sync_held = True
         self.fleet.pool_on_rank0()
 
     def end_sync(self) -> None:
         """Every rank, after a sync: adopt rank 0's membership (its pushes and re-admissions)."""
-        self.fleet.adopt_rank0()
+        try:
+            self.fleet.adopt_rank0()
+        finally:
+            if self._sync_held:
+                self._sync_held = False
+                self.version_lock.release_write()
+
+    def _exclusive(self):
+        """The write lock for a push made outside ``begin_sync`` / ``end_sync`` (a no-op inside)."""
+        if self._sync_held:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def held():
+            self.version_lock.acquire_write()
+            try:
+                yield
+            finally:
+                self.version_lock.release_write()
+        return held()
 
     def _push(self, push: Callable[[WeightTransport, list[ServerEndpoint]], dict[str, str]], what: str) -> None:
         """Push to the healthy servers; those it failed on are quarantined (the others got the whole update).
@@ -305,13 +398,15 @@ class ServerRolloutEngine:
 
     def sync_full(self, model: torch.nn.Module, merge_adapter: bool = True) -> None:
         tensors = full_weights(model, merge_adapter=merge_adapter)
-        self._push(lambda t, targets: t.push_full(tensors, targets), "full weight push")
-        self._readmit_due("full" if merge_adapter else "base", full=tensors)
+        with self._exclusive():
+            self._push(lambda t, targets: t.push_full(tensors, targets), "full weight push")
+            self._readmit_due("full" if merge_adapter else "base", full=tensors)
 
     def sync_adapter(self, model: torch.nn.Module) -> None:
         adapter = adapter_weights(model)
-        self._push(lambda t, targets: t.push_adapter(adapter, targets), "adapter push")
-        self._readmit_due("adapter", adapter=adapter, base=lambda: full_weights(model, merge_adapter=False))
+        with self._exclusive():
+            self._push(lambda t, targets: t.push_adapter(adapter, targets), "adapter push")
+            self._readmit_due("adapter", adapter=adapter, base=lambda: full_weights(model, merge_adapter=False))
 
     def _readmit_due(self, mode: str, full: dict[str, torch.Tensor] | None = None, adapter: AdapterWeights | None = None,
                      base: Callable[[], dict[str, torch.Tensor]] | None = None) -> list[str]:
@@ -352,6 +447,9 @@ class ServerRolloutEngine:
                 "max_retries": self.max_retries, **self.fleet.metadata()}
 
     def close(self) -> None:
+        if self._background is not None:
+            self._background.shutdown(wait=True, cancel_futures=True)
+            self._background = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None

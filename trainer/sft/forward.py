@@ -10,7 +10,7 @@ from trainer.losses.objective import LossWeights, objective_from_rows
 from trainer.losses.supervised_logits import capture_lm_head_input, output_embedding, rows_from_logits, supervised_rows
 
 LOSS_KEYS = ("ce_index", "ce_labels", "ce_segment", "coord_index", "coord_targets", "coord_segment", "num_segments",
-             "sample_ids", "rollout_steps", "packed_cu_seq_lens", "packed_max_length")
+             "sample_ids", "rollout_steps", "decode_steps", "packed_cu_seq_lens", "packed_max_length")
 
 
 def forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torch.Tensor, weights: LossWeights,

@@ -182,6 +182,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             offload=(rm.offload.offload_model, rm.offload.offload_optimizer) if rm.offload.enabled else None,
             weight_sync=weight_sync, callbacks=stage2_callbacks,
             eager_rollouts=cfg.training.compile_decoder_layers and rm.rollout_backend == "hf" and not rm.hf.compile,
+            async_rollouts=((True, rm.vllm.server.async_rollouts.max_staleness_steps)
+                            if rm.vllm.server.async_rollouts.enabled else None),
             **common)
         result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:

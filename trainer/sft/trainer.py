@@ -83,7 +83,7 @@ class RolloutMatchingTrainer(Trainer):
                  image_token_id: int | None = None, packing: PackingBuffer | None = None,
                  rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None,
                  offload: tuple[bool, bool] | None = None, weight_sync: Any = None, supervised_logits: bool = True,
-                 eager_rollouts: bool = False, **kwargs: Any):
+                 eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -116,37 +116,117 @@ class RolloutMatchingTrainer(Trainer):
         self.counters = Counters()
         self._loss_terms: list[dict[str, float]] = []
         self._max_staleness = 0
+        #: ``async_rollouts``: the next micro-batch is decoded while this one trains (``trainer.rollout.prefetch``)
+        self.prefetcher = None
+        if async_rollouts is not None and async_rollouts[0] and target_source == "rollout":
+            from trainer.rollout.prefetch import RolloutPrefetcher
 
-    def rollout_params(self) -> DecodingParams:
+            if not hasattr(engine, "generate_async"):
+                raise ValueError("async_rollouts needs a rollout-server engine (generate_async)")
+            self.prefetcher = RolloutPrefetcher(engine, async_rollouts[1])
+        self._lookahead: tuple[Any, Any] | None = None  # (epoch iterator, the micro-batch read ahead of it)
+        self._plan: list[tuple[int, list[Sample]]] = []  # micro-batches still to come, with their optimizer step
+        self._staleness: list[int] = []
+        #: optional timeline for benchmarks: (kind, start, end) with kind "wait" (learner waits on rollouts) / "step"
+        self.timeline: list[tuple[str, float, float]] | None = None
+
+    def rollout_params(self, step: int | None = None) -> DecodingParams:
         """Decoding params for this optimizer step (sampling seed advances with the step)."""
         d = self.decoding
-        seed = None if d.seed is None else d.seed + self.state.global_step
+        step = self.state.global_step if step is None else step
+        seed = None if d.seed is None else d.seed + step
         return DecodingParams(d.max_new_tokens, d.temperature, d.top_p, d.top_k, d.repetition_penalty, seed)
 
     def make_targets(self, samples: Sequence[Sample]) -> list[TrainTarget]:
         if self.target_source == "ground_truth":
             with self.timers.phase("target"):
                 return self.pipeline.ground_truth_targets(samples)
+        step = self.state.global_step
+        prefetched = None
+        if self.prefetcher is not None:
+            upcoming = self._next_planned(samples)
+            with self.timers.phase("rollout"), self.timers.phase("generate"), self._timeline("wait"):
+                prefetched = self.prefetcher.take([s.sample_id for s in samples], self.rollout_params(), step)
         if self.weight_sync is not None:
             with self.timers.phase("weight_sync"):
-                if self.weight_sync.ensure_fresh(self.accelerator.unwrap_model(self.model), self.state.global_step):
+                if self.weight_sync.ensure_fresh(self.accelerator.unwrap_model(self.model), step):
                     self.counters.add({"weight_syncs": 1})
         with self.timers.phase("rollout"):
             requests, _ = self.pipeline.requests(samples)
-            offload = (offload_for_rollout(self.model_wrapped, self.optimizer, *self.offload) if self.offload
-                       else contextlib.nullcontext(None))
-            with self.timers.phase("generate"), offload as moved, eager_rollouts(self.eager_rollouts):
-                results = self.engine.generate(requests, self.rollout_params())
-            if moved is not None:
-                self.counters.add({"offload_param_bytes": moved.moved_param_bytes,
-                                   "offload_optimizer_bytes": moved.moved_optimizer_bytes})
+            if prefetched is not None:
+                results, version = prefetched
+            else:
+                offload = (offload_for_rollout(self.model_wrapped, self.optimizer, *self.offload) if self.offload
+                           else contextlib.nullcontext(None))
+                with self.timers.phase("generate"), self._timeline("wait"), offload as moved, \
+                        eager_rollouts(self.eager_rollouts):
+                    results = self.engine.generate(requests, self.rollout_params())
+                version = step
+                if moved is not None:
+                    self.counters.add({"offload_param_bytes": moved.moved_param_bytes,
+                                       "offload_optimizer_bytes": moved.moved_optimizer_bytes})
+            if self.prefetcher is not None and upcoming is not None:
+                # the servers decode the next micro-batch, on the weights just synced, while this one trains
+                synced = self.weight_sync.last_step if self.weight_sync is not None else step
+                next_step, next_samples = upcoming
+                self.prefetcher.issue(self.pipeline.requests(next_samples)[0], self.rollout_params(next_step),
+                                      synced if synced is not None else step, next_step)
         with self.timers.phase("target"):  # sub-phases parse / match / build_target
             targets = self.pipeline.targets(samples, requests, results, self.timers)
         self.counters.add({"samples": len(samples)})
+        self._staleness.extend([step - version] * len(samples))
         for t in targets:
-            t.stats["rollout_step"] = self.state.global_step
-            self.counters.add(t.stats)
+            t.stats["rollout_step"] = step
+            t.stats["decode_step"] = version
+            self.counters.add({k: v for k, v in t.stats.items() if k not in ("rollout_step", "decode_step")})
         return targets
+
+    @contextlib.contextmanager
+    def _timeline(self, kind: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.timeline is not None:
+                self.timeline.append((kind, start, time.perf_counter()))
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """HF's per-optimizer-step fetch; with ``async_rollouts`` one micro-batch more is read ahead (kept for the
+        next call on the same iterator), so the next batch is known while this step trains. The order of batches
+        is the dataloader's, unchanged."""
+        if self.prefetcher is None or self.target_source != "rollout":
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = []
+        if self._lookahead is not None and self._lookahead[0] is epoch_iterator and num_batches > 0:
+            batches.append(self._lookahead[1])
+        self._lookahead = None
+        while len(batches) < num_batches:
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        ahead = None
+        if len(batches) == num_batches:
+            try:
+                ahead = next(epoch_iterator)
+                self._lookahead = (epoch_iterator, ahead)
+            except StopIteration:
+                pass
+        step = self.state.global_step
+        self._plan = [(step, b) for b in batches] + ([(step + 1, ahead)] if ahead is not None else [])
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def _next_planned(self, samples: list[Sample]) -> tuple[int, list[Sample]] | None:
+        """Advance the plan past ``samples``; the micro-batch after it (with its optimizer step), if known."""
+        ids = [s.sample_id for s in samples]
+        while self._plan:
+            _, batch = self._plan.pop(0)
+            if isinstance(batch, list) and [s.sample_id for s in batch] == ids:
+                break
+        else:
+            return None
+        nxt = self._plan[0] if self._plan else None
+        return nxt if nxt is not None and isinstance(nxt[1], list) else None
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
@@ -185,6 +265,7 @@ class RolloutMatchingTrainer(Trainer):
                                    "packed_segments": stats.segments, "packing_carried": stats.carried})
         inputs["sample_ids"] = [t.sample_id for t in targets]
         inputs["rollout_steps"] = [t.stats.get("rollout_step", -1) for t in targets]
+        inputs["decode_steps"] = [t.stats.get("decode_step", t.stats.get("rollout_step", -1)) for t in targets]
         return inputs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -200,19 +281,23 @@ class RolloutMatchingTrainer(Trainer):
             loss, terms, outputs = forward_loss(model, inputs, self.coord_ids, self.loss_weights,
                                                 self.supervised_logits, unwrapped)
         self._loss_terms.append(terms)
-        self._record_ledger(inputs.get("sample_ids"), inputs.get("rollout_steps"))
+        self._record_ledger(inputs.get("sample_ids"), inputs.get("rollout_steps"), inputs.get("decode_steps"))
         return (loss, outputs) if return_outputs else loss
 
-    def _record_ledger(self, sample_ids: list[str] | None, rollout_steps: list[int] | None) -> None:
-        """Append ``(epoch, sample_id, step, rollout_step)`` per sample trained in this forward (main process);
-        ``rollout_step`` is the optimizer step whose rollout produced the target (older when carried/replayed)."""
+    def _record_ledger(self, sample_ids: list[str] | None, rollout_steps: list[int] | None,
+                       decode_steps: list[int] | None = None) -> None:
+        """Append ``(epoch, sample_id, step, rollout_step, decode_step)`` per sample trained in this forward (main
+        process); ``rollout_step`` is the optimizer step whose rollout produced the target (older when
+        carried/replayed), ``decode_step`` the optimizer step of the weights it was decoded with (older than
+        ``rollout_step`` only with ``async_rollouts``)."""
         if not sample_ids or not self.is_world_process_zero():
             return
         epoch = self.state.global_step // self._steps_per_epoch
+        rollout_steps = rollout_steps or [-1] * len(sample_ids)
         with open(os.path.join(self.args.output_dir, LEDGER), "a", encoding="utf-8") as fh:
-            for sid, rstep in zip(sample_ids, rollout_steps or [-1] * len(sample_ids)):
+            for sid, rstep, dstep in zip(sample_ids, rollout_steps, decode_steps or rollout_steps):
                 fh.write(json.dumps({"epoch": epoch, "sample_id": sid, "step": self.state.global_step,
-                                     "rollout_step": rstep}) + "\n")
+                                     "rollout_step": rstep, "decode_step": dstep}) + "\n")
 
     def rollout_state(self) -> dict[str, Any]:
         """What a checkpoint needs beyond HF's state for an exact resume (rank-local)."""
@@ -220,6 +305,8 @@ class RolloutMatchingTrainer(Trainer):
         return {
             "packing": list(self.packing.segments) if self.packing is not None else None,
             "rollout_buffer": None if buf is None else {"micro_step": buf.micro_step, "cache": buf.cache},
+            # async_rollouts: the rollout in flight, finished (a resume trains exactly what this run would have)
+            "prefetch": None if self.prefetcher is None else self.prefetcher.state(),
         }
 
     def load_rollout_state(self, state: dict[str, Any]) -> None:
@@ -228,6 +315,8 @@ class RolloutMatchingTrainer(Trainer):
         if self.rollout_buffer is not None and state["rollout_buffer"] is not None:
             self.rollout_buffer.micro_step = state["rollout_buffer"]["micro_step"]
             self.rollout_buffer.cache = state["rollout_buffer"]["cache"]
+        if self.prefetcher is not None:
+            self.prefetcher.load_state(state.get("prefetch"))
 
     def _save_checkpoint(self, model, trial) -> None:
         # never a checkpoint of non-finite weights: the last good one stays the newest complete checkpoint
@@ -274,6 +363,10 @@ class RolloutMatchingTrainer(Trainer):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except NonFiniteWeightsError as exc:  # stop the run, naming the last good checkpoint
             raise exc.with_checkpoint(self.latest_complete_checkpoint()) from None
+        finally:
+            if self.prefetcher is not None:  # a batch read ahead past max_steps is never trained
+                self.prefetcher.discard()
+            self._lookahead, self._plan = None, []
 
     def _skip_repeated_batches(self, step: int) -> None:
         """HF's resume skips batches of the raw loader, not of the window repeater: skip in the repeater instead."""
@@ -308,6 +401,8 @@ class RolloutMatchingTrainer(Trainer):
         measured = sum(self.timers.seconds.get(k, 0.0) - before.get(k, 0.0) for k in STEP_PHASES[:-1])
         self.timers.seconds["backward"] += max(0.0, spent - measured)
         self.timers.seconds["step"] += spent
+        if self.timeline is not None:
+            self.timeline.append(("step", start, start + spent))
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -329,6 +424,13 @@ class RolloutMatchingTrainer(Trainer):
                 logs["rollout/match_recall"] = c.get("matched", 0.0) / c["gt"] if c.get("gt") else 0.0
             if c.get("tokens_padded"):
                 logs["batch/fill"] = c["tokens_real"] / c["tokens_padded"]
+            if self._staleness:
+                logs["rollout/staleness_max"] = float(max(self._staleness))
+                logs["rollout/staleness_mean"] = sum(self._staleness) / len(self._staleness)
+                self._staleness = []
+            if self.prefetcher is not None:
+                for key, value in self.prefetcher.pop_stats().items():
+                    logs[f"rollout/{key}"] = value
             if c.get("weight_syncs"):
                 logs["sync/weight_syncs"] = c["weight_syncs"]
             if c.get("buffer_fresh", 0) + c.get("buffer_replay", 0):

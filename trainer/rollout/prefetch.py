@@ -1,0 +1,101 @@
+"""One rollout in flight ahead of the learner (``vllm.server.async_rollouts``).
+
+The trainer knows its next micro-batch (``RolloutMatchingTrainer.get_batch_samples`` reads one batch ahead of the
+dataloader, which changes no sample order). After the current batch's rollouts are in hand it ``issue``\\ s the next
+batch's requests with the weights of its last sync (``version`` = that optimizer step) and trains while the servers
+decode. At the next batch's turn ``take`` returns the results if they belong to exactly these samples and decoding
+parameters and ``step - version <= max_staleness_steps``; otherwise they are discarded and the caller decodes afresh
+on current weights. Every decision depends on step counts only, never on timing, so runs are deterministic.
+
+``state`` (for checkpoints) waits for the rollout in flight and returns it finished, so a resumed run trains the very
+results the uninterrupted run trained (same weights version, same answers).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
+
+
+@dataclass
+class Prefetch:
+    sample_ids: tuple[str, ...]
+    params: DecodingParams
+    version: int
+    step: int
+    future: Future | None = None
+    results: list[RolloutResult] | None = None
+
+    def wait(self) -> list[RolloutResult]:
+        if self.results is None:
+            assert self.future is not None
+            self.results = self.future.result()
+            self.future = None
+        return self.results
+
+
+@dataclass
+class RolloutPrefetcher:
+    engine: Any
+    max_staleness_steps: int = 1
+    pending: Prefetch | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def _count(self, key: str, n: float = 1.0) -> None:
+        self.stats[key] = self.stats.get(key, 0.0) + n
+
+    def would_exceed(self, step: int, version: int) -> bool:
+        return step - version > self.max_staleness_steps
+
+    def issue(self, requests: list[RolloutRequest], params: DecodingParams, version: int, step: int) -> bool:
+        """Start decoding ``requests`` (for optimizer step ``step``) on the weights of step ``version``. Not issued
+        (False) when it would exceed the staleness bound at its turn: that batch is decoded fresh then."""
+        self.discard()
+        if self.would_exceed(step, version):
+            self._count("prefetch_skipped")
+            return False
+        self.pending = Prefetch(tuple(r.sample_id for r in requests), params, version, step,
+                                future=self.engine.generate_async(requests, params))
+        self._count("prefetch_issued")
+        return True
+
+    def take(self, sample_ids: list[str], params: DecodingParams, step: int) -> tuple[list[RolloutResult], int] | None:
+        """The prefetched results for these samples and the weights version they were decoded with, or None (none
+        pending, other samples or params, or too stale: discarded after it finishes, so no push tears it). A failed
+        background decode raises here, as the synchronous ``generate`` would have."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return None
+        results = p.wait()
+        if p.sample_ids != tuple(sample_ids) or p.params != params or self.would_exceed(step, p.version):
+            self._count("prefetch_discarded")
+            return None
+        self._count("prefetch_used")
+        return results, p.version
+
+    def discard(self) -> None:
+        """Drop the rollout in flight (waiting for it, so no request outlives its weight version)."""
+        p, self.pending = self.pending, None
+        if p is not None and p.future is not None:
+            try:
+                p.future.result()
+            except Exception:  # noqa: BLE001 - a discarded decode's failure concerns nobody
+                pass
+
+    def state(self) -> dict[str, Any] | None:
+        p = self.pending
+        if p is None:
+            return None
+        return {"sample_ids": list(p.sample_ids), "params": p.params, "version": p.version, "step": p.step,
+                "results": p.wait()}
+
+    def load_state(self, state: dict[str, Any] | None) -> None:
+        self.pending = None if state is None else Prefetch(tuple(state["sample_ids"]), state["params"],
+                                                           state["version"], state["step"], results=state["results"])
+
+    def pop_stats(self) -> dict[str, float]:
+        out, self.stats = self.stats, {}
+        return out
