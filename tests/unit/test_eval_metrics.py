@@ -146,3 +146,145 @@ def test_prf_and_markdown_table():
     table = markdown_table([("before", m.flat()), ("after", m.flat())])
     assert table.splitlines()[0] == "| metric | before | after |"
     assert "| F1 @ IoU 0.5 | 1.000 | 1.000 |" in table and "| TP / FP / FN @ 0.5 | 1 / 0 / 0 | 1 / 0 / 0 |" in table
+
+
+# --- random cases against independent references ------------------------------------------------------------------
+# COCO AP: pycocotools' COCOeval run here on a COCO json built here (written to a file and loaded as a user would).
+# P / R / F1: brute force over every partial one-to-one assignment, box IoU in closed form on the inclusive bin grid.
+# The matcher's objective (trainer/matching/match.py): maximum number of pairs with IoU >= t, then maximum total IoU.
+
+def random_case(rng, num_images=6):
+    """Images with 0-4 GT and 0-5 predictions: jittered copies of GT (IoU often near the gates), random boxes,
+    duplicated predictions and duplicated GT, empty images, GT-only and prediction-only images."""
+    descs = ("red square", "blue circle")
+
+    def rand_box():
+        x1, y1 = int(rng.integers(0, 900)), int(rng.integers(0, 900))
+        return box(x1, y1, int(rng.integers(x1, 1000)), int(rng.integers(y1, 1000)), descs[int(rng.integers(2))])
+
+    def jitter(o):
+        x1, y1, x2, y2 = o.coords
+        w, h = x2 - x1 + 1, y2 - y1 + 1
+        f = (12, 6, 3)[int(rng.integers(3))]  # small, medium or large shifts of each edge
+        d = [int(rng.integers(-s // f - 1, s // f + 2)) for s in (w, h, w, h)]
+        nx1, ny1 = min(max(x1 + d[0], 0), 999), min(max(y1 + d[1], 0), 999)
+        desc = o.desc if rng.random() < 0.8 else descs[int(rng.integers(2))]
+        return box(nx1, ny1, min(max(x2 + d[2], nx1), 999), min(max(y2 + d[3], ny1), 999), desc)
+
+    def at_gate():
+        # a (GT, prediction) pair whose IoU is exactly 0.5 or 0.75, or one bin column below it (gate conventions)
+        w, h = 4 * int(rng.integers(10, 150)), int(rng.integers(20, 400))
+        x1, y1 = int(rng.integers(0, 1000 - w)), int(rng.integers(0, 1000 - h))
+        t, below = (0.5, 0.75)[int(rng.integers(2))], int(rng.integers(2))
+        g = box(x1, y1, x1 + w - 1, y1 + h - 1)
+        return g, box(x1, y1, x1 + int(w * t) - 1 - below, y1 + h - 1)
+
+    samples = []
+    for i in range(num_images):
+        kind = rng.random()
+        gt = [] if kind < 0.15 else [rand_box() for _ in range(int(rng.integers(1, 4)))]
+        if gt and rng.random() < 0.2:
+            gt.append(gt[0])  # duplicated GT
+        pred = [jitter(g) for g in gt if rng.random() < 0.8]
+        if gt and rng.random() < 0.5:
+            g, p = at_gate()
+            gt.append(g)
+            pred.append(p)
+        pred += [rand_box() for _ in range(int(rng.integers(0, 3)))]
+        if pred and rng.random() < 0.3:
+            pred.insert(int(rng.integers(len(pred) + 1)), pred[int(rng.integers(len(pred)))])  # duplicate
+        if 0.9 < kind:
+            pred = []  # GT-only image
+        order = rng.permutation(len(pred))
+        samples.append(sample(gt, [pred[j] for j in order][:5], f"img{i}"))
+    samples.append(sample([], [], "empty"))
+    samples.append(sample([], [rand_box()], "pred-only"))
+    samples.append(sample([rand_box()], [rand_box()], "one-one"))
+    return samples
+
+
+def bin_iou(a, b):
+    ax1, ay1, ax2, ay2 = a.coords
+    bx1, by1, bx2, by2 = b.coords
+    iw, ih = min(ax2, bx2) - max(ax1, bx1) + 1, min(ay2, by2) - max(ay1, by1) + 1
+    inter = max(iw, 0) * max(ih, 0)
+    return inter / ((ax2 - ax1 + 1) * (ay2 - ay1 + 1) + (bx2 - bx1 + 1) * (by2 - by1 + 1) - inter)
+
+
+def brute_force_matches(pred, gt, t, class_aware=False):
+    """(number of pairs, total IoU) of the best partial one-to-one assignment, by enumeration."""
+    import itertools
+
+    ok = [[bin_iou(p, g) if bin_iou(p, g) >= t and (not class_aware or p.desc == g.desc) else None for g in gt]
+          for p in pred]
+    for k in range(min(len(pred), len(gt)), 0, -1):
+        best = None
+        for ps in itertools.combinations(range(len(pred)), k):
+            for gs in itertools.permutations(range(len(gt)), k):
+                ious = [ok[p][g] for p, g in zip(ps, gs)]
+                if None not in ious and (best is None or sum(ious) > best):
+                    best = sum(ious)
+        if best is not None:
+            return k, best
+    return 0, 0.0
+
+
+def reference_coco(samples, tmp_path, class_aware=False):
+    import json
+
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    names = sorted({o.desc for s in samples for o in (*s.gt, *s.pred)}) if class_aware else ["object"]
+    cat_id = {n: i + 1 for i, n in enumerate(names)}
+
+    def xywh(o):
+        x1, y1, x2, y2 = o.coords
+        return [x1, y1, x2 - x1 + 1, y2 - y1 + 1]
+
+    anns, dets = [], []
+    for img, s in enumerate(samples, start=1):
+        for o in s.gt:
+            b = xywh(o)
+            anns.append({"id": len(anns) + 1, "image_id": img, "bbox": b, "area": b[2] * b[3], "iscrowd": 0,
+                         "category_id": cat_id[o.desc] if class_aware else 1})
+        dets += [{"image_id": img, "bbox": xywh(o), "score": 1.0,
+                  "category_id": cat_id[o.desc] if class_aware else 1} for o in s.pred]
+    path = tmp_path / f"gt-{int(class_aware)}.json"
+    path.write_text(json.dumps({"images": [{"id": i + 1, "width": 1000, "height": 1000} for i in range(len(samples))],
+                                "annotations": anns,
+                                "categories": [{"id": i, "name": n} for n, i in cat_id.items()]}))
+    ground = COCO(str(path))
+    ev = COCOeval(ground, ground.loadRes(dets), "bbox")
+    ev.evaluate()
+    ev.accumulate()
+    ev.summarize()
+    return ev.stats[0], ev.stats[1], ev.stats[2]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_cases_agree_with_pycocotools_and_brute_force(seed, tmp_path):
+    import numpy as np
+
+    samples = random_case(np.random.default_rng(seed))
+    m, evals = evaluate_samples(samples)
+
+    ap, ap50, ap75 = reference_coco(samples, tmp_path)
+    assert (m.coco.ap, m.coco.ap50, m.coco.ap75) == (pytest.approx(ap), pytest.approx(ap50), pytest.approx(ap75))
+    class_ap = reference_coco(samples, tmp_path, class_aware=True)[0]
+    assert m.class_coco.ap == pytest.approx(class_ap)
+
+    for t, got, class_aware in ((0.5, m.at50, False), (0.75, m.at75, False), (0.5, m.class_at50, True)):
+        tp = 0
+        for s, e in zip(samples, evals):
+            k, total_iou = brute_force_matches(s.pred, s.gt, t, class_aware)
+            tp += k
+            if t == 0.5 and not class_aware:
+                assert e.agnostic.tp == k and sum(iou for *_, iou in e.agnostic.pairs) == pytest.approx(total_iou)
+                assert all(iou == pytest.approx(bin_iou(s.pred[p], s.gt[g])) for p, g, iou in e.agnostic.pairs)
+        num_pred, num_gt = sum(len(s.pred) for s in samples), sum(len(s.gt) for s in samples)
+        fp, fn = num_pred - tp, num_gt - tp
+        p, r = tp / (tp + fp), tp / (tp + fn)
+        assert (got.tp, got.fp, got.fn) == (tp, fp, fn)
+        assert (got.precision, got.recall) == (pytest.approx(p), pytest.approx(r))
+        assert got.f1 == pytest.approx(2 * p * r / (p + r) if p + r else 0.0)
