@@ -15,32 +15,33 @@ import pytest
 from tests.grpo.conftest import REPO, SUMMARY_CONFIGS
 from trainer.config.errors import ConfigError
 from trainer.config.loader import deep_merge, resolve_yaml
+from trainer.config.schema import validate_config
 from trainer.grpo.rewards import reference_from_row, score
 from trainer.grpo.schema_tree import SCHEMA_DATASET_ENV
 from trainer.grpo.swift_args import PLUGIN_FILE, rlhf_arguments, rollout_arguments, to_argv
 
 
 def test_dora_maps_to_lora_with_use_dora(summary_cfg):
-    a = rlhf_arguments(summary_cfg)
+    a = rlhf_arguments(validate_config(summary_cfg))
     assert (a["tuner_type"], a["use_dora"], a["lora_rank"], a["lora_alpha"]) == ("lora", True, 32, 64)
     assert a["target_modules"] == ["all-linear"] and a["freeze_vit"] is False and a["freeze_aligner"] is False
     summary_cfg["tuner"]["train_type"] = "full"
-    a = rlhf_arguments(summary_cfg)
+    a = rlhf_arguments(validate_config(summary_cfg))
     assert a["tuner_type"] == "full" and "use_dora" not in a and "lora_rank" not in a
 
 
 def test_server_mode_drops_fields_ms_swift_ignores(summary_cfg):
     summary_cfg["rlhf"].update(vllm_max_model_len=4096, vllm_gpu_memory_utilization=0.9)
-    a = rlhf_arguments(summary_cfg)
+    a = rlhf_arguments(validate_config(summary_cfg))
     assert "vllm_max_model_len" not in a and "vllm_gpu_memory_utilization" not in a
     summary_cfg["rlhf"]["vllm_mode"] = "colocate"
-    a = rlhf_arguments(summary_cfg)
+    a = rlhf_arguments(validate_config(summary_cfg))
     assert a["vllm_max_model_len"] == 4096 and a["vllm_gpu_memory_utilization"] == 0.9
     assert not any(k.startswith("vllm_server_") for k in a)  # ms-swift would connect to any host given
 
 
 def test_learner_arguments_carry_connectivity_and_plugin(summary_cfg):
-    a = rlhf_arguments(summary_cfg)
+    a = rlhf_arguments(validate_config(summary_cfg))
     assert a["vllm_server_host"] == ["127.0.0.1"] and a["vllm_server_port"] == [8080]
     assert a["external_plugins"] == [str(PLUGIN_FILE)] and PLUGIN_FILE.is_file()
     assert a["dataset"] == ["/data/summary/train.jsonl"] and a["save_steps"] == 100
@@ -48,30 +49,32 @@ def test_learner_arguments_carry_connectivity_and_plugin(summary_cfg):
     assert a["check_model"] is False  # no hub call about a local model
     summary_cfg["rlhf"]["reward_funcs"] = ["accuracy"]
     summary_cfg["rlhf"]["reward_weights"] = None
-    assert "external_plugins" not in rlhf_arguments(summary_cfg)
+    assert "external_plugins" not in rlhf_arguments(validate_config(summary_cfg))
 
 
 def test_model_path_and_dataset_required(summary_cfg):
     summary_cfg["model"] = {"tiny": "vl"}
     with pytest.raises(ConfigError, match="model.path"):
-        rlhf_arguments(summary_cfg)
+        rlhf_arguments(validate_config(summary_cfg))
     summary_cfg["model"] = {"path": "/m"}
     del summary_cfg["data"]["train_jsonl"]
+    summary_cfg["data"]["synthetic"] = {"num_samples": 4}  # valid for the schema, but not a GRPO dataset
     with pytest.raises(ConfigError) as exc:
-        rlhf_arguments(summary_cfg)
+        rlhf_arguments(validate_config(summary_cfg))
     assert exc.value.key_path == "data.train_jsonl"
 
 
 def test_rollout_arguments_from_rollout_server(summary_cfg):
-    a = rollout_arguments(summary_cfg)
+    a = rollout_arguments(validate_config(summary_cfg))
     assert a == {"model": "/models/Qwen3-VL-4B", "model_type": "qwen3_vl", "torch_dtype": "bfloat16",
                  "host": "127.0.0.1", "port": 8080, "vllm_tensor_parallel_size": 1, "vllm_data_parallel_size": 6,
                  "vllm_max_model_len": 8192, "vllm_gpu_memory_utilization": 0.6, "vllm_enable_lora": False,
                  "vllm_limit_mm_per_prompt": {"image": 1}}
-    assert rollout_arguments(summary_cfg, model="/other", port=9000)["port"] == 9000
+    assert rollout_arguments(validate_config(summary_cfg), model="/other", port=9000)["port"] == 9000
     del summary_cfg["custom"]["extra"]["rollout_server"]
+    summary_cfg["rlhf"]["vllm_mode"] = "colocate"  # the schema requires the section in server mode
     with pytest.raises(ConfigError, match="custom.extra.rollout_server"):
-        rollout_arguments(summary_cfg)
+        rollout_arguments(validate_config(summary_cfg))
 
 
 def test_to_argv_formats_like_ms_swift_cli():
@@ -93,8 +96,8 @@ def probe(tmp_path_factory, summary_dataset):
         cfg = deep_merge(resolve_yaml(REPO / path), {"model": {"path": str(model)},
                                                       "data": {"train_jsonl": str(summary_dataset)},
                                                       "training": {"output_dir": str(root / "out")}})
-        spec[path] = {"kind": "rlhf", "argv": to_argv(rlhf_arguments(cfg)), "dataset": str(summary_dataset)}
-        spec[path + ":rollout"] = {"kind": "rollout", "argv": to_argv(rollout_arguments(cfg)), "device_count": 6}
+        spec[path] = {"kind": "rlhf", "argv": to_argv(rlhf_arguments(validate_config(cfg))), "dataset": str(summary_dataset)}
+        spec[path + ":rollout"] = {"kind": "rollout", "argv": to_argv(rollout_arguments(validate_config(cfg))), "device_count": 6}
     spec["too_few_gpus"] = dict(spec[SUMMARY_CONFIGS[0] + ":rollout"], device_count=4)
     env = dict(os.environ, VLLM_PLUGINS="", TOKENIZERS_PARALLELISM="false",
                **{SCHEMA_DATASET_ENV: str(summary_dataset)})
@@ -160,3 +163,12 @@ def test_plugin_scores_through_ms_swift_reward_path(probe, path):
         assert got == pytest.approx(want), (row, funcs)
     fmt = funcs.index("summary.format")
     assert {round(x[fmt]) for x in r["rewards"][0::2]} == {1} and {round(x[fmt]) for x in r["rewards"][1::2]} == {0}
+
+
+def test_async_generate_reaches_ms_swift_in_server_mode_only(summary_cfg):
+    """Summary GRPO's overlap (issue 13) is ms-swift's own ``async_generate``: passed through, server mode only."""
+    summary_cfg["rlhf"]["async_generate"] = True
+    assert rlhf_arguments(validate_config(summary_cfg))["async_generate"] is True
+    summary_cfg["rlhf"]["vllm_mode"] = "colocate"
+    with pytest.raises(Exception, match="rlhf.async_generate"):
+        validate_config(summary_cfg)

@@ -10,7 +10,8 @@ import pytest
 
 from tests.launch.conftest import REPO
 from trainer.config.errors import ConfigError
-from trainer.config.loader import resolve_yaml
+from trainer.config.loader import deep_merge, resolve_yaml
+from trainer.config.schema import validate_config
 from trainer.launch.commands import (
     ServerOptions,
     config_server_urls,
@@ -27,7 +28,7 @@ STAGE2 = REPO / "configs/rollout_matching_sft_template.yaml"
 
 @pytest.fixture
 def summary():
-    return copy.deepcopy(resolve_yaml(SUMMARY))
+    return validate_config(copy.deepcopy(resolve_yaml(SUMMARY)))
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -96,7 +97,7 @@ def test_our_engine_takes_endpoint_from_grpo_config(summary):
 
 @pytest.mark.parametrize("path", [SUMMARY, ATTR])
 def test_grpo_learner_is_swift_rlhf(path):
-    cfg = resolve_yaml(path)
+    cfg = validate_config(resolve_yaml(path))
     cmd = learner_command(str(path), cfg, nproc=2, gpus=[6, 7])
     assert cmd.argv[:2] == ["swift", "rlhf"]
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "6,7", "NPROC_PER_NODE": "2",
@@ -105,7 +106,7 @@ def test_grpo_learner_is_swift_rlhf(path):
     assert (_flag(a, "--vllm_mode"), _flag(a, "--vllm_server_host"), _flag(a, "--vllm_server_port")) == \
         ("server", "127.0.0.1", "8080")
     funcs = a[a.index("--reward_funcs") + 1:a.index("--reward_weights")]
-    assert funcs == cfg["rlhf"]["reward_funcs"]
+    assert funcs == cfg.rlhf.reward_funcs
     assert "--vllm_max_model_len" not in a and "--vllm_gpu_memory_utilization" not in a
 
 
@@ -115,7 +116,7 @@ def test_grpo_learner_checks_generation_batch_against_ranks(summary):
 
 
 def test_stage2_learner_is_torchrun():
-    cfg = resolve_yaml(STAGE2)
+    cfg = validate_config(resolve_yaml(STAGE2))
     cmd = learner_command(str(STAGE2), cfg, nproc=2, gpus=[0, 1], extra=["--max-steps", "3"])
     assert cmd.argv == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "trainer",
                         "train", "--config", str(STAGE2), "--max-steps", "3"]
@@ -124,14 +125,16 @@ def test_stage2_learner_is_torchrun():
 
 def test_config_server_urls(summary):
     assert config_server_urls(summary) == ["http://127.0.0.1:8080"]
-    stage2 = {"custom": {"extra": {"rollout_matching": {"vllm": {
-        "mode": "server", "server": {"servers": [{"base_url": "http://127.0.0.1:8001/"},
-                                                 {"base_url": "http://127.0.0.1:8002"}]}}}}}}
+    template = resolve_yaml(STAGE2)
+
+    def server_mode(server: dict):
+        return validate_config(deep_merge(template, {"custom": {"extra": {"rollout_matching": {"vllm": {
+            "mode": "server", "server": server}}}}}))
+
+    stage2 = server_mode({"servers": [{"base_url": "http://127.0.0.1:8001/"}, {"base_url": "http://127.0.0.1:8002"}]})
     assert config_server_urls(stage2) == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
-    legacy = {"custom": {"extra": {"rollout_matching": {"vllm": {
-        "mode": "server", "server": {"host": ["127.0.0.1"], "port": [9000]}}}}}}
-    assert config_server_urls(legacy) == ["http://127.0.0.1:9000"]
-    assert config_server_urls(resolve_yaml(STAGE2)) == []
+    assert config_server_urls(server_mode({"host": ["127.0.0.1"], "port": [9000]})) == ["http://127.0.0.1:9000"]
+    assert config_server_urls(validate_config(template)) == []
 
 
 @pytest.mark.parametrize("text,err", [("", "comma-separated"), ("0,,1", "comma-separated"), ("a", "'a' is not"),

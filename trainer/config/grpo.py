@@ -182,8 +182,10 @@ class GrpoSections:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def pick(cfg: Any, dotted: str, default: Any = None) -> Any:
-    """``cfg.a.b`` for mappings or attribute objects; ``default`` where any part is absent or ``None``."""
+def _lookup(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """``cfg.a.b`` for mappings or attribute objects; ``default`` where any part is absent or ``None``. Private to
+    the schema: ``grpo_sections`` also reads a raw mapping (``check_grpo`` on a config not validated yet); every
+    other module takes the typed config."""
     cur = cfg
     for part in dotted.split("."):
         if cur is None:
@@ -211,16 +213,16 @@ def _as_model(value: Any, model: type[Section], path: str) -> Any:
 
 def grpo_sections(cfg: Any) -> GrpoSections:
     """Typed GRPO sections from a resolved mapping or the typed root config (raises ``ConfigError``)."""
-    rlhf = _as_model(pick(cfg, "rlhf"), RlhfConfig, "rlhf")
+    rlhf = _as_model(_lookup(cfg, "rlhf"), RlhfConfig, "rlhf")
     if rlhf is None:
         raise ConfigError("rlhf", f"required when custom.trainer_variant is {GRPO_VARIANT}")
-    server = _as_model(pick(cfg, "custom.extra.rollout_server"), RolloutServerConfig, "custom.extra.rollout_server")
+    server = _as_model(_lookup(cfg, "custom.extra.rollout_server"), RolloutServerConfig, "custom.extra.rollout_server")
     return GrpoSections(
         rlhf=rlhf,
         rollout_server=server,
-        trainer_variant=pick(cfg, "custom.trainer_variant"),
-        train_type=str(pick(cfg, "tuner.train_type", "full")),
-        per_device_train_batch_size=int(pick(cfg, "training.per_device_train_batch_size", 1)),
+        trainer_variant=_lookup(cfg, "custom.trainer_variant"),
+        train_type=str(_lookup(cfg, "tuner.train_type", "full")),
+        per_device_train_batch_size=int(_lookup(cfg, "training.per_device_train_batch_size", 1)),
     )
 
 

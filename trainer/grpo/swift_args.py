@@ -1,6 +1,7 @@
 """Our config → ms-swift arguments: ``swift rlhf`` (``RLHFArguments``) for the learner and ``swift rollout``
-(``RolloutArguments``) for the server. Pure functions; ``tests/grpo`` proves the mapping by constructing
-ms-swift's own argument classes from these values.
+(``RolloutArguments``) for the server. Pure functions of the validated config (``trainer.config.schema.TrainConfig``,
+read by attribute); ``tests/grpo`` proves the mapping by constructing ms-swift's own argument classes from these
+values.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.errors import ConfigError
-from trainer.config.grpo import IGNORED_IN_SERVER_MODE, GrpoSections, grpo_sections, pick, server_endpoint
+from trainer.config.grpo import IGNORED_IN_SERVER_MODE, GrpoSections, grpo_sections, server_endpoint
+from trainer.config.schema import TrainConfig
 
 PLUGIN_FILE = Path(__file__).with_name("swift_plugin.py")
 
@@ -24,58 +26,56 @@ _SERVER_CONNECTION_KEYS = frozenset({"vllm_server_host", "vllm_server_port", "vl
                                      "vllm_server_group_port"})
 
 
-def model_path(cfg: Any) -> str:
-    path = pick(cfg, "model.path")
+def model_path(cfg: TrainConfig) -> str:
+    path = cfg.model.path
     if not path:
         raise ConfigError("model.path", "summary GRPO runs through ms-swift, which loads a local model directory; "
                                         "set model.path (model.tiny is for the stage-2 trainer only)")
     return str(path)
 
 
-def _tuner_arguments(cfg: Any) -> dict[str, Any]:
-    train_type = pick(cfg, "tuner.train_type", "full")
-    out: dict[str, Any] = {"tuner_type": "full" if train_type == "full" else "lora"}
-    if train_type in ("lora", "dora"):
-        targets = pick(cfg, "tuner.target_modules", "all-linear")
-        out.update(use_dora=train_type == "dora", lora_rank=pick(cfg, "tuner.lora_rank", 8),
-                   lora_alpha=pick(cfg, "tuner.lora_alpha", 16), lora_dropout=pick(cfg, "tuner.lora_dropout", 0.0),
-                   target_modules=[targets] if isinstance(targets, str) else list(targets))
-    out["freeze_vit"] = bool(pick(cfg, "tuner.freeze_vit", True))
-    out["freeze_aligner"] = bool(pick(cfg, "tuner.freeze_aligner", True))
+def _tuner_arguments(cfg: TrainConfig) -> dict[str, Any]:
+    t = cfg.tuner
+    out: dict[str, Any] = {"tuner_type": "full" if t.train_type == "full" else "lora"}
+    if t.train_type in ("lora", "dora"):
+        targets = t.target_modules
+        out.update(use_dora=t.train_type == "dora", lora_rank=t.lora_rank, lora_alpha=t.lora_alpha,
+                   lora_dropout=t.lora_dropout, target_modules=[targets] if isinstance(targets, str) else list(targets))
+    out["freeze_vit"] = t.freeze_vit
+    out["freeze_aligner"] = t.freeze_aligner
     return out
 
 
-def _training_arguments(cfg: Any) -> dict[str, Any]:
-    out = {k: pick(cfg, f"training.{k}") for k in _TRAINING_KEYS}
-    max_steps = pick(cfg, "training.max_steps", -1)
-    if max_steps and max_steps > 0:
-        out["max_steps"] = max_steps
-    save_steps = pick(cfg, "training.save_steps", 0)
-    if save_steps:
-        out["save_steps"] = save_steps
+def _training_arguments(cfg: TrainConfig) -> dict[str, Any]:
+    t = cfg.training
+    out = {k: getattr(t, k) for k in _TRAINING_KEYS}
+    if t.max_steps > 0:
+        out["max_steps"] = t.max_steps
+    if t.save_steps:
+        out["save_steps"] = t.save_steps
     else:
         out["save_strategy"] = "no"
-    out["bf16"] = bool(pick(cfg, "training.bf16", False))
-    report = [r for r in pick(cfg, "training.report_to", ["tensorboard"]) if r != "jsonl"]
+    out["bf16"] = t.bf16
+    report = [r for r in t.report_to if r != "jsonl"]
     out["report_to"] = report or ["none"]
     out["eval_strategy"] = "no"
     out["check_model"] = False  # ms-swift would ask the ModelScope hub whether a local model is outdated
     return out
 
 
-def rlhf_arguments(cfg: Any) -> dict[str, Any]:
+def rlhf_arguments(cfg: TrainConfig) -> dict[str, Any]:
     """``RLHFArguments`` keyword arguments for the learner (``None`` values left out = ms-swift defaults)."""
     s = grpo_sections(cfg)
     out: dict[str, Any] = {"model": model_path(cfg)}
-    out.update(_pick_model_args(cfg, s))
+    out.update(_model_arguments(cfg, s))
     out.update(_tuner_arguments(cfg))
     out.update(_training_arguments(cfg))
-    train_jsonl = pick(cfg, "data.train_jsonl")
+    train_jsonl = cfg.data.train_jsonl
     if not train_jsonl:
         raise ConfigError("data.train_jsonl", "summary GRPO reads a JSONL dataset (messages, images, summary_ref, "
                                               "metadata); write one with python -m trainer.grpo.summary_data")
     out["dataset"] = [str(train_jsonl)]
-    out["system"] = pick(cfg, "data.system_prompt")
+    out["system"] = cfg.data.system_prompt
     server_mode = s.rlhf.vllm_mode == "server"
     for key, value in s.rlhf.model_dump().items():
         if key in _RLHF_OWN_KEYS or (server_mode and key in IGNORED_IN_SERVER_MODE):
@@ -88,12 +88,12 @@ def rlhf_arguments(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _pick_model_args(cfg: Any, s: GrpoSections) -> dict[str, Any]:
+def _model_arguments(cfg: TrainConfig, s: GrpoSections) -> dict[str, Any]:
     return {"model_type": s.rlhf.model_type, "template": s.rlhf.template,
-            "torch_dtype": pick(cfg, "model.torch_dtype"), "attn_impl": pick(cfg, "model.attn_implementation")}
+            "torch_dtype": cfg.model.torch_dtype, "attn_impl": cfg.model.attn_implementation}
 
 
-def rollout_arguments(cfg: Any, model: str | None = None, host: str | None = None,
+def rollout_arguments(cfg: TrainConfig, model: str | None = None, host: str | None = None,
                       port: int | None = None) -> dict[str, Any]:
     """``RolloutArguments`` keyword arguments for ``swift rollout`` from ``custom.extra.rollout_server``."""
     s = grpo_sections(cfg)
@@ -102,7 +102,7 @@ def rollout_arguments(cfg: Any, model: str | None = None, host: str | None = Non
         raise ConfigError("custom.extra.rollout_server", "required to launch swift rollout from this config")
     cfg_host, cfg_port = server_endpoint(s)
     out: dict[str, Any] = {"model": model or model_path(cfg)}
-    out.update(_pick_model_args(cfg, s))
+    out.update(_model_arguments(cfg, s))
     out.pop("attn_impl")
     out.update(host=host or cfg_host, port=port or cfg_port,
                vllm_tensor_parallel_size=rs.vllm_tensor_parallel_size,

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from trainer.config.errors import ConfigError, ConfigErrors
 from trainer.config.grpo import GRPO_VARIANT
 from trainer.config.loader import resolve_yaml
+from trainer.config.schema import TrainConfig, validate_config
 from trainer.launch.commands import (
     LaunchCommand,
     ServerOptions,
@@ -42,17 +42,13 @@ def _say(msg: str) -> None:
     print(f"launch: {msg}", file=sys.stderr, flush=True)
 
 
-def _load(path: str) -> dict[str, Any]:
-    """The resolved config mapping, after the full schema check (every problem listed with its key path;
-    GRPO warnings such as ignored ``rlhf.vllm_*`` fields are logged by the schema)."""
-    from trainer.config.schema import validate_config
-
-    config = resolve_yaml(path)
+def _load(path: str) -> TrainConfig:
+    """The validated, typed config (every problem listed with its key path; GRPO warnings such as ignored
+    ``rlhf.vllm_*`` fields are logged by the schema). The launchers read it by attribute."""
     try:
-        validate_config(config, source=path)
+        return validate_config(resolve_yaml(path), source=path)
     except ConfigErrors as exc:
         raise ConfigError("", str(exc)) from None
-    return config
 
 
 def _exec(cmd: LaunchCommand) -> int:
@@ -101,8 +97,8 @@ def run_learner(args: argparse.Namespace) -> int:
         config = _load(args.config)
         gpus = parse_gpus(args.gpus) if args.gpus else None
         if gpus is None and trainer_variant(config) == GRPO_VARIANT:
-            listed = (((config.get("custom") or {}).get("extra") or {}).get("rollout_server") or {}).get("learner_gpus")
-            gpus = list(listed) if listed else None
+            rs = config.custom.extra.rollout_server
+            gpus = list(rs.learner_gpus) if rs is not None and rs.learner_gpus else None
         nproc = args.nproc_per_node or (len(gpus) if gpus else 1)
         if gpus is not None and nproc != len(gpus):
             raise ConfigError("--nproc-per-node", f"{nproc} process(es) for {len(gpus)} GPU(s) {gpus}; "

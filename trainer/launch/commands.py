@@ -1,5 +1,6 @@
 """Pure builders for the commands the launchers exec: ``swift rollout``, ``python -m trainer serve``,
-``swift rlhf`` (summary GRPO) and ``torchrun … -m trainer train`` (stage 2)."""
+``swift rlhf`` (summary GRPO) and ``torchrun … -m trainer train`` (stage 2). ``config`` is always the validated
+``TrainConfig`` (``trainer.config.schema.validate_config``), read by attribute."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 from trainer.config.errors import ConfigError
-from trainer.config.grpo import GRPO_VARIANT, grpo_sections, pick, server_endpoint, server_urls
+from trainer.config.grpo import GRPO_VARIANT, grpo_sections, server_endpoint, server_urls
+from trainer.config.schema import TrainConfig
 from trainer.grpo.schema_tree import SCHEMA_DATASET_ENV
 from trainer.grpo.swift_args import rlhf_arguments, rollout_arguments, to_argv
 from trainer.launch.gpus import visible_devices
@@ -56,19 +57,20 @@ def _gpu_env(gpus: list[int] | None) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": visible_devices(gpus)} if gpus is not None else {}
 
 
-def server_endpoint_for(opts: ServerOptions, config: dict[str, Any] | None = None) -> tuple[str, int]:
+def server_endpoint_for(opts: ServerOptions, config: TrainConfig | None = None) -> tuple[str, int]:
     """Where the server will listen: flags, else the GRPO config's rollout server, else 127.0.0.1:8000."""
     host, port = DEFAULT_HOST, DEFAULT_PORT
-    if config is not None and pick(config, "rlhf") is not None:
+    if config is not None and config.rlhf is not None:
         host, port = server_endpoint(grpo_sections(config))
     return opts.host or host, opts.port or port
 
 
-def swift_rollout_command(opts: ServerOptions, config: dict[str, Any] | None = None) -> LaunchCommand:
+def swift_rollout_command(opts: ServerOptions, config: TrainConfig | None = None) -> LaunchCommand:
     """``swift rollout`` from ``custom.extra.rollout_server`` (when ``config`` is given) with flags overriding it."""
     if config is not None:
         args = rollout_arguments(config, model=opts.model, host=opts.host, port=opts.port)
-        gpus = opts.gpus if opts.gpus is not None else pick(config, "custom.extra.rollout_server.gpus")
+        rs = config.custom.extra.rollout_server
+        gpus = opts.gpus if opts.gpus is not None else (rs.gpus if rs is not None else None)
     else:
         if not opts.model:
             raise ConfigError("--model", "swift rollout needs --model DIR (or --config with model.path)")
@@ -92,7 +94,7 @@ def swift_rollout_command(opts: ServerOptions, config: dict[str, Any] | None = N
     return LaunchCommand(["swift", "rollout", *to_argv(args), *opts.extra], _gpu_env(gpus))
 
 
-def trainer_serve_command(opts: ServerOptions, config: dict[str, Any] | None = None) -> LaunchCommand:
+def trainer_serve_command(opts: ServerOptions, config: TrainConfig | None = None) -> LaunchCommand:
     """``python -m trainer serve`` (our rollout server) with the engine flags it understands; a config supplies
     the endpoint (GRPO rollout server) and ``model.path`` for engines that load a model."""
     if opts.data_parallel_size not in (None, 1):
@@ -100,7 +102,7 @@ def trainer_serve_command(opts: ServerOptions, config: dict[str, Any] | None = N
                                                   f"{opts.data_parallel_size}); run one server per GPU group, or "
                                                   "use --engine swift")
     host, port = server_endpoint_for(opts, config)
-    model = opts.model or (pick(config, "model.path") if config is not None and opts.engine != "scripted" else None)
+    model = opts.model or (config.model.path if config is not None and opts.engine != "scripted" else None)
     argv = [sys.executable, "-m", "trainer", "serve", "--engine", opts.engine, "--host", host, "--port", str(port)]
     if model:
         argv += ["--model", str(model)]
@@ -116,28 +118,27 @@ def trainer_serve_command(opts: ServerOptions, config: dict[str, Any] | None = N
     return LaunchCommand(argv + list(opts.extra), _gpu_env(opts.gpus))
 
 
-def server_command(opts: ServerOptions, config: dict[str, Any] | None = None) -> LaunchCommand:
+def server_command(opts: ServerOptions, config: TrainConfig | None = None) -> LaunchCommand:
     if opts.engine == "swift":
         return swift_rollout_command(opts, config)
     return trainer_serve_command(opts, config)
 
 
-def trainer_variant(config: dict[str, Any]) -> str:
-    return str(pick(config, "custom.trainer_variant", "rollout_matching_sft"))
+def trainer_variant(config: TrainConfig) -> str:
+    return config.custom.trainer_variant
 
 
-def config_server_urls(config: dict[str, Any]) -> list[str]:
+def config_server_urls(config: TrainConfig) -> list[str]:
     """The rollout servers a config's learner talks to (GRPO: ``rlhf.vllm_server_*``; stage 2: ``vllm.server``)."""
     if trainer_variant(config) == GRPO_VARIANT:
-        return server_urls(grpo_sections(config)) if pick(config, "rlhf.vllm_mode") == "server" else []
-    server = pick(config, "custom.extra.rollout_matching.vllm.server", {})
-    if pick(config, "custom.extra.rollout_matching.vllm.mode") != "server":
+        return server_urls(grpo_sections(config)) if config.rlhf is not None and config.rlhf.vllm_mode == "server" else []
+    rm = config.custom.extra.rollout_matching
+    if rm is None or rm.vllm.mode != "server":
         return []
-    urls = [str(s.get("base_url", "")).rstrip("/") for s in server.get("servers") or [] if isinstance(s, dict)]
-    return urls or [f"http://{h}:{p}" for h, p in zip(server.get("host") or [], server.get("port") or [])]
+    return rm.vllm.server.base_urls()
 
 
-def learner_command(config_path: str, config: dict[str, Any], nproc: int, gpus: list[int] | None,
+def learner_command(config_path: str, config: TrainConfig, nproc: int, gpus: list[int] | None,
                     extra: list[str] | None = None) -> LaunchCommand:
     """``swift rlhf`` for ``grpo_summary`` configs, else ``torchrun -m trainer train`` (stage 2)."""
     extra = list(extra or [])
@@ -151,7 +152,7 @@ def learner_command(config_path: str, config: dict[str, Any], nproc: int, gpus: 
                               f"{gbs} must be divisible by per_device_train_batch_size × nproc_per_node = "
                               f"{s.per_device_train_batch_size} × {nproc} = {global_batch}")
         env["NPROC_PER_NODE"] = str(nproc)
-        train_jsonl = pick(config, "data.train_jsonl")
+        train_jsonl = config.data.train_jsonl
         if train_jsonl:
             env[SCHEMA_DATASET_ENV] = os.path.abspath(str(train_jsonl))
         return LaunchCommand(["swift", "rlhf", *to_argv(rlhf_arguments(config)), *extra], env)
