@@ -41,6 +41,8 @@ OPTIONS = {
     "kueue": {"gang": {"queueName": "gpu-queue"}},
     "jobset": {"gang": {"queueName": "gpu-queue", "jobSet": {"enabled": True, "maxRestarts": 2}}},
     "other-ports": {"ports": {"base": 12000, "blockSize": 250}},
+    "metrics": {"metrics": {"enabled": True, "learnerPort": 9400,
+                            "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}},
     "nccl-multinode": {"nccl": {"hostIPC": True, "env": {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "0"}}},
 }
 
@@ -69,8 +71,12 @@ def _env(pod):
 
 
 def _validate(docs):
-    """Built-in kinds against the Kubernetes schemas; a JobSet's Jobs as Jobs (the CRD schema is not shipped)."""
-    builtin = [d for d in docs if d["kind"] != "JobSet"]
+    """Built-in kinds against the Kubernetes schemas; a JobSet's Jobs as Jobs (the CRD schema is not shipped); a
+    PodMonitor (CRD, not shipped either) by ``_check_pod_monitor``."""
+    builtin = [d for d in docs if d["kind"] not in ("JobSet", "PodMonitor")]
+    for d in docs:
+        if d["kind"] == "PodMonitor":
+            _check_pod_monitor(d)
     for d in docs:
         if d["kind"] == "JobSet":
             builtin += [{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": rj["name"], **rj["template"].get("metadata", {})},
@@ -90,7 +96,7 @@ def test_every_topology_with_every_option_lints_validates_and_is_coherent(values
 
 # --- ports ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("option", ["defaults", "other-ports", "jobset", "no-lifecycle"])
+@pytest.mark.parametrize("option", ["defaults", "other-ports", "jobset", "no-lifecycle", "metrics"])
 @pytest.mark.parametrize("values_file", ALL_VALUES)
 def test_every_port_any_pod_can_open_is_distinct_across_the_release(values_file, option):
     values, docs = _render(values_file, option)
@@ -355,3 +361,91 @@ def test_no_supervisor_without_lifecycle_or_servers(values_file, option):
     _, docs = _render(values_file, option)
     for d in workload(docs, "rollout-server") + workload(docs, "learner"):
         assert args_of(d)[0] == "launch"
+
+
+# --- metrics ----------------------------------------------------------------------------------------------------
+
+def _check_pod_monitor(pm):
+    """The monitoring.coreos.com/v1 PodMonitor fields the chart uses, by the CRD's rules."""
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(pm["spec"]) == {"selector", "podMetricsEndpoints"}
+    assert pm["spec"]["selector"]["matchLabels"]
+    for ep in pm["spec"]["podMetricsEndpoints"]:
+        assert set(ep) <= {"portNumber", "path", "interval", "scrapeTimeout", "relabelings"}
+        assert isinstance(ep["portNumber"], int) and 1 <= ep["portNumber"] <= 65535 and ep["path"] == "/metrics"
+        assert re.fullmatch(r"[0-9]+(ms|s|m|h)", ep["interval"])
+        for r in ep["relabelings"]:
+            assert r["action"] == "keep" and all(re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", x) for x in r["sourceLabels"])
+
+
+@pytest.mark.parametrize("values_file", ALL_VALUES)
+def test_metrics_off_by_default(values_file):
+    _, docs = _render(values_file, "defaults")
+    assert not [d for d in docs if d["kind"] == "PodMonitor"]
+    for _, _, pod in _gpu_pods(docs):
+        c = pod["spec"]["containers"][0]
+        assert "--metrics-port" not in c["args"] and "POD_IP" not in [e["name"] for e in c["env"]]
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and "train.yaml" in d.get("data", {}))
+    assert "metrics_port" not in (yaml.safe_load(cm["data"]["train.yaml"]).get("training") or {})
+
+
+@pytest.mark.parametrize("values_file", ALL_VALUES)
+def test_metrics_ports_pod_monitor_and_learner_exporter(values_file):
+    values, docs = _render(values_file, "metrics")
+    (pm,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    _check_pod_monitor(pm)
+    assert pm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    pods = _gpu_pods(docs)
+    servers = [(n, p) for n, c, p in pods if c == "rollout-server"]
+    expected = []
+    for _, pod in servers:
+        c = pod["spec"]["containers"][0]
+        args = [str(a) for a in c["args"]]
+        port = int(flag(args, "--port"))
+        assert int(flag(args, "--metrics-port")) == port + 1000
+        assert flag(args, "--metrics-host") == "$(POD_IP)"  # the kubelet expands it from the downward API
+        assert args[args.index("--metrics-port") - 1] == "--" and args.count("--") == 1 + ("supervise" in args)
+        env = {e["name"]: e for e in c["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        expected.append((port + 1000, pod["metadata"]["labels"]["rollout-matching/server-index"]))
+    eps = pm["spec"]["podMetricsEndpoints"]
+    assert [(e["portNumber"], e["relabelings"][0]["regex"]) for e in eps[:len(servers)]] == expected
+    assert eps[-1]["portNumber"] == 9400 and eps[-1]["relabelings"][0]["regex"] == "learner"
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and "train.yaml" in d.get("data", {}))
+    training = yaml.safe_load(cm["data"]["train.yaml"])["training"]
+    assert training["metrics_port"] == 9400 and training["metrics_host"] == "${POD_IP}"
+    assert {c.what for c in port_claims(docs)} >= {"metrics training.metrics_port"} | (
+        {"metrics --metrics-port"} if servers else set())
+    assert check_ports(docs) == []
+
+
+def test_metrics_on_loopback_without_pod_monitor_or_learner_port():
+    _, docs = _render("values-3v1.yaml", "defaults")
+    values = deep_merge(load_values("values-3v1.yaml"), {"metrics": {"enabled": True, "host": "127.0.0.1"}})
+    docs = manifests_of(render_chart(values))
+    assert not [d for d in docs if d["kind"] == "PodMonitor"]
+    for _, _, pod in _gpu_pods(docs):
+        c = pod["spec"]["containers"][0]
+        assert "POD_IP" not in [e["name"] for e in c["env"]]
+        if "--metrics-host" in c["args"]:
+            assert flag([str(a) for a in c["args"]], "--metrics-host") == "127.0.0.1"
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and "train.yaml" in d.get("data", {}))
+    assert "metrics_port" not in (yaml.safe_load(cm["data"]["train.yaml"]).get("training") or {})
+
+
+@pytest.mark.parametrize("values,expected", [
+    ({"metrics": {"podMonitor": {"enabled": True}}}, "metrics.podMonitor.enabled needs metrics.enabled"),
+    ({"metrics": {"enabled": True, "serverPortOffset": 12050}}, "lies in the internal port blocks"),
+    ({"rolloutServer": {"instances": [{"port": 8000, "gpus": [0]}, {"port": 9000, "gpus": [2]}]},
+      "metrics": {"enabled": True}}, "is the HTTP port of"),
+])
+def test_metrics_port_rules_fail_the_render(values, expected):
+    with pytest.raises(Exception) as err:
+        render_chart(values)
+    assert expected in str(err.value)
+
+
+def test_metrics_schema_rejects_unknown_keys():
+    with pytest.raises(Exception) as err:
+        render_chart({"metrics": {"serviceMonitor": {"enabled": True}}})
+    assert "metrics" in str(err.value)

@@ -96,9 +96,10 @@ def test_docker_run_help_works(images, docker_client, role):
 
 
 def test_stub_server_container_speaks_the_rollout_protocol(images):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     server = (DockerContainer(images["rollout-server"])
-              .with_command(["serve", "--engine", "scripted", "--host", "127.0.0.1", "--port", str(port)])
+              .with_command(["serve", "--engine", "scripted", "--host", "127.0.0.1", "--port", str(port),
+                             "--metrics-port", str(metrics_port)])
               .with_kwargs(network_mode="host", read_only=True)
               .with_tmpfs_mount("/tmp").with_tmpfs_mount("/home/app/.cache"))
     url = f"http://127.0.0.1:{port}"
@@ -116,6 +117,13 @@ def test_stub_server_container_speaks_the_rollout_protocol(images):
             assert response["prompt_token_ids"] and 1 <= len(choice["token_ids"]) <= 8
             assert choice["finish_reason"] in ("stop", "length")
         assert answers[0] != answers[1], "different prompts, same answer"
+        # Prometheus metrics: on the API port (/metrics) and on --metrics-port, the same registry
+        for scraped in (httpx.get(f"{url}/metrics", timeout=10), httpx.get(f"http://127.0.0.1:{metrics_port}/metrics",
+                                                                         timeout=10)):
+            assert scraped.status_code == 200 and scraped.headers["content-type"].startswith("text/plain")
+            assert "rm_server_rollout_requests_total 3.0" in scraped.text, scraped.text[:3000]
+            assert 'rm_server_http_requests_total{endpoint="/infer/",status="200"} 1.0' in scraped.text
+            assert "rm_server_infer_latency_seconds_count 1.0" in scraped.text
         health = server.exec(["python", "-m", "trainer.deploy.healthcheck"])
         assert health.exit_code == 0, health.output
         wrapped = server.get_wrapped_container()

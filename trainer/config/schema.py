@@ -126,6 +126,10 @@ class TrainingConfig(Section):
     packing_buffer: int = Field(256, ge=1)
     packing_min_fill_ratio: float = Field(0.65, ge=0.0, le=1.0)
     packing_drop_last: bool = True
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="serve the learner's Prometheus metrics "
+                                     "(step timers, rollout counts, quarantines) on this port; null: off")
+    metrics_host: str = Field("127.0.0.1", description="bind address of metrics_port (environment variables such "
+                                                       "as ${POD_IP} are expanded)")
 
 
 class Stage1Config(Section):

@@ -150,6 +150,9 @@ def port_claims(manifests: list[dict[str, Any]]) -> list[PortClaim]:
         if w.component == "rollout-server" and w.arg("--port"):
             port = int(w.arg("--port"))
             claims.append(PortClaim(port, port, owner, "HTTP --port"))
+        if w.component == "rollout-server" and w.arg("--metrics-port"):
+            port = int(w.arg("--metrics-port"))
+            claims.append(PortClaim(port, port, owner, "metrics --metrics-port"))
         exact = {int(env[k]) for k in EXACT_PORT_ENV if env.get(k)}
         claims += [PortClaim(p, p, owner, "rendezvous (" + "/".join(k for k in EXACT_PORT_ENV if env.get(k) == str(p)) + ")")
                    for p in sorted(exact)]
@@ -161,7 +164,14 @@ def port_claims(manifests: list[dict[str, Any]]) -> list[PortClaim]:
             claims.append(PortClaim(port, max(port, block[1]) if block else port, owner, "VLLM_PORT (vLLM scans upward)"))
         if w.component == "learner":
             claims += [PortClaim(p, p, owner, "weight-sync group port") for p in _group_ports(_train_config(manifests), n_servers)]
+            metrics_port = ((_train_config(manifests) or {}).get("training") or {}).get("metrics_port")
+            if metrics_port:
+                claims.append(PortClaim(int(metrics_port), int(metrics_port), owner, "metrics training.metrics_port"))
     return claims
+
+
+#: ports the operator picks outside the port blocks
+OUTSIDE_BLOCKS = ("HTTP --port", "metrics --metrics-port", "metrics training.metrics_port")
 
 
 def check_ports(manifests: list[dict[str, Any]]) -> list[str]:
@@ -171,7 +181,7 @@ def check_ports(manifests: list[dict[str, Any]]) -> list[str]:
     claims = port_claims(manifests)
     for c in claims:
         block = blocks.get(c.owner)
-        if block and c.what != "HTTP --port" and not (block[0] <= c.first and c.last <= block[1]):
+        if block and c.what not in OUTSIDE_BLOCKS and not (block[0] <= c.first and c.last <= block[1]):
             problems.append(f"{c.owner}: {c.what} {c.first}-{c.last} lies outside its port block {block[0]}-{block[1]}")
     for i, a in enumerate(claims):
         for b in claims[i + 1:]:

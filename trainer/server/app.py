@@ -29,11 +29,12 @@ from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from trainer.rollout.types import DecodingParams
 from trainer.server.codec import EngineRequestError
 from trainer.server.engines import ServerEngine
+from trainer.server.metrics import CONTENT_TYPE_LATEST, RequestCounterMiddleware, ServerMetrics
 from trainer.server.protocol import (
     InferBody,
     InitCommunicatorBody,
@@ -171,9 +172,13 @@ def decoding_params(cfg: RequestConfigIn | None, default_max_tokens: int) -> Dec
 
 def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_tokens: int = 256,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_inband_bytes: int = DEFAULT_MAX_INBAND_BYTES) -> FastAPI:
-    """The rollout-server app for ``engine``; with ``api_key`` every endpoint but health needs the bearer token."""
+    """The rollout-server app for ``engine``; with ``api_key`` every endpoint but health needs the bearer token.
+    Its Prometheus metrics (``trainer.server.metrics``) are ``app.state.metrics`` and ``GET /metrics``."""
     runner = EngineRunner()
     updates: list[dict[str, Any]] = []
+    metrics = ServerMetrics(engine.kind, engine.model_name)
+    metrics.set_version(getattr(engine, "weights_version", None))
+    nccl_pending: dict[str, str] = {}  # kind -> NCCL updates received, accepted once weights are processed
 
     def require_key(request: Request) -> None:
         if api_key is None:
@@ -193,7 +198,10 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
                   lifespan=lifespan)
     app.state.engine = engine
     app.state.updates = updates
+    app.state.metrics = metrics
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes, inband_limit=max_inband_bytes)
+    routes: set[str] = set()  # filled once every route is declared
+    app.add_middleware(RequestCounterMiddleware, metrics=metrics, routes=routes)
     guarded = [Depends(require_key)]
 
     @app.exception_handler(EngineRequestError)
@@ -203,6 +211,8 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
     @app.exception_handler(WeightUpdateRefused)
     async def _refused(_: Request, exc: WeightUpdateRefused):
         log.warning("%s", exc)
+        metrics.refused.inc()
+        nccl_pending.clear()
         return JSONResponse({"detail": str(exc), "tensor": exc.tensor, "reason": exc.reason}, status_code=422)
 
     @app.exception_handler(RequestValidationError)
@@ -217,6 +227,11 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
 
     def record(endpoint: str, transport: str, kind: str, **extra: Any) -> None:
         updates.append({"endpoint": endpoint, "transport": transport, "kind": kind, "time": time.time(), **extra})
+
+    def nccl_done() -> None:
+        """The NCCL updates received since the last check went through the engine's checks: accepted."""
+        for kind in list(nccl_pending):
+            metrics.accepted(nccl_pending.pop(kind), kind, getattr(engine, "weights_version", None))
 
     @app.get("/health/")
     @app.get("/health")
@@ -242,7 +257,16 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
             raise EngineRequestError("adapter_request is not supported; sync the adapter with the weight-update endpoints")
         params = decoding_params(body.request_config, default_max_tokens)
         requests = [engine.encode(r, i) for i, r in enumerate(body.infer_requests)]
-        results = await runner.call(lambda: engine.generate(requests, params)) if requests else []
+        start = time.perf_counter()
+        metrics.in_flight.inc()
+        try:
+            results = await runner.call(lambda: engine.generate(requests, params)) if requests else []
+        finally:
+            metrics.in_flight.dec()
+            metrics.infer_latency.observe(time.perf_counter() - start)
+        metrics.rollout_requests.inc(len(results))
+        metrics.prompt_tokens.inc(sum(len(res.prompt_token_ids) for res in results))
+        metrics.generated_tokens.inc(sum(len(res.response_token_ids) for res in results))
         return [rollout_output(engine.model_name, list(res.prompt_token_ids), list(res.response_token_ids),
                                res.finish_reason, engine.decode_text(res.response_token_ids), res.extra)
                 for res in results]
@@ -265,6 +289,7 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
     async def update_named_param(body: UpdateNamedParamBody):
         runner.fire(lambda: engine.nccl_receive_named(body.name, body.dtype, body.shape))
         record("update_named_param", "nccl", "full", num_tensors=1)
+        nccl_pending["full"] = "nccl"
         return {"message": "Request received, updating named parameter"}
 
     @app.post("/update_flattened_params/", dependencies=guarded)
@@ -272,6 +297,7 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         metas = [m.model_dump() for m in body.metadatas]
         runner.fire(lambda: engine.nccl_receive_flattened(metas))
         record("update_flattened_params", "nccl", "full", num_tensors=len(metas), bytes=metas[-1]["end_idx"])
+        nccl_pending["full"] = "nccl"
         return {"message": "Request received, updating flattened parameters"}
 
     @app.post("/update_adapter_flattened_param/", dependencies=guarded)
@@ -281,16 +307,19 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         metas = [m.model_dump() for m in body.metadatas]
         runner.fire(lambda: engine.nccl_receive_adapter(body.peft_config, metas))
         record("update_adapter_flattened_param", "nccl", "adapter", num_tensors=len(metas), bytes=metas[-1]["end_idx"])
+        nccl_pending["adapter"] = "nccl"
         return {"message": "Request received, updating adapter parameter"}
 
     @app.post("/process_weights_after_loading/", dependencies=guarded)
     async def process_weights_after_loading():
         await runner.call(engine.finish_weights)
+        nccl_done()
         return {"message": "Weights processed after loading"}
 
     @app.post("/reset_prefix_cache/", dependencies=guarded)
     async def reset_prefix_cache():
         ok = await runner.call(engine.reset_prefix_cache)
+        nccl_done()  # an adapter sync ends here (it has no process_weights_after_loading)
         return {"message": f"Request received, resetting prefix cache status: {ok}"}
 
     @app.post("/reset_encoder_cache/", dependencies=guarded)
@@ -323,6 +352,7 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         else:
             await runner.call(lambda: engine.load_full(tensors))
         record("rm/update_weights_inband", "inband", kind, num_tensors=len(tensors), bytes=len(blob))
+        metrics.accepted("inband", kind, getattr(engine, "weights_version", None))
         return {"message": f"{kind} weights loaded", "num_tensors": len(tensors)}
 
     @app.get("/rm/info/", dependencies=guarded)
@@ -340,6 +370,13 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
             raise EngineRequestError(f"the {engine.kind} engine does not report weight checksums")
         return {"checksums": await runner.call(fn)}
 
+    @app.get("/metrics", dependencies=guarded)
+    @app.get("/metrics/", dependencies=guarded)
+    async def prometheus_metrics():
+        """Prometheus text exposition of ``app.state.metrics`` (``trainer.server.metrics``)."""
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    routes.update(r.path for r in app.routes if hasattr(r, "path"))
     return app
 
 

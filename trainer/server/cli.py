@@ -26,6 +26,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-body-mb", type=int, default=64, help="size limit of JSON request bodies")
     p.add_argument("--max-inband-mb", type=int, default=4096, help="size limit of in-band weight payloads")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--metrics-port", type=int,
+                   help="also serve the Prometheus metrics (GET /metrics, no API key) on this port; the main port "
+                        "always serves them at /metrics behind the API key")
+    p.add_argument("--metrics-host", help="bind address of --metrics-port (default: --host)")
     p.add_argument("--dtype", default="auto",
                    help="weights dtype (vllm: passed on; hf: auto = float32, else e.g. bfloat16)")
     p.add_argument("--device", help="hf engine: the device to serve on (e.g. cuda:0; default CPU)")
@@ -117,6 +121,12 @@ def serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, api_key, default_max_tokens=args.default_max_tokens,
                          max_body_bytes=args.max_body_mb * 2**20, max_inband_bytes=args.max_inband_mb * 2**20)
+        if args.metrics_port:
+            from prometheus_client import start_http_server
+
+            host = args.metrics_host or args.host
+            start_http_server(args.metrics_port, addr=host, registry=app.state.metrics.registry)
+            log.info("Prometheus metrics on http://%s:%d/metrics", host, args.metrics_port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from trainer.packing.buffer import PackingBuffer
 from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
 from trainer.sft import deepspeed_config
+from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
 from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
 from trainer.sft.trainer import JsonlMetricsCallback, RolloutMatchingTrainer, SampleDataset
 from trainer.sync.policy import build_weight_sync
@@ -157,6 +159,14 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     weight_sync = build_weight_sync(rm, engine, model)
     write_run_metadata(out, cfg, engine, weight_sync)
     stage2_callbacks = [JsonlMetricsCallback(str(metrics_path), "stage2")]
+    stage1_callbacks = [JsonlMetricsCallback(str(metrics_path), "stage1")]
+    exporter = None
+    if cfg.training.metrics_port and int(os.environ.get("RANK", "0")) == 0:
+        exporter = LearnerMetrics()
+        exporter.watch_fleet(engine)
+        exporter.serve(cfg.training.metrics_port, cfg.training.metrics_host)
+        stage1_callbacks.append(PrometheusCallback(exporter, "stage1"))
+        stage2_callbacks.append(PrometheusCallback(exporter, "stage2"))
     if cfg.data.has_eval_split:
         stage2_callbacks.append(periodic_eval(cfg, pipeline, engine, weight_sync, model, decoding, metrics_path))
     if cfg.stage1.steps > 0 and not resume_from_checkpoint:
@@ -165,7 +175,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             model=model, args=training_arguments(cfg, out / "stage1", max_steps=s1.steps,
                                                  learning_rate=s1.learning_rate, batch_size=s1.batch_size,
                                                  report_to=report, logging_steps=s1.logging_steps),
-            engine=None, target_source="ground_truth", callbacks=[JsonlMetricsCallback(str(metrics_path), "stage1")],
+            engine=None, target_source="ground_truth", callbacks=stage1_callbacks,
             **common)
         warm.train()
     t = cfg.training
@@ -188,6 +198,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
         result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:
         engine.close()
+        if exporter is not None:
+            exporter.close()
     final = out / "final"
     trainer.save_model(str(final))
     summary = RunSummary(str(out), cfg.stage1.steps, trainer.state.global_step, float(result.metrics.get("train_runtime", 0.0)),

@@ -158,6 +158,23 @@ Topology rules the schema cannot express. Fails the render with the offending ke
 {{- fail (printf "rolloutServer.instances[%d]: port %v lies in the internal port blocks %v-%d (ports.base, ports.blockSize); choose a port outside them or move ports.base" $i $inst.port $v.ports.base (sub $portsEnd 1)) -}}
 {{- end -}}
 {{- end -}}
+{{- if and $v.metrics.podMonitor.enabled (not $v.metrics.enabled) -}}
+{{- fail "metrics.podMonitor.enabled needs metrics.enabled (the ports it scrapes)" -}}
+{{- end -}}
+{{- if $v.metrics.enabled -}}
+{{- range $i, $inst := $v.rolloutServer.instances -}}
+{{- $mp := add (int $inst.port) (int $v.metrics.serverPortOffset) -}}
+{{- if gt $mp 65535 -}}
+{{- fail (printf "rolloutServer.instances[%d]: metrics port %d (port + metrics.serverPortOffset) is past 65535" $i $mp) -}}
+{{- end -}}
+{{- if hasKey $seenPorts (toString $mp) -}}
+{{- fail (printf "rolloutServer.instances[%d]: metrics port %d is the HTTP port of %s; change metrics.serverPortOffset" $i $mp (get $seenPorts (toString $mp))) -}}
+{{- end -}}
+{{- if and (ge $mp (int $v.ports.base)) (lt $mp $portsEnd) -}}
+{{- fail (printf "rolloutServer.instances[%d]: metrics port %d lies in the internal port blocks %v-%d; change metrics.serverPortOffset" $i $mp $v.ports.base (sub $portsEnd 1)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if and $v.rolloutServer.instances (not (has $v.rolloutServer.host (list "127.0.0.1" "localhost" "::1"))) -}}
 {{- fail (printf "rolloutServer.host is %s: servers share the node's host network and must bind the loopback (127.0.0.1)" $v.rolloutServer.host) -}}
 {{- end -}}
@@ -202,6 +219,10 @@ The training YAML with the topology written in: server mode and the server list 
 {{- $patch := dict "custom" (dict "extra" (dict "rollout_matching" (dict "rollout_backend" "vllm" "vllm" (dict "mode" "server" "server" (dict "servers" $servers) "sync" (dict "group_port" $groupBase))))) -}}
 {{- $cfg = mustMergeOverwrite $cfg $patch -}}
 {{- end -}}
+{{- end -}}
+{{- if and $v.metrics.enabled (not (kindIs "invalid" $v.metrics.learnerPort)) -}}
+{{- $host := $v.metrics.host | default "${POD_IP}" -}}
+{{- $cfg = mustMergeOverwrite $cfg (dict "training" (dict "metrics_port" (int $v.metrics.learnerPort) "metrics_host" $host)) -}}
 {{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
@@ -260,6 +281,25 @@ securityContext:
 {{- end -}}
 
 {{/* Environment shared by every container: writable caches under emptyDirs, NCCL, user extras. */}}
+{{/* "true" when the servers serve Prometheus metrics on their own port (metrics.enabled, a trainer-serve engine). */}}
+{{- define "rm.serverMetrics" -}}
+{{- if and .Values.metrics.enabled (ne .Values.rolloutServer.engine "swift") .Values.rolloutServer.instances -}}true{{- end -}}
+{{- end -}}
+
+{{/* Bind address of the metrics ports: metrics.host, else the pod IP (from POD_IP, set by rm.metricsEnv). */}}
+{{- define "rm.metricsHost" -}}
+{{- .Values.metrics.host | default "$(POD_IP)" -}}
+{{- end -}}
+
+{{- define "rm.metricsEnv" -}}
+{{- if and .Values.metrics.enabled (not .Values.metrics.host) }}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- end }}
+{{- end -}}
+
 {{- define "rm.commonEnv" -}}
 - name: HOME
   value: /home/app

@@ -78,8 +78,19 @@ spec:
         {{- range $srv.extraArgs }}
         - {{ . | quote }}
         {{- end }}
+        {{- if include "rm.serverMetrics" $root }}
+        {{- if not (has "--" $srv.extraArgs) }}
+        - "--"
+        {{- end }}
+        # Prometheus metrics (metrics.enabled): GET /metrics without the API key on a second port.
+        - --metrics-port
+        - {{ add (int $inst.port) (int $root.Values.metrics.serverPortOffset) | quote }}
+        - --metrics-host
+        - {{ include "rm.metricsHost" $root | quote }}
+        {{- end }}
       env:
         {{- include "rm.commonEnv" $root | nindent 8 }}
+        {{- include "rm.metricsEnv" $root | nindent 8 }}
         {{- include "rm.portEnv" (dict "root" $root "index" $i "role" "server") | trim | nindent 8 }}
         {{- include "rm.gpuEnv" (dict "root" $root "gpus" $inst.gpus) | nindent 8 }}
       {{- include "rm.resources" (dict "root" $root "gpus" $inst.gpus "resources" $srv.resources) | nindent 6 }}
@@ -173,6 +184,7 @@ spec:
         {{- end }}
       env:
         {{- include "rm.commonEnv" . | nindent 8 }}
+        {{- include "rm.metricsEnv" . | nindent 8 }}
         {{- include "rm.portEnv" (dict "root" . "index" $n "role" "learner") | trim | nindent 8 }}
         {{- include "rm.gpuEnv" (dict "root" . "gpus" $l.gpus) | nindent 8 }}
       {{- include "rm.resources" (dict "root" . "gpus" $l.gpus "resources" $l.resources) | nindent 6 }}
