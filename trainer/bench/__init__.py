@@ -7,7 +7,7 @@ One module per benchmark, all building their random-weight models with ``trainer
 * ``rollout``: HF rollout batching and rollout-buffer M-steps (``rollout.json`` / ``.png``);
 * ``weight_sync``: NCCL full-weight sync learner → rollout server (``weight_sync.json``; two GPUs, else a CPU dry run);
 * ``async``: step timeline with and without ``async_rollouts`` against scripted servers with a set decode time
-  (``async_rollouts.json`` / ``.png``; CPU-runnable, not part of ``all``);
+  (``overlap.json`` / ``.png``; CPU-runnable, not part of ``all``);
 * ``vllm``: the vLLM colocate engine vs plain vLLM, colocate / in-band sync GB/s, and (``vllm-step``) a stage-2 step
   with vLLM colocate vs the HF backend (``vllm.json`` / ``.png``; CUDA + vLLM).
 

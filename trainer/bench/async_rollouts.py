@@ -1,7 +1,7 @@
 """Step-timeline benchmark of ``vllm.server.async_rollouts`` (CPU-runnable): real stage-2 training of the tiny model
 in server mode against in-process scripted rollout servers that take ``delay_s`` per ``/infer/`` call, with and
 without overlap. Learner busy / idle (waiting on rollouts) comes from the trainer's timeline, server busy / idle from
-the servers' own decode intervals. Writes ``async_rollouts.json`` and ``async_rollouts.png``::
+the servers' own decode intervals. Writes ``overlap.json`` and ``overlap.png``::
 
     python -m trainer bench --only async            # or: trainer.bench.async_rollouts.run(out_dir)
 
@@ -214,8 +214,8 @@ def run(out_dir: str | Path, delay_s: float | None = None, steps: int = 8, batch
     result["server_idle_fraction_no_overlap"] = result["no_overlap"]["server_idle_fraction"]
     result["server_idle_fraction_overlap"] = result["overlap"]["server_idle_fraction"]
     result["speedup_step_time"] = result["no_overlap"]["step_s_mean"] / result["overlap"]["step_s_mean"]
-    (out / "async_rollouts.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "async_rollouts.png")
+    (out / "overlap.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "overlap.png")
     print(f"async rollouts (decode {delay_s:.2f}s/call): learner idle {100 * result['learner_idle_fraction_no_overlap']:.1f}% "
           f"-> {100 * result['learner_idle_fraction_overlap']:.1f}%, servers idle "
           f"{100 * result['server_idle_fraction_no_overlap']:.1f}% -> {100 * result['server_idle_fraction_overlap']:.1f}%, "
