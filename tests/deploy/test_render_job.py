@@ -11,6 +11,7 @@ from deploy_helpers import REPO, args_of, assert_valid_kubernetes, flag, pod_spe
 from trainer.cli import main
 from trainer.config.errors import ConfigErrors
 from trainer.config.loader import resolve_yaml
+from trainer.config.schema import validate_config
 from trainer.deploy import submit as submit_mod
 from trainer.deploy.checks import check_manifests
 from trainer.deploy.cli import build_manifests
@@ -132,12 +133,16 @@ def test_stage2_server_mode_renders_one_server_job_per_url_and_a_waiting_learner
 
 
 def _grpo_summary_config():
-    """The shape the GRPO configs use (seed 004): rlhf.* connectivity + custom.extra.rollout_server.* sizes."""
+    """The shape the GRPO configs use (seed 004): rlhf.* connectivity + custom.extra.rollout_server.* sizes; a
+    valid config (``validate_config`` accepts it)."""
     return {
         "model": {"path": "/models/Qwen3-VL-4B"},
+        "data": {"train_jsonl": "/data/summary/train.jsonl"},
         "rlhf": {"rlhf_type": "grpo", "use_vllm": True, "vllm_mode": "server",
-                 "vllm_server_host": ["127.0.0.1"], "vllm_server_port": [8080], "vllm_server_timeout": 240},
-        "custom": {"extra": {"rollout_server": {"vllm_tensor_parallel_size": 1, "vllm_data_parallel_size": 6,
+                 "vllm_server_host": ["127.0.0.1"], "vllm_server_port": [8080], "vllm_server_timeout": 240,
+                 "reward_funcs": ["summary.format"]},
+        "custom": {"trainer_variant": "grpo_summary",
+                   "extra": {"rollout_server": {"vllm_tensor_parallel_size": 1, "vllm_data_parallel_size": 6,
                                                 "vllm_max_model_len": 8192, "vllm_gpu_memory_utilization": 0.6,
                                                 "vllm_enable_lora": False}}},
     }
@@ -146,7 +151,7 @@ def _grpo_summary_config():
 def test_grpo_server_mode_is_six_gpu_swift_rollout_plus_two_gpu_learner():
     config = _grpo_summary_config()
     deploy = DeployConfig()
-    manifests = render_manifests(plan_topology(config, deploy, "summary-1024"), deploy, config)
+    manifests = render_manifests(plan_topology(validate_config(config), deploy, "summary-1024"), deploy, config)
     assert_valid_kubernetes(manifests)
     assert check_manifests(manifests, 8) == []
     (server,), (learner,) = workload(manifests, "rollout-server"), workload(manifests, "learner")
@@ -162,29 +167,67 @@ def test_grpo_server_mode_is_six_gpu_swift_rollout_plus_two_gpu_learner():
     assert flag(args_of(learner), "--gpus") == "0,1"
 
 
+def _stage2_servers(*ports):
+    """A valid stage-2 server-mode config (the template's sections) with ``ports`` as its server list."""
+    config = resolve_yaml(TEMPLATE)
+    config["model"] = {"path": "/models/policy"}
+    vllm = config["custom"]["extra"]["rollout_matching"].setdefault("vllm", {})
+    vllm.update(mode="server", server={"servers": [{"base_url": f"http://127.0.0.1:{p}"} for p in ports]})
+    config["custom"]["extra"]["rollout_matching"]["rollout_backend"] = "vllm"
+    return config
+
+
 @pytest.mark.parametrize(
-    ("patch", "key"),
+    ("config", "patch", "key"),
     [
-        ({"rlhf": {"vllm_server_host": ["10.0.0.5"]}}, "rlhf.vllm_server_host"),
-        ({"rlhf": {"vllm_server_port": [8080, 8080], "vllm_server_host": ["127.0.0.1"]}}, "rlhf.vllm_server_host"),
-        ({"deploy_node_gpus": 7}, "deploy.learner.nproc_per_node"),
-        ({"model": {"path": None}}, "deploy.server.model"),
-        ({"deploy_engine": "vllm"}, "deploy.server.engine"),
+        ("stage2", {"custom": {"extra": {"rollout_matching": {"vllm": {"server": {"servers": [
+            {"base_url": "http://10.0.0.5:8000"}]}}}}}}, "custom.extra.rollout_matching.vllm.server.servers"),
+        ("stage2", {"custom": {"extra": {"rollout_matching": {"vllm": {"server": {"servers": [
+            {"base_url": "http://127.0.0.1:8000"}, {"base_url": "http://127.0.0.1:8000"}]}}}}}},
+         "custom.extra.rollout_matching.vllm.server.servers"),
+        ("stage2", {"custom": {"extra": {"rollout_matching": {"vllm": {"server": {"servers": [
+            {"base_url": "http://127.0.0.1"}]}}}}}}, "custom.extra.rollout_matching.vllm.server.servers[0].base_url"),
+        ("grpo", {"deploy_node_gpus": 7}, "deploy.learner.nproc_per_node"),
+        ("grpo", {"model": {"path": None, "tiny": "text"}}, "deploy.server.model"),
+        ("grpo", {"deploy_engine": "vllm"}, "deploy.server.engine"),
     ],
-    ids=["remote-host", "duplicate-port", "too-few-gpus", "no-model", "dp-needs-swift"],
+    ids=["remote-host", "duplicate-port", "no-port", "too-few-gpus", "no-model", "dp-needs-swift"],
 )
-def test_topology_errors_name_the_key(patch, key):
+def test_topology_errors_name_the_key(config, patch, key):
     from trainer.config.errors import ConfigError
     from trainer.config.loader import deep_merge
 
-    config = _grpo_summary_config()
+    patch = dict(patch)
     node_gpus = patch.pop("deploy_node_gpus", 8)
     engine = patch.pop("deploy_engine", "auto")
-    config = deep_merge(config, patch)
+    base = _stage2_servers(8000) if config == "stage2" else _grpo_summary_config()
+    typed = validate_config(deep_merge(base, patch))
     deploy = DeployConfig(node_gpus=node_gpus, learner={"nproc_per_node": 2}, server={"engine": engine})
     with pytest.raises(ConfigError) as err:
-        plan_topology(config, deploy, "x")
+        plan_topology(typed, deploy, "x")
     assert err.value.key_path == key
+
+
+@pytest.mark.parametrize(
+    ("patch", "key", "needle"),
+    [
+        ({"rlhf": {"vllm_server_host": ["10.0.0.5"]}}, "rlhf.vllm_server_host", "requires local hosts"),
+        ({"rlhf": {"vllm_server_port": [8080, 8080], "vllm_server_host": ["127.0.0.1"]}}, "rlhf.vllm_server_port",
+         "give one port per host"),
+        ({"rlhf": {"vllm_server_port": [8080, 8080], "vllm_server_host": ["127.0.0.1", "127.0.0.1"]}},
+         "rlhf.vllm_server_host", "one rollout server"),
+        ({"model": {"path": None}}, "model", "set exactly one of model.path"),
+    ],
+    ids=["remote-host", "port-without-host", "duplicate-port", "no-model"],
+)
+def test_grpo_topology_errors_the_schema_catches_first_name_the_key(patch, key, needle):
+    """GRPO server lists the node cannot run are refused by the schema (``check_grpo``) before any planning; the
+    error still names the key to change."""
+    from trainer.config.loader import deep_merge
+
+    with pytest.raises(ConfigErrors) as err:
+        validate_config(deep_merge(_grpo_summary_config(), patch))
+    assert any(e.key_path == key and needle in e.message for e in err.value.errors), err.value
 
 
 def test_bad_deploy_section_is_reported_with_key_paths(tmp_path, capsys):
@@ -270,7 +313,7 @@ def test_values_are_escaped_not_interpolated():
     config = _grpo_summary_config()
     tricky = 'a: "b"\n- c # {{ not jinja }}'
     deploy = DeployConfig(env={"TRICKY": tricky}, server={"extra_args": ["--flag", tricky]})
-    manifests = render_manifests(plan_topology(config, deploy, "x"), deploy, config)
+    manifests = render_manifests(plan_topology(validate_config(config), deploy, "x"), deploy, config)
     again = list(yaml.safe_load_all(to_yaml(manifests)))
     (server,) = workload(again, "rollout-server")
     env = {e["name"]: e["value"] for e in pod_spec(server)["containers"][0]["env"]}
@@ -286,7 +329,7 @@ def test_config_errors_are_config_errors(tmp_path):
 def test_summary_1024_is_six_gpu_swift_server_and_two_gpu_learner():
     config = resolve_yaml(REPO / "configs" / "summary_1024.yaml")
     deploy = DeployConfig.model_validate(config.get("deploy") or {})
-    topology = plan_topology(config, deploy, "summary-1024")
+    topology = plan_topology(validate_config(config), deploy, "summary-1024")
     manifests = render_manifests(topology, deploy, config)
     assert_valid_kubernetes(manifests)
     assert check_manifests(manifests, deploy.node_gpus) == []

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 
 from tests.grpo.conftest import REPO, SUMMARY_CONFIGS
-from trainer.config.errors import ConfigError
+from trainer.config.errors import ConfigError, ConfigErrors
 from trainer.config.grpo import (
     IGNORED_IN_SERVER_MODE,
     RlhfConfig,
-    RolloutServerConfig,
     check_grpo,
     grpo_sections,
     is_local_host,
@@ -18,13 +17,15 @@ from trainer.config.grpo import (
     validate_grpo,
 )
 from trainer.config.loader import resolve_yaml
+from trainer.config.schema import TrainConfig, validate_config
 
 
 @pytest.mark.parametrize("path", SUMMARY_CONFIGS)
 def test_shipped_configs_resolve_to_server_mode_topology(path):
     cfg = resolve_yaml(REPO / path)
-    assert validate_grpo(cfg) == []
-    s = grpo_sections(cfg)
+    typed = validate_config(cfg, source=path)
+    assert validate_grpo(typed) == []
+    s = grpo_sections(typed)
     assert s.trainer_variant == "grpo_summary"
     r, rs = s.rlhf, s.rollout_server
     assert (r.use_vllm, r.vllm_mode, r.vllm_server_host, r.vllm_server_port) == (True, "server", ["127.0.0.1"], [8080])
@@ -60,9 +61,19 @@ def test_variants_differ_only_in_rewards():
         assert a == b
 
 
+def _typed(cfg: dict) -> TrainConfig:
+    """The typed config ``check_grpo`` reads: field validation only (the schema's other rules not applied)."""
+    return TrainConfig.model_validate(cfg)
+
+
 def _errors(cfg) -> dict[str, str]:
-    """Key path → its messages joined (one key can break several rules)."""
-    errors, _ = check_grpo(cfg)
+    """Key path → its messages joined (one key can break several rules), as ``validate_config`` reports them:
+    field errors from the schema, then the GRPO rules (``check_grpo``) on the typed config."""
+    try:
+        validate_config(cfg)
+        errors = []
+    except ConfigErrors as exc:
+        errors = exc.errors
     out: dict[str, str] = {}
     for e in errors:
         out[e.key_path] = (out[e.key_path] + " | " if e.key_path in out else "") + e.message
@@ -78,7 +89,7 @@ def test_server_mode_requires_rollout_server(summary_cfg):
     errs = _errors(summary_cfg)
     assert "custom.extra.rollout_server" in errs and "required when rlhf.vllm_mode is server" in errs["custom.extra.rollout_server"]
     with pytest.raises(ConfigError) as exc:
-        validate_grpo(summary_cfg)
+        validate_grpo(_typed(summary_cfg))
     assert exc.value.key_path == "custom.extra.rollout_server"
 
 
@@ -182,18 +193,23 @@ def test_server_mode_needs_use_vllm(summary_cfg):
 
 def test_wrong_variant_is_reported(summary_cfg):
     summary_cfg["custom"]["trainer_variant"] = "rollout_matching_sft"
-    assert "grpo_summary" in _errors(summary_cfg)["custom.trainer_variant"]
+    errors, _ = check_grpo(_typed(summary_cfg))
+    assert any(e.key_path == "custom.trainer_variant" and "grpo_summary" in e.message for e in errors)
+    # through the schema, the stage-2 variant's missing section is named, with the variant key that asks for it
+    msg = _errors(summary_cfg)["custom.extra.rollout_matching"]
+    assert "custom.trainer_variant is rollout_matching_sft" in msg
 
 
 def test_missing_rlhf_section():
     with pytest.raises(ConfigError) as exc:
-        validate_grpo({"custom": {"trainer_variant": "grpo_summary"}})
+        validate_grpo(_typed({"model": {"tiny": "text"}, "data": {"train_jsonl": "train.jsonl"},
+                              "custom": {"trainer_variant": "grpo_summary"}}))
     assert exc.value.key_path == "rlhf"
 
 
 def test_fields_ignored_for_external_vllm_are_reported(summary_cfg):
     summary_cfg["rlhf"].update(vllm_max_model_len=4096, vllm_gpu_memory_utilization=0.9, sleep_level=1)
-    warnings = validate_grpo(summary_cfg)
+    warnings = validate_grpo(_typed(summary_cfg))
     assert len(warnings) == 3
     joined = "\n".join(warnings)
     assert "rlhf.vllm_max_model_len=4096 is ignored" in joined
@@ -204,21 +220,15 @@ def test_fields_ignored_for_external_vllm_are_reported(summary_cfg):
 
 def test_colocate_mode_ignores_server_section_with_warning(summary_cfg):
     summary_cfg["rlhf"]["vllm_mode"] = "colocate"
-    errors, warnings = check_grpo(summary_cfg)
+    errors, warnings = check_grpo(_typed(summary_cfg))
     assert errors == [] and any("only used when rlhf.vllm_mode is server" in w for w in warnings)
 
 
-def test_typed_sections_are_accepted_too(summary_cfg):
-    class Obj:
-        def __init__(self, **kw):
-            self.__dict__.update(kw)
-
-    rlhf = RlhfConfig.model_validate(summary_cfg["rlhf"])
-    rs = RolloutServerConfig.model_validate(_rs(summary_cfg))
-    typed = Obj(rlhf=rlhf, custom=Obj(trainer_variant="grpo_summary", extra=Obj(rollout_server=rs)),
-                tuner=Obj(train_type="dora"), training=Obj(per_device_train_batch_size=4))
+def test_rules_read_the_typed_config(summary_cfg):
+    typed = validate_config(summary_cfg)
     assert validate_grpo(typed) == []
-    rs.learner_gpus = [0, 6]
+    assert grpo_sections(typed).rlhf is typed.rlhf
+    typed.custom.extra.rollout_server.learner_gpus = [0, 6]
     with pytest.raises(ConfigError, match="disjoint"):
         validate_grpo(typed)
 

@@ -3,20 +3,23 @@ section; ``trainer.grpo`` imports it, never the reverse): ``rlhf.*`` (the ms-swi
 ``custom.extra.rollout_server.*`` (how the ``swift rollout`` server is launched), plus the cross-key rules.
 
 ``check_grpo(cfg)`` returns every problem and warning; ``validate_grpo(cfg)`` raises the first problem as a
-``ConfigError`` and returns the warnings. ``cfg`` is a resolved config mapping or the typed root config.
+``ConfigError`` and returns the warnings. ``cfg`` is the typed root config (``TrainConfig``, whose field
+validation already ran); ``trainer.config.schema.validate_config`` applies these rules to ``grpo_summary`` configs.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import pydantic
 from pydantic import Field, field_validator
 
 from trainer.config.base import Section
 from trainer.config.errors import ConfigError
+
+if TYPE_CHECKING:  # the root schema imports this module
+    from trainer.config.schema import TrainConfig
 
 GRPO_VARIANT = "grpo_summary"
 
@@ -182,47 +185,16 @@ class GrpoSections:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _lookup(cfg: Any, dotted: str, default: Any = None) -> Any:
-    """``cfg.a.b`` for mappings or attribute objects; ``default`` where any part is absent or ``None``. Private to
-    the schema: ``grpo_sections`` also reads a raw mapping (``check_grpo`` on a config not validated yet); every
-    other module takes the typed config."""
-    cur = cfg
-    for part in dotted.split("."):
-        if cur is None:
-            return default
-        cur = cur.get(part) if isinstance(cur, dict) else getattr(cur, part, None)
-    return default if cur is None else cur
-
-
-def _as_model(value: Any, model: type[Section], path: str) -> Any:
-    if value is None or isinstance(value, model):
-        return value
-    if isinstance(value, pydantic.BaseModel):
-        value = value.model_dump()
-    try:
-        return model.model_validate(value)
-    except pydantic.ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        where = f"{path}.{loc}" if loc else path
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown key; known keys here: {', '.join(sorted(model.model_fields))}"
-        raise ConfigError(where, msg) from None
-
-
-def grpo_sections(cfg: Any) -> GrpoSections:
-    """Typed GRPO sections from a resolved mapping or the typed root config (raises ``ConfigError``)."""
-    rlhf = _as_model(_lookup(cfg, "rlhf"), RlhfConfig, "rlhf")
-    if rlhf is None:
+def grpo_sections(cfg: TrainConfig) -> GrpoSections:
+    """The GRPO sections of the typed root config (raises ``ConfigError`` when ``rlhf`` is absent)."""
+    if cfg.rlhf is None:
         raise ConfigError("rlhf", f"required when custom.trainer_variant is {GRPO_VARIANT}")
-    server = _as_model(_lookup(cfg, "custom.extra.rollout_server"), RolloutServerConfig, "custom.extra.rollout_server")
     return GrpoSections(
-        rlhf=rlhf,
-        rollout_server=server,
-        trainer_variant=_lookup(cfg, "custom.trainer_variant"),
-        train_type=str(_lookup(cfg, "tuner.train_type", "full")),
-        per_device_train_batch_size=int(_lookup(cfg, "training.per_device_train_batch_size", 1)),
+        rlhf=cfg.rlhf,
+        rollout_server=cfg.custom.extra.rollout_server,
+        trainer_variant=cfg.custom.trainer_variant,
+        train_type=cfg.tuner.train_type,
+        per_device_train_batch_size=cfg.training.per_device_train_batch_size,
     )
 
 
@@ -334,8 +306,9 @@ def _gpu_rules(s: GrpoSections, rs: RolloutServerConfig, errors: list[ConfigErro
                 f"{s.per_device_train_batch_size} × {world} = {global_batch}"))
 
 
-def check_grpo(cfg: Any) -> tuple[list[ConfigError], list[str]]:
-    """Every summary-GRPO problem (``ConfigError`` with key path) and warning in ``cfg``."""
+def check_grpo(cfg: TrainConfig) -> tuple[list[ConfigError], list[str]]:
+    """Every summary-GRPO problem (``ConfigError`` with key path) and warning in the typed ``cfg`` (its sections
+    already passed field validation; ``validate_config`` calls this for ``grpo_summary`` configs)."""
     try:
         s = grpo_sections(cfg)
     except ConfigError as exc:
@@ -377,7 +350,7 @@ def check_grpo(cfg: Any) -> tuple[list[ConfigError], list[str]]:
     return errors, warnings
 
 
-def validate_grpo(cfg: Any) -> list[str]:
+def validate_grpo(cfg: TrainConfig) -> list[str]:
     """Raise the first summary-GRPO problem as ``ConfigError``; return the warnings."""
     errors, warnings = check_grpo(cfg)
     if errors:

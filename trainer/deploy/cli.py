@@ -1,8 +1,9 @@
 """``python -m trainer render-job --config CONFIG [--dry-run]``: training config → Kubernetes Jobs.
 
-Resolves ``extends``, validates the training config and its ``deploy`` section, plans the pods (rollout servers
-when the config uses server mode, then the learner), renders ``jobs/*.j2``, checks the result, and either prints
-the YAML (``--dry-run`` or ``DRY_RUN=1``) or creates the objects with the kubernetes client.
+Resolves ``extends``, validates the training config and its ``deploy`` section once (``validate_config``), plans
+the pods from the typed config (rollout servers when the config uses server mode, then the learner), renders
+``jobs/*.j2``, checks the result, and either prints the YAML (``--dry-run`` or ``DRY_RUN=1``) or creates the objects
+with the kubernetes client.
 """
 
 from __future__ import annotations
@@ -12,55 +13,32 @@ import os
 import sys
 from typing import Any
 
-import pydantic
-
+from trainer.config.deploy import DeployConfig
 from trainer.config.errors import ConfigError, ConfigErrors
 from trainer.config.loader import resolve_yaml
+from trainer.config.schema import validate_config
 from trainer.deploy.checks import check_manifests
 from trainer.deploy.render import render_manifests, to_yaml
-from trainer.deploy.schema import DeployConfig
 from trainer.deploy.submit import SubmitError, submit
 from trainer.deploy.topology import job_name, plan_topology
 
 TRUTHY = ("1", "true", "yes", "on")
 
 
-def _validate_training(data: dict[str, Any], source: str) -> None:
-    """The same checks ``launch`` applies: the GRPO rules for ``grpo_summary`` configs, else the main schema
-    (on everything but ``deploy`` while the main schema does not know that section)."""
-    from trainer.config import schema
-    from trainer.config.grpo import GRPO_VARIANT, check_grpo
-
-    if ((data.get("custom") or {}).get("trainer_variant")) == GRPO_VARIANT:
-        errors, warnings = check_grpo(data)
-        for w in warnings:
-            print(f"render-job: warning: {w}", file=sys.stderr)
-        if errors:
-            raise ConfigErrors(source, errors)
-        return
-    body = data if "deploy" in schema.TrainConfig.model_fields else {k: v for k, v in data.items() if k != "deploy"}
-    schema.validate_config(body, source=source)
-
-
-def _deploy_section(data: dict[str, Any], source: str) -> DeployConfig:
-    try:
-        return DeployConfig.model_validate(data.get("deploy") or {})
-    except pydantic.ValidationError as exc:
-        errors = [ConfigError("deploy." + ".".join(str(p) for p in e["loc"]) if e["loc"] else "deploy",
-                              e["msg"].removeprefix("Value error, ")) for e in exc.errors()]
-        raise ConfigErrors(source, errors) from None
-
-
 def build_manifests(config_path: str) -> tuple[list[dict[str, Any]], DeployConfig]:
-    """Resolved + validated config → checked manifests; raises ``ConfigErrors`` naming the keys to fix."""
+    """Resolved + validated config → checked manifests; raises ``ConfigErrors`` naming the keys to fix.
+
+    The config is validated once, by the same schema ``launch`` uses (``validate_config``: every section, the
+    ``deploy`` section and the GRPO rules included; GRPO warnings are logged by the schema); the plan reads the
+    typed object. The resolved mapping is only what the learner mounts as its config file."""
     try:
         data = resolve_yaml(config_path)
     except ConfigError as exc:
         raise ConfigErrors(config_path, [exc]) from None
-    _validate_training(data, config_path)
-    deploy = _deploy_section(data, config_path)
+    config = validate_config(data, source=config_path)
+    deploy = config.deploy
     try:
-        topology = plan_topology(data, deploy, job_name(config_path, deploy))
+        topology = plan_topology(config, deploy, job_name(config_path, deploy))
     except ConfigError as exc:
         raise ConfigErrors(config_path, [exc]) from None
     manifests = render_manifests(topology, deploy, data)

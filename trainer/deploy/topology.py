@@ -3,22 +3,25 @@
 This is the plan only (how many servers, their ports, sizes and node GPU ids, with errors naming the config key
 to change); the pods themselves come from the Helm chart (``trainer.deploy.render``).
 
-``plan_topology`` is pure: resolved training config (a mapping) + ``DeployConfig`` → ``Topology``. Server mode is
-read from the stage-2 keys (``custom.extra.rollout_matching.vllm.mode: server`` + ``server.servers``) or the GRPO
-keys (``rlhf.vllm_mode: server`` + ``rlhf.vllm_server_host``/``vllm_server_port``); server sizes and GPU ids come
-from ``deploy.server``/``deploy.learner`` first, then ``custom.extra.rollout_server.{vllm_*, gpus, learner_gpus}``,
-then the defaults: one GPU per server, servers on the first GPUs, the learner on the rest of the node.
+``plan_topology`` is pure: the validated, typed training config (``trainer.config.schema.validate_config``) +
+``DeployConfig`` → ``Topology``; it reads attributes, never dotted key strings (the schema owns the config paths).
+Server mode is read from the stage-2 section (``rollout_matching.vllm.mode: server`` + its server list, see
+``VllmServerConfig.base_urls``) or the GRPO section (``rlhf.vllm_mode: server`` + ``vllm_server_host``/``port``);
+server sizes and GPU ids come from ``deploy.server``/``deploy.learner`` first, then
+``custom.extra.rollout_server.{vllm_*, gpus, learner_gpus}``, then the defaults: one GPU per server, servers on the
+first GPUs, the learner on the rest of the node. Error keys name the config key to change.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
+from trainer.config.deploy import DeployConfig
 from trainer.config.errors import ConfigError
-from trainer.deploy.schema import DeployConfig
+from trainer.config.grpo import GRPO_VARIANT
+from trainer.config.schema import TrainConfig
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -66,15 +69,6 @@ class Topology:
         return sum(len(s.gpus) for s in self.servers) + len(self.learner.gpus)
 
 
-def _get(mapping: Any, dotted: str) -> Any:
-    node = mapping
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def job_name(config_path: str, deploy: DeployConfig) -> str:
     """``deploy.name`` or the config file's stem as a DNS label (``summary_1024.yaml`` → ``summary-1024``)."""
     if deploy.name:
@@ -86,56 +80,42 @@ def job_name(config_path: str, deploy: DeployConfig) -> str:
     return slug
 
 
-def _as_list(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _endpoints(config: dict[str, Any]) -> tuple[str, list[tuple[str, int]], str]:
+def _endpoints(config: TrainConfig) -> tuple[str, list[tuple[str, int]], str]:
     """(workload, [(host, port)], key path of the server list); no endpoints when not in server mode."""
-    rm = _get(config, "custom.extra.rollout_matching")
-    if isinstance(rm, dict) and _get(rm, "vllm.mode") == "server" and rm.get("rollout_backend", "vllm") == "vllm":
-        key = "custom.extra.rollout_matching.vllm.server"
-        server = _get(rm, "vllm.server") or {}
-        urls = [s.get("base_url") if isinstance(s, dict) else None for s in _as_list(server.get("servers"))]
+    workload = "grpo" if config.custom.trainer_variant == GRPO_VARIANT else "stage2"
+    rm = config.custom.extra.rollout_matching
+    if rm is not None and rm.rollout_backend == "vllm" and rm.vllm.mode == "server":
+        key = "custom.extra.rollout_matching.vllm.server.servers"
+        urls = rm.vllm.server.base_urls()
         if not urls:
-            urls = [f"http://{h}:{p}" for h, p in zip(_as_list(server.get("host")), _as_list(server.get("port")))]
-        if not urls:
-            raise ConfigError(f"{key}.servers", "server mode needs at least one server: servers: [{base_url: http://127.0.0.1:8000}]")
+            raise ConfigError(key, "server mode needs at least one server: servers: [{base_url: http://127.0.0.1:8000}]")
         endpoints = []
         for i, url in enumerate(urls):
-            parts = urlsplit(str(url))
-            if parts.scheme != "http" or not parts.hostname or parts.port is None:
-                raise ConfigError(f"{key}.servers[{i}].base_url", f"{url!r} must look like http://127.0.0.1:8000 (host and port)")
-            endpoints.append((parts.hostname, parts.port))
-        return "stage2", endpoints, f"{key}.servers"
-    if _get(config, "rlhf.vllm_mode") == "server":
-        hosts = [str(h) for h in _as_list(_get(config, "rlhf.vllm_server_host"))] or ["127.0.0.1"]
-        ports = _as_list(_get(config, "rlhf.vllm_server_port")) or [8000]
-        if len(hosts) == 1 and len(ports) > 1:
-            hosts = hosts * len(ports)
-        if len(hosts) != len(ports):
-            raise ConfigError("rlhf.vllm_server_host", f"{len(hosts)} hosts for {len(ports)} ports; give one host or one per port")
-        try:
-            endpoints = [(h, int(p)) for h, p in zip(hosts, ports)]
-        except (TypeError, ValueError):
-            raise ConfigError("rlhf.vllm_server_port", f"ports must be integers, got {ports!r}") from None
-        return "grpo", endpoints, "rlhf.vllm_server_host"
-    workload = "grpo" if isinstance(config.get("rlhf"), dict) else "stage2"
+            parts = urlsplit(url)
+            try:
+                port = parts.port
+            except ValueError:
+                port = None
+            if parts.scheme != "http" or not parts.hostname or port is None:
+                raise ConfigError(f"{key}[{i}].base_url", f"{url!r} must look like http://127.0.0.1:8000 (host and port)")
+            endpoints.append((parts.hostname, port))
+        return workload, endpoints, key
+    r = config.rlhf
+    if r is not None and r.vllm_mode == "server":
+        if len(r.vllm_server_host) != len(r.vllm_server_port):
+            raise ConfigError("rlhf.vllm_server_port", f"{len(r.vllm_server_port)} port(s) for "
+                                                       f"{len(r.vllm_server_host)} host(s); give one port per host")
+        return workload, list(zip(r.vllm_server_host, r.vllm_server_port)), "rlhf.vllm_server_host"
     return workload, [], ""
 
 
-def _model_path(config: dict[str, Any]) -> str | None:
-    model = config.get("model")
-    if isinstance(model, str):
-        return model
-    path = _get(config, "model.path")
-    return str(path) if path else None
+def _model_path(config: TrainConfig) -> str | None:
+    """``model.path`` (``None`` for the embedded tiny model, which has no directory a server could load)."""
+    return config.model.path
 
 
-def plan_topology(config: dict[str, Any], deploy: DeployConfig, name: str) -> Topology:
-    """The pods ``config`` needs; raises ``ConfigError`` (with the key to change) when they cannot fit the node."""
+def plan_topology(config: TrainConfig, deploy: DeployConfig, name: str) -> Topology:
+    """The pods the validated ``config`` needs; raises ``ConfigError`` (with the key to change) when they cannot fit the node."""
     workload, endpoints, key = _endpoints(config)
     for i, (host, port) in enumerate(endpoints):
         if host not in LOOPBACK_HOSTS:
@@ -146,10 +126,11 @@ def plan_topology(config: dict[str, Any], deploy: DeployConfig, name: str) -> To
     if dup:
         raise ConfigError(key, f"port(s) {dup} listed more than once; every server on the node needs its own port")
 
-    rs = _get(config, "custom.extra.rollout_server") or {}
+    rs = config.custom.extra.rollout_server
+    rm = config.custom.extra.rollout_matching
     sd = deploy.server
-    tp = sd.tensor_parallel_size or int(rs.get("vllm_tensor_parallel_size") or 1)
-    dp = sd.data_parallel_size or int(rs.get("vllm_data_parallel_size") or 1)
+    tp = sd.tensor_parallel_size or (rs.vllm_tensor_parallel_size if rs else 1)
+    dp = sd.data_parallel_size or (rs.vllm_data_parallel_size if rs else 1)
     per_server = tp * dp
     n_server_gpus = per_server * len(endpoints)
     engine = sd.engine if sd.engine != "auto" else ("swift" if workload == "grpo" else "vllm")
@@ -161,19 +142,19 @@ def plan_topology(config: dict[str, Any], deploy: DeployConfig, name: str) -> To
         raise ConfigError("deploy.server.model", f"engine {engine} needs a model directory: set model.path or deploy.server.model")
 
     server_gpu_key, listed = ("deploy.server.gpus", sd.gpus) if sd.gpus is not None else \
-        ("custom.extra.rollout_server.gpus", rs.get("gpus") if endpoints else None)
+        ("custom.extra.rollout_server.gpus", rs.gpus if rs and endpoints else None)
     if listed is not None:
         if len(listed) != n_server_gpus:
             raise ConfigError(server_gpu_key, f"lists {len(listed)} GPUs but {len(endpoints)} server(s) × "
                                               f"TP {tp} × DP {dp} need {n_server_gpus}")
-        server_gpus = [int(g) for g in listed]
+        server_gpus = list(listed)
     else:
         server_gpus = list(range(n_server_gpus))
 
     ld = deploy.learner
-    learner_listed = ld.gpus if ld.gpus is not None else (rs.get("learner_gpus") if endpoints else None)
+    learner_listed = ld.gpus if ld.gpus is not None else (rs.learner_gpus if rs and endpoints else None)
     if learner_listed is not None:
-        learner_gpus = [int(g) for g in learner_listed]
+        learner_gpus = list(learner_listed)
         if ld.nproc_per_node is not None and ld.nproc_per_node != len(learner_gpus):
             raise ConfigError("deploy.learner.nproc_per_node", f"{ld.nproc_per_node} process(es) for the learner GPUs "
                                                                f"{learner_gpus}; torchrun starts one process per GPU")
@@ -202,10 +183,10 @@ def plan_topology(config: dict[str, Any], deploy: DeployConfig, name: str) -> To
             model=model,
             tensor_parallel_size=tp,
             data_parallel_size=dp,
-            gpu_memory_utilization=sd.gpu_memory_utilization or rs.get("vllm_gpu_memory_utilization"),
-            max_model_len=sd.max_model_len or rs.get("vllm_max_model_len")
-            or _get(config, "custom.extra.rollout_matching.vllm.max_model_len"),
-            enable_lora=bool(rs.get("vllm_enable_lora", False)),
+            gpu_memory_utilization=sd.gpu_memory_utilization or (rs.vllm_gpu_memory_utilization if rs else None),
+            max_model_len=sd.max_model_len or (rs.vllm_max_model_len if rs else None)
+            or (rm.vllm.max_model_len if rm else None),
+            enable_lora=bool(rs and rs.vllm_enable_lora),
         )
         for i, (host, port) in enumerate(endpoints)
     )
