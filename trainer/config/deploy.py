@@ -1,5 +1,8 @@
 """Config section ``deploy``: where and how ``render-job`` runs a training config on Kubernetes.
 
+These fields become values of the Helm chart (``trainer.deploy.render.chart_values``), which owns the pod spec;
+``values`` passes any other chart value through.
+
 Every field has a default, so a training config without ``deploy:`` renders as-is: one GPU node, the
 ``rollout-matching/*`` images, host network, rollout servers on the first GPUs and the learner on the rest.
 """
@@ -150,10 +153,12 @@ class DeployConfig(Section):
     volumes: list[HostVolume] = Field(default_factory=_default_volumes)
     output_host_path: str | None = None
     output_mount_path: str = "/output"
-    env: dict[str, str] = Field(default_factory=lambda: {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    nccl_env: dict[str, str] = Field(
-        default_factory=lambda: {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
-    )
+    # Merged over the chart's defaults (values.yaml `env`, `nccl.env`); a null value removes a default.
+    env: dict[str, str | None] | None = None
+    nccl_env: dict[str, str | None] | None = None
+    # Any chart value (charts/rollout-matching/values.yaml), merged last: priorityClassName, caches, ports,
+    # lifecycle, jobs.ttlSecondsAfterFinished, gang.queueName, gang.jobSet, rolloutServer.backoffLimit, …
+    values: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
@@ -167,8 +172,8 @@ class DeployConfig(Section):
 
     @field_validator("env", "nccl_env")
     @classmethod
-    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
-        bad = [k for k in v if not _ENV_NAME.match(k)]
+    def _env_names(cls, v: dict[str, str | None] | None) -> dict[str, str | None] | None:
+        bad = [k for k in v or {} if not _ENV_NAME.match(k)]
         if bad:
             raise ValueError(f"not valid environment variable names: {bad}")
         return v
