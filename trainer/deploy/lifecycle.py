@@ -33,6 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -199,7 +200,9 @@ def learner_status(url: str, watcher: str, timeout_s: float = 3.0) -> dict[str, 
 def supervise_server(command: Sequence[str], learner_url: str, poll_s: float = 5.0, orphan_timeout_s: float = 1800.0,
                      grace_s: float = 30.0, watcher: str | None = None,
                      clock: Callable[[], float] = time.monotonic) -> int:
-    watcher = watcher or f"{os.uname().nodename}:{os.getpid()}"
+    # host:pid alone is not unique: servers under host networking share the node's hostname, and each container's
+    # PID namespace numbers its processes alike (the 3v1 Docker test saw 2/3 watchers), so add a random part
+    watcher = watcher or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     _say("server", f"running {' '.join(child_argv(command))}; stops when the learner at {learner_url} finishes")
     child = _Child(child_argv(command))
     signalled: list[int] = []
@@ -266,7 +269,7 @@ def add_roles(sub: argparse._SubParsersAction) -> None:
     server.add_argument("--orphan-timeout-s", type=_nonneg, default=1800.0,
                         help="stop when the learner is unreachable this long (0: never; default 1800)")
     server.add_argument("--grace-s", type=_nonneg, default=30.0, help="SIGTERM → SIGKILL grace (default 30)")
-    server.add_argument("--watcher", help="name reported to the learner (default host:pid)")
+    server.add_argument("--watcher", help="name reported to the learner (default host:pid:random, unique per supervisor)")
     server.add_argument("command", nargs=argparse.REMAINDER, help="-- the server command")
     server.set_defaults(func=lambda a: _run(supervise_server, a.command, a.learner_control, a.poll_s,
                                             a.orphan_timeout_s, a.grace_s, a.watcher))
