@@ -158,3 +158,28 @@ def test_child_command(command, expected):
 def test_no_command_is_an_error():
     with pytest.raises(ValueError, match="no command to supervise"):
         child_argv(["--"])
+
+
+def test_a_learner_that_drops_the_connection_mid_answer_reads_as_not_answering():
+    """The learner's endpoint going away mid-response (``IncompleteRead``, seen in CI while the learner shut down)
+    must read as "not answering", not crash the server supervisor and leave its server running."""
+    import socket
+    import threading
+
+    from trainer.deploy.lifecycle import learner_status
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def answer_half():
+        conn, _ = srv.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 98\r\n\r\n{\"state\"")
+        conn.close()
+
+    t = threading.Thread(target=answer_half)
+    t.start()
+    assert learner_status(f"http://127.0.0.1:{srv.getsockname()[1]}", "w") is None
+    t.join(5)
+    srv.close()

@@ -24,6 +24,7 @@ Arguments after ``--`` starting with a ``python -m trainer`` subcommand (``launc
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import signal
@@ -188,12 +189,13 @@ def supervise_learner(command: Sequence[str], port: int, host: str = "127.0.0.1"
 
 
 def learner_status(url: str, watcher: str, timeout_s: float = 3.0) -> dict[str, Any] | None:
-    """The learner's lifecycle state, or ``None`` when it does not answer."""
+    """The learner's lifecycle state, or ``None`` when it does not answer (also when it goes away mid-answer: an
+    ``http.client.IncompleteRead`` while the learner shuts down once crashed the server supervisor)."""
     query = "?" + urlencode({"watcher": watcher})
     try:
         with urllib.request.urlopen(url.rstrip("/") + LIFECYCLE_PATH + query, timeout=timeout_s) as resp:
             return json.loads(resp.read().decode())
-    except (OSError, ValueError, urllib.error.URLError):
+    except (OSError, ValueError, urllib.error.URLError, http.client.HTTPException):
         return None
 
 
