@@ -122,7 +122,7 @@ def test_sigterm_reaches_the_supervised_server(tmp_path):
 
 def test_the_control_endpoint_reports_running_then_the_final_state():
     port = free_port()
-    learner = _learner(port, 0, 2.0, "--expect-watchers", "1", "--linger-s", "20")
+    learner = _learner(port, 0, 8.0, "--expect-watchers", "1", "--linger-s", "20")  # long enough to be seen running
 
     def status():
         try:
@@ -133,7 +133,7 @@ def test_the_control_endpoint_reports_running_then_the_final_state():
 
     assert _wait_for(lambda: status() is not None)
     assert status()["state"] == "running" and status()["final"] is False
-    assert _wait_for(lambda: (status() or {}).get("state") == "succeeded", 15)
+    assert _wait_for(lambda: (status() or {}).get("state") == "succeeded", 30)
     assert _finish(learner)[0] == 0
 
 
