@@ -330,6 +330,52 @@ def test_serve_vllm_inband_sync_and_refused_bad_update(text_dir, tok, stop_ids, 
         _stop(proc)
 
 
+@pytest.mark.parametrize("worker_path", [False, True], ids=["server-process-receiver", "vllm-worker-receiver"])
+def test_serve_vllm_nccl_transport_sync_and_refused_bad_bucket(text_dir, tok, stop_ids, hf_model, worker_path):
+    """The NCCL transport into the vLLM server engine on the GPU. One GPU cannot hold two NCCL ranks (NCCL refuses a
+    duplicate device), so the group runs the torch backend's gloo wire (the learner pushes from the CPU); everything
+    after the wire is the GPU path: buckets staged, checked, loaded into vLLM. ``vllm-worker-receiver`` runs the
+    tensor-parallel path (receive, stage and check inside vLLM's worker through ``collective_rpc``) with TP=1."""
+    from trainer.bench.async_rollouts import serve_engines
+    from trainer.rollout.server_client import ServerEndpoint, ServerRolloutEngine
+    from trainer.server.vllm_engine import VllmServerEngine
+    from trainer.sync.weights import full_weights
+
+    engine = VllmServerEngine(text_dir, max_model_len=512, gpu_memory_utilization=0.12, dtype="bfloat16",
+                              engine_kwargs=EAGER)
+    if worker_path:
+        engine._multi_worker = lambda: True
+    try:
+        with serve_engines([engine]) as urls:
+            client = ServerRolloutEngine([ServerEndpoint(urls[0])], timeout_s=300, transport="nccl",
+                                         nccl_backend="torch", group_port=_free_port())
+            client.transport().device = torch.device("cpu")
+            reqs = make_requests(tok)
+            base = client.generate(reqs, params())
+            assert_greedy(hf_model, base, "served base weights")
+            learner = perturbed(hf_model)
+            t0 = time.perf_counter()
+            client.sync_full(learner)
+            sync_s = time.perf_counter() - t0
+            assert not client.quarantined, client.quarantined
+            synced = client.generate(reqs, params())
+            assert_greedy(learner, synced, "served after an NCCL-transport sync")
+            assert [r.response_token_ids for r in synced] != [r.response_token_ids for r in base]
+            bad = copy.deepcopy(learner)
+            with torch.no_grad():
+                bad.get_parameter("model.layers.0.mlp.up_proj.weight").fill_(float("nan"))
+            failed = client.transport().push_full(full_weights(bad), [ServerEndpoint(urls[0])])
+            msg = failed.get(urls[0], "")
+            assert "refused (HTTP 422)" in msg and "model.layers.0.mlp.up_proj.weight" in msg, failed
+            again = engine.generate(reqs, params())
+            assert [r.response_token_ids for r in again] == [r.response_token_ids for r in synced]
+            record(f"serve_nccl_transport_sync[{'worker' if worker_path else 'server'}]", seconds=sync_s,
+                   wire="torch-gloo")
+            client.close()
+    finally:
+        engine.close()
+
+
 def _stage2_config(tmp_path, kind, rm_vllm, steps=6, warmup=600, model=None):
     model_cfg = {"path": str(model)} if model else {"tiny": kind}
     return {

@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-step", "async")
+ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     only = getattr(args, "only", "all")
-    if only in ("vllm", "vllm-step"):  # not part of "all": they need vLLM on the GPU machine
+    if only.startswith("vllm"):  # not part of "all": they need vLLM on the GPU machine
         from trainer.bench.vllm import run as run_vllm
 
         run_vllm(out, only)
@@ -95,8 +95,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-compile", action="store_true", help="skip the compiled-decoder-layer variants")
     p.add_argument("--only", choices=ONLY, default="all",
                    help="packing: packed vs padded fwd+bwd (+ offload); rollout: HF rollout batching + rollout "
-                        "buffer; weight-sync: NCCL learner -> server sync (two GPUs; not part of 'all'); vllm / "
-                        "vllm-step: vLLM engine + sync / stage-2 step benchmarks (GPU + vLLM; not part of 'all'); async: "
+                        "buffer; weight-sync: NCCL learner -> server sync (two GPUs; not part of 'all'); vllm (= vllm-engine + "
+                        "vllm-sync) / vllm-step: vLLM engine, sync, stage-2 step benchmarks (GPU + vLLM; not part of 'all'); async: "
                         "step timeline with/without async_rollouts (scripted servers, CPU; not part of 'all')")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--decode-s", type=float, default=None,

@@ -238,7 +238,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def run(out: Path, only: str = "vllm") -> dict[str, Any]:
-    """Run the vLLM benchmarks into ``out/vllm.json`` (merging into an existing file) and ``out/vllm.png``."""
+    """Run the vLLM benchmarks into ``out/vllm.json`` (merging into an existing file) and ``out/vllm.png``.
+    ``only``: ``vllm`` (engine + sync), ``vllm-engine``, ``vllm-sync`` or ``vllm-step``; the JSON is written after
+    each part."""
     if not torch.cuda.is_available():
         raise SystemExit("bench --only vllm needs a CUDA GPU and vLLM (see ../shared/tools/gpu-bundle)")
     work = Path(os.environ.get("RM_BENCH_WORK", "/tmp/rm-bench-vllm"))
@@ -252,16 +254,26 @@ def run(out: Path, only: str = "vllm") -> dict[str, Any]:
         result["vllm"] = vllm.__version__
     except ImportError:
         pass
-    if only == "vllm":
-        result["engine_bench"] = engine_bench(model_dir)
-        result["engine_over_raw_vllm"] = result["engine_bench"]["engine_over_raw_vllm"]
-        result["sync_bench"] = sync_bench(model_dir)
-        result["colocate_sync_gb_s"] = {k: result["sync_bench"][k]["gb_per_s_end_to_end"] for k in ("plain", "lora")}
-    else:
-        result["step_bench"] = step_bench(model_dir, work / "step")
-    path.write_text(json.dumps(result, indent=2))
-    plot(result, out / "vllm.png")
-    print(json.dumps({k: result.get(k) for k in ("engine_over_raw_vllm", "colocate_sync_gb_s")}, indent=1))
+    parts = {"vllm": ("engine", "sync"), "vllm-engine": ("engine",), "vllm-sync": ("sync",),
+             "vllm-step": ("step",)}[only]
+    for part in parts:
+        t0 = time.perf_counter()
+        print(f"bench vllm: {part} ...", flush=True)
+        if part == "engine":
+            result["engine_bench"] = engine_bench(model_dir)
+            result["engine_over_raw_vllm"] = result["engine_bench"]["engine_over_raw_vllm"]
+        elif part == "sync":
+            result["sync_bench"] = sync_bench(model_dir)
+            result["colocate_sync_gb_s"] = {k: result["sync_bench"][k]["gb_per_s_end_to_end"]
+                                            for k in ("plain", "lora")}
+            result["sync_check_fraction"] = {k: result["sync_bench"][k]["check_fraction"] for k in ("plain", "lora")}
+        else:
+            result["step_bench"] = step_bench(model_dir, work / "step")
+        print(f"bench vllm: {part} done in {time.perf_counter() - t0:.1f} s", flush=True)
+        path.write_text(json.dumps(result, indent=2))  # each part lands even if a later one runs out of time
+        plot(result, out / "vllm.png")
+    print(json.dumps({k: result.get(k) for k in ("engine_over_raw_vllm", "colocate_sync_gb_s", "sync_check_fraction")},
+                     indent=1))
     return result
 
 
