@@ -86,22 +86,21 @@ def copy_baseline(nbytes: int, src: torch.device, dst: torch.device, iters: int 
 
 def broadcast_peer(host: str, port: int, nbytes: int, iters: int, device: str) -> None:
     """The receiving rank (0) of ``broadcast_baseline`` (run in a subprocess)."""
-    from trainer.sync.transports import StoreGroup, TorchStatelessCommunicator
+    from trainer.sync.nccl import join_group
 
-    group = StoreGroup.create(host, port, 0, 2, store_timeout=120)
-    comm = TorchStatelessCommunicator(group, torch.device(device))
+    comm = join_group("torch", host, port, 0, 2, torch.device(device), store_timeout=120)
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     for _ in range(iters):
         comm.broadcast(buf, src=1)
         sync(buf.device)
-        group.barrier()
-    group.broadcast_obj(int(buf[:4096].to(torch.int64).sum()), src=0)
+        comm.group.barrier()
+    comm.group.broadcast_obj(int(buf[:4096].to(torch.int64).sum()), src=0)
 
 
 def broadcast_baseline(nbytes: int, device: torch.device, peer_env: dict[str, str], peer_device: str,
                        iters: int = 5, warmup: int = 2) -> dict[str, Any]:
     """One ``nbytes`` tensor broadcast from this process to a peer process (``TorchStatelessCommunicator``)."""
-    from trainer.sync.transports import StoreGroup, TorchStatelessCommunicator
+    from trainer.sync.nccl import join_group
 
     port = _free_port()
     code = (f"from trainer.bench.weight_sync import broadcast_peer; "
@@ -109,8 +108,7 @@ def broadcast_baseline(nbytes: int, device: torch.device, peer_env: dict[str, st
     proc = subprocess.Popen([sys.executable, "-c", code], env=peer_env)
     try:
         t_setup = time.perf_counter()
-        group = StoreGroup.create("127.0.0.1", port, 1, 2, store_timeout=120)
-        comm = TorchStatelessCommunicator(group, device)
+        comm = join_group("torch", "127.0.0.1", port, 1, 2, device, store_timeout=120)
         buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
         times = []
         for i in range(iters + warmup):
@@ -118,12 +116,12 @@ def broadcast_baseline(nbytes: int, device: torch.device, peer_env: dict[str, st
             comm.broadcast(buf, src=1)
             sync(device)
             dt = time.perf_counter() - t0
-            group.barrier()
+            comm.group.barrier()
             if i == 0:
                 first = time.perf_counter() - t_setup
             if i >= warmup:
                 times.append(dt)
-        echoed = group.broadcast_obj(None, src=0)
+        echoed = comm.group.broadcast_obj(None, src=0)
         ok = echoed == int(buf[:4096].to(torch.int64).sum())
         proc.wait(60)
     finally:

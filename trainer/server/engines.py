@@ -57,12 +57,11 @@ class ServerEngine(Protocol):
 
 class LocalNcclMixin:
     """``nccl_*`` for engines whose model lives in the server process (hf, scripted, vllm with one GPU): one
-    ``trainer.sync.nccl.NcclReceiver`` (rank 0 of 2) receives onto ``weights_device``; buckets are staged in
-    ``pending`` and handed to ``load_full`` (which checks them) on ``finish_weights``, so a refused update changes
-    nothing. Adapters are applied when their bucket arrives (``load_adapter`` checks them)."""
+    ``trainer.sync.nccl.NcclReceiver`` (rank 0 of 2) receives and stages the buckets on ``weights_device``; they are
+    handed to ``load_full`` (which checks them) on ``finish_weights``, so a refused update changes nothing. Adapters
+    are applied when their bucket arrives (``load_adapter`` checks them)."""
 
     _receiver = None
-    _pending: dict[str, torch.Tensor] | None = None
     weights_device: torch.device = torch.device("cpu")
 
     def _rx(self):
@@ -80,31 +79,24 @@ class LocalNcclMixin:
         if backend in ("pynccl", "torch-nccl") and device.type != "cuda" and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
         try:
-            self._receiver = NcclReceiver(host, port, 0, world_size, backend, device)
+            self._receiver = NcclReceiver(host, port, 0, world_size, backend, device, stage_device=self.weights_device)
         except NcclSetupError as exc:
             raise EngineRequestError(str(exc)) from exc
-        self._pending = {}
-
-    def _stage(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self._pending is None:
-            self._pending = {}
-        self._pending.update({k: v.to(self.weights_device) for k, v in tensors.items()})
 
     def nccl_receive_named(self, name: str, dtype: str, shape: list[int]) -> None:
-        self._stage(self._rx().receive_named(name, dtype, shape))
+        self._rx().stage_named(name, dtype, shape)
 
     def nccl_receive_flattened(self, metadatas: list[dict[str, Any]]) -> None:
-        self._stage(self._rx().receive_bucket(metadatas))
+        self._rx().stage_bucket(metadatas)
 
     def nccl_receive_adapter(self, peft_config: dict[str, Any], metadatas: list[dict[str, Any]]) -> None:
         tensors = {k: v.cpu() for k, v in self._rx().receive_bucket(metadatas).items()}
         self.load_adapter(AdapterWeights(peft_config, tensors))
 
     def finish_weights(self) -> None:
-        pending, self._pending = self._pending, {}
-        if pending:
-            self.load_full(pending)
+        staged = self._receiver.take_staged() if self._receiver is not None else {}
+        if staged:
+            self.load_full(staged)
 
     def nccl_close(self) -> None:
         self._receiver = None
-        self._pending = {}

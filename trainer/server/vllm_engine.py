@@ -35,22 +35,25 @@ def _worker_nccl_init(worker, host: str, port: int, world_size: int, wire: str) 
     from trainer.sync.nccl import NcclReceiver
 
     worker.rm_receiver = NcclReceiver(host, port, get_world_group().rank, world_size, wire, worker.device)
-    worker.rm_staged = {}
 
 
 def _worker_receive(worker, metadatas: list[dict[str, Any]] | None, named: tuple[str, str, list[int]] | None) -> int:
     rx = getattr(worker, "rm_receiver", None)
     if rx is None:
         raise RuntimeError("weight-update communicator not initialised: call /init_communicator/ first")
-    got = rx.receive_bucket(metadatas) if metadatas is not None else rx.receive_named(*named)
-    worker.rm_staged.update(got)
-    return len(got)
+    return rx.stage_bucket(metadatas) if metadatas is not None else rx.stage_named(*named)
+
+
+def _worker_take(worker) -> dict[str, torch.Tensor]:
+    """What this worker's receiver staged (nothing without one), leaving nothing staged."""
+    rx = getattr(worker, "rm_receiver", None)
+    return rx.take_staged() if rx is not None else {}
 
 
 def _worker_take_staged(worker, load: bool) -> int:
     from trainer.rollout import vllm_compat
 
-    staged, worker.rm_staged = getattr(worker, "rm_staged", {}), {}
+    staged = _worker_take(worker)
     if load and staged:
         return vllm_compat.load_checkpoint_tensors(worker, staged)
     return 0
@@ -58,7 +61,6 @@ def _worker_take_staged(worker, load: bool) -> int:
 
 def _worker_nccl_close(worker) -> None:
     worker.rm_receiver = None
-    worker.rm_staged = {}
 
 
 class VllmServerEngine(LocalNcclMixin):
@@ -203,12 +205,12 @@ def _worker_param_names(worker) -> list[str]:
 def _worker_staged_finite(worker) -> bool:
     from trainer.sync.update_check import first_non_finite
 
-    return first_non_finite(getattr(worker, "rm_staged", {})) is None
+    rx = getattr(worker, "rm_receiver", None)
+    return first_non_finite(rx.staged if rx is not None else {}) is None
 
 
 def _worker_take_adapter(worker) -> dict[str, torch.Tensor]:
-    staged, worker.rm_staged = getattr(worker, "rm_staged", {}), {}
-    return {k: v.to("cpu") for k, v in staged.items()}
+    return {k: v.to("cpu") for k, v in _worker_take(worker).items()}
 
 
 def _worker_checksums(worker) -> dict[str, str]:

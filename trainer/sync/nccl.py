@@ -151,6 +151,13 @@ def communicator(backend: NcclBackend, group: Any, device: torch.device) -> Any:
     return TorchStatelessCommunicator(group, device)
 
 
+def join_group(backend: NcclBackend, host: str, port: int, rank: int, world_size: int, device: torch.device,
+               store_timeout: int = 300) -> Any:
+    """Join the weight-update group at ``host:port`` as ``rank`` of ``world_size`` and return the communicator of
+    ``backend`` on ``device``; its rendezvous group (``barrier``, ``broadcast_obj``) is ``comm.group``."""
+    return communicator(backend, make_group(backend, host, port, rank, world_size, store_timeout), device)
+
+
 def backend_of_wire(wire: str) -> NcclBackend:
     if wire not in WIRE_BACKENDS:
         raise NcclSetupError(f"unknown NCCL backend {wire!r}; use one of {list(WIRE_BACKENDS)}")
@@ -169,18 +176,26 @@ def offered_wire_backends() -> list[str]:
 class NcclReceiver:
     """The receiving end of one weight-update group: ``rank`` of ``world_size`` (the learner is the last rank and the
     only sender). ``device``: where received tensors land (a CUDA device for ``pynccl``/``torch-nccl``; gloo receives
-    on CPU and moves them to ``device``)."""
+    on CPU and moves them to ``device``).
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, wire: str, device: torch.device):
+    A full update arrives bucket by bucket: ``stage_named`` / ``stage_bucket`` receive one and hold it in ``staged``
+    (on ``stage_device``, default ``device``) until the update is whole; ``take_staged`` then hands the whole update
+    to the loader, which checks it before any weight changes — or to nobody, when it is refused. Dropping the
+    receiver drops what it staged."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, wire: str, device: torch.device,
+                 stage_device: torch.device | None = None):
         backend = backend_of_wire(wire)
         if wire in ("pynccl", "torch-nccl") and device.type != "cuda":
             raise NcclSetupError(
                 f"NCCL weight sync needs a CUDA GPU on the server ({wire} backend); on CPU use torch-gloo "
                 "(sync.nccl_backend: torch on a CPU learner) or our in-band transport (POST /rm/update_weights_inband/)")
         self.device = device
+        self.stage_device = device if stage_device is None else stage_device
+        self.staged: dict[str, torch.Tensor] = {}
         self.src = world_size - 1
-        group = make_group(backend, host, port, rank, world_size)
-        self.comm = communicator(backend, group, device if wire != "torch-gloo" else torch.device("cpu"))
+        self.comm = join_group(backend, host, port, rank, world_size,
+                               device if wire != "torch-gloo" else torch.device("cpu"))
 
     def receive(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """One broadcast from the learner into a new tensor on ``device``."""
@@ -200,3 +215,20 @@ class NcclReceiver:
         metas = [FlatTensorMeta.model_validate(m) for m in metadatas]
         bucket = self.receive((metas[-1].end_idx,), torch.uint8)
         return {k: v.clone() for k, v in unflatten(metas, bucket).items()}
+
+    def _stage(self, tensors: dict[str, torch.Tensor]) -> int:
+        self.staged.update({k: v.to(self.stage_device) for k, v in tensors.items()})
+        return len(tensors)
+
+    def stage_named(self, name: str, dtype: str, shape: list[int]) -> int:
+        """Receive one named tensor into ``staged``; returns how many tensors it staged (1)."""
+        return self._stage(self.receive_named(name, dtype, shape))
+
+    def stage_bucket(self, metadatas: list[dict[str, Any]]) -> int:
+        """Receive one flattened bucket into ``staged``; returns how many tensors it staged."""
+        return self._stage(self.receive_bucket(metadatas))
+
+    def take_staged(self) -> dict[str, torch.Tensor]:
+        """Everything staged since the last take, leaving nothing staged."""
+        staged, self.staged = self.staged, {}
+        return staged

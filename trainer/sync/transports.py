@@ -30,8 +30,7 @@ from trainer.sync.buckets import DEFAULT_BUCKET_BYTES, flatten, plan_buckets
 from trainer.sync.nccl import (  # noqa: F401 - re-exported for callers of the transport layer
     StoreGroup,
     TorchStatelessCommunicator,
-    communicator,
-    make_group,
+    join_group,
     resolve_nccl_backend,
     vllm_available,
     wire_backend,
@@ -213,8 +212,8 @@ class NcclTransport:
         resp = self.client.post(s.base_url + "/init_communicator/", headers=s.headers(), json=body)
         _check(resp, s.base_url, "init_communicator")
         time.sleep(0.1)
-        group = make_group(self.backend, host, port, server_world, world, int(self.timeout_s))
-        self.comms[s.base_url] = communicator(self.backend, group, self.device)
+        self.comms[s.base_url] = join_group(self.backend, host, port, server_world, world, self.device,
+                                            int(self.timeout_s))
 
     def _connected(self, targets: Sequence[ServerHandle]) -> tuple[list[ServerHandle], dict[str, str]]:
         failed = on_each([s for s in targets if s.base_url not in self.comms], self.connect)[1]
