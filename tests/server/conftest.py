@@ -1,9 +1,14 @@
-"""Run rollout-server apps for real: uvicorn on a free loopback port in a background thread."""
+"""Run rollout servers for real: an app under uvicorn on a free loopback port in a background thread, or
+``python -m trainer serve`` as a subprocess."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -39,6 +44,37 @@ def serve_app(app, port: int | None = None):
 
 
 @contextlib.contextmanager
+def serve_process(port: int, *args: str, env: dict[str, str] | None = None, timeout_s: float = 90):
+    """``python -m trainer serve --port <port> --log-level warning <args>`` as a subprocess (``env`` over this
+    process's; output kept, and shown when it exits before it is healthy); yields ``(base_url, process)`` once it
+    answers ``/health/``; stopped at the end (terminated, killed if it lingers)."""
+    from trainer.launch.health import process_exited, wait_until_healthy
+
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--port", str(port), "--log-level", "warning",
+                             *args], env={**os.environ, "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false",
+                                          **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+
+    def output() -> str:
+        log.seek(0)
+        return log.read().decode(errors="replace")
+
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy([url], timeout_s=timeout_s, interval_s=0.2, abort=process_exited(proc, output))
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait(10)
+        log.close()
+
+
+@contextlib.contextmanager
 def _scripted_server(model_dir=None, api_key=None, port=None, **engine_kwargs):
     from trainer.server.app import create_app
     from trainer.server.scripted import ScriptedEngine
@@ -53,6 +89,13 @@ def scripted_server():
     """``scripted_server(model_dir=None, api_key=None, port=None, **engine_kwargs)`` → context manager
     yielding ``(base_url, engine)``."""
     return _scripted_server
+
+
+@pytest.fixture(scope="session")
+def trainer_serve():
+    """``trainer_serve(port, *args, env=None, timeout_s=90)`` → context manager yielding ``(base_url, process)``
+    of a ``python -m trainer serve`` subprocess (``serve_process``)."""
+    return serve_process
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,6 @@ stops with the parameter, the optimizer step and the last good checkpoint named 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +21,6 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from trainer.launch.health import process_exited, wait_until_healthy
 from trainer.rollout.server_client import ServerEndpoint
 from trainer.sync.transports import InbandTransport, NcclTransport, WeightTransportError
 from trainer.sync.weights import tensor_checksum
@@ -206,38 +201,19 @@ def test_a_refusal_in_a_background_receive_answers_422_on_the_next_waiting_call(
 
 # --- NCCL transport: torch communicator over gloo, real server processes ------------------------------------------
 
-@contextlib.contextmanager
-def server_process(engine: str, model_dir, port: int, *extra: str):
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--engine", engine, "--model", str(model_dir),
-                             "--port", str(port), "--log-level", "warning", *extra],
-                            env={**os.environ, "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy([url], timeout_s=90, interval_s=0.2, abort=process_exited(proc))
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def _nccl(url: str, get_free_port) -> NcclTransport:
     return NcclTransport([ServerEndpoint(url)], group_port=get_free_port(), timeout_s=60,
                          bucket_bytes=64 * 2**10, backend="torch")
 
 
 @pytest.mark.parametrize("engine_kind", ["hf", "scripted"])
-def test_nccl_bad_updates_are_staged_checked_and_refused(engine_kind, tiny_text_dir, get_free_port, http):
+def test_nccl_bad_updates_are_staged_checked_and_refused(engine_kind, tiny_text_dir, get_free_port, http, trainer_serve):
     """hf: default server (no cast); scripted: started with ``--allow-dtype-cast`` (the bf16 case is accepted)."""
     from transformers import AutoModelForCausalLM
 
     state = AutoModelForCausalLM.from_pretrained(tiny_text_dir).state_dict()
     extra = ("--allow-dtype-cast",) if engine_kind == "scripted" else ()
-    with server_process(engine_kind, tiny_text_dir, get_free_port(), *extra) as url:
+    with trainer_serve(get_free_port(), "--engine", engine_kind, "--model", str(tiny_text_dir), *extra) as (url, _):
         before = served(http, url)
         for case in CASES:
             transport = _nccl(url, get_free_port)
@@ -272,12 +248,13 @@ def test_nccl_bad_updates_are_staged_checked_and_refused(engine_kind, tiny_text_
         transport.close()
 
 
-def test_nccl_adapter_refused_in_the_background_is_reported_on_the_next_call(tiny_text_dir, get_free_port, http):
+def test_nccl_adapter_refused_in_the_background_is_reported_on_the_next_call(tiny_text_dir, get_free_port, http,
+                                                                              trainer_serve):
     """Adapter buckets are loaded inside the background receive: a NaN adapter is refused there and the learner
     sees the 422 on its next call (``/reset_prefix_cache/``); the served version stays."""
     from trainer.sync.weights import AdapterWeights
 
-    with server_process("scripted", tiny_text_dir, get_free_port()) as url:
+    with trainer_serve(get_free_port(), "--engine", "scripted", "--model", str(tiny_text_dir)) as (url, _):
         before = served(http, url)
         transport = _nccl(url, get_free_port)
         bad = AdapterWeights({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]},

@@ -4,17 +4,11 @@ one registry per app; ``trainer serve --metrics-port`` serves them on a second p
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save
-
-from trainer.launch.health import wait_until_healthy
 
 INBAND = "/rm/update_weights_inband/?kind=full"
 
@@ -96,20 +90,12 @@ def test_metrics_need_the_api_key_and_each_app_has_its_own_registry(scripted_ser
 
 
 @pytest.mark.timeout(120)
-def test_serve_metrics_port_serves_the_same_registry(get_free_port, http, tmp_path):
+def test_serve_metrics_port_serves_the_same_registry(get_free_port, http, trainer_serve):
     port, mport = get_free_port(), get_free_port()
-    env = {**os.environ, "RM_TEST_KEY": "k"}
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--engine", "scripted", "--port", str(port),
-                             "--api-key-env", "RM_TEST_KEY", "--metrics-port", str(mport), "--log-level", "warning"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"))
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_healthy([url], timeout_s=90, interval_s=0.2)
+    with trainer_serve(port, "--engine", "scripted", "--api-key-env", "RM_TEST_KEY", "--metrics-port", str(mport),
+                       env={"RM_TEST_KEY": "k"}) as (url, _):
         auth = {"Authorization": "Bearer k"}
         assert http.post(url + "/infer/", json=infer_body(1), headers=auth).status_code == 200
         m = scrape(http, f"http://127.0.0.1:{mport}")  # no key on the metrics port
         assert value(m, "rm_server_rollout_requests_total") == 1
         assert httpx.get(url + "/metrics").status_code == 401
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

@@ -144,38 +144,19 @@ def test_nccl_on_cpu_fails_clearly_on_the_next_waiting_call(scripted_server, htt
         assert r.status_code == 422 and "is not 15 bytes" in r.json()["detail"]
 
 
-def test_cli_serves_scripted_engine(get_free_port, http, tmp_path):
-    import os
+def test_cli_serves_scripted_engine(get_free_port, http, tmp_path, trainer_serve):
     import subprocess
     import sys
-    import time
 
     port = get_free_port()
     replies = tmp_path / "replies.json"
     replies.write_text(json.dumps({"s0": [72, 105, 0]}))
-    env = {**os.environ, "RM_KEY": "abc"}
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--engine", "scripted", "--port", str(port),
-                             "--responses", str(replies), "--api-key-env", "RM_KEY", "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if http.get(url + "/health/").status_code == 200:
-                    break
-            except Exception:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+    with trainer_serve(port, "--engine", "scripted", "--responses", str(replies), "--api-key-env", "RM_KEY",
+                       env={"RM_KEY": "abc"}, timeout_s=60) as (url, _):
         assert http.post(url + "/infer/", json=infer_body(1)).status_code == 401
         items = http.post(url + "/infer/", json=infer_body(2), headers={"Authorization": "Bearer abc"}).json()
         assert items[0]["response"]["choices"][0]["token_ids"] == [72, 105, 0]
         assert items[0]["response"]["choices"][0]["message"]["content"] == "Hi"
-    finally:
-        proc.terminate()
-        proc.wait(20)
     missing = subprocess.run([sys.executable, "-m", "trainer", "serve", "--engine", "vllm", "--port", str(port)],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "needs --model" in missing.stderr

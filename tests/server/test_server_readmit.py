@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from trainer.launch.health import process_exited, wait_until_healthy
 from trainer.rollout.server_client import ServerEndpoint, ServerRolloutEngine
 from trainer.rollout.types import DecodingParams, RolloutRequest
 from trainer.server.scripted import tensors_digest
@@ -215,22 +211,11 @@ def _free_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-@contextlib.contextmanager
-def served_scripted(port: int):
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--engine", "scripted", "--port", str(port),
-                             "--log-level", "warning"],
-                            env={**os.environ, "VLLM_PLUGINS": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy([url], timeout_s=90, interval_s=0.2, abort=process_exited(proc))
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+def test_nccl_transport_drops_a_dead_server_and_readmits_it_with_a_fresh_communicator(get_free_port, learner, http,
+                                                                                     trainer_serve):
+    def served_scripted(port):
+        return trainer_serve(port, "--engine", "scripted")
 
-
-def test_nccl_transport_drops_a_dead_server_and_readmits_it_with_a_fresh_communicator(get_free_port, learner, http):
     port_a, port_b = get_free_port(), get_free_port()
     with served_scripted(port_a) as (url_a, _), contextlib.ExitStack() as stack:
         url_b, proc_b = stack.enter_context(served_scripted(port_b))

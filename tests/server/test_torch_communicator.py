@@ -3,23 +3,19 @@ gloo, learner-side ``NcclTransport`` against a real ``python -m trainer serve --
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
 import threading
 
 import httpx
 import pytest
 import torch
 
-from trainer.launch.health import process_exited, wait_until_healthy
 from trainer.rollout.server_client import ServerEndpoint
 from trainer.sync.transports import (
     NcclTransport,
     StoreGroup,
     TorchStatelessCommunicator,
     WeightTransportError,
+    join_group,
     resolve_nccl_backend,
 )
 from trainer.sync.weights import full_weights, tensor_checksum, tensor_checksums
@@ -34,8 +30,9 @@ def test_torch_communicator_broadcasts_over_gloo_without_the_default_group(get_f
 
     def rank(r: int) -> None:
         try:
-            group = StoreGroup.create("127.0.0.1", port, r, 3, store_timeout=30)
-            comm = TorchStatelessCommunicator(group, torch.device("cpu"))
+            comm = join_group("torch", "127.0.0.1", port, r, 3, torch.device("cpu"), store_timeout=30)
+            group = comm.group
+            assert isinstance(group, StoreGroup) and isinstance(comm, TorchStatelessCommunicator)
             for i in range(3):  # the last rank sends, as the learner does
                 t = torch.arange(7, dtype=torch.bfloat16) * (i + 1) if r == 2 else torch.zeros(7, dtype=torch.bfloat16)
                 comm.broadcast(t, src=2)
@@ -81,38 +78,20 @@ def test_nccl_backend_config_is_validated():
         resolve_nccl_backend("mpi")
 
 
-@contextlib.contextmanager
-def hf_server(model_dir, port: int):
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--engine", "hf", "--model", str(model_dir),
-                             "--port", str(port), "--log-level", "warning"],
-                            env={**os.environ, "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy([url], timeout_s=90, interval_s=0.2, abort=process_exited(proc))
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def _served_checksums(http: httpx.Client, url: str) -> dict[str, str]:
     resp = http.get(url + "/rm/weights_checksum/")
     assert resp.status_code == 200, resp.text
     return resp.json()["checksums"]
 
 
-def test_torch_backend_nccl_transport_syncs_a_real_hf_server_over_gloo(tiny_text_dir, get_free_port, http):
+def test_torch_backend_nccl_transport_syncs_a_real_hf_server_over_gloo(tiny_text_dir, get_free_port, http,
+                                                                        trainer_serve):
     from trainer.modeling.fixtures import build_tiny_model
 
     learner, _ = build_tiny_model("text", seed=1)  # the server loads seed 0: every weight differs at first
     tensors = full_weights(learner)
     want = tensor_checksums(tensors)
-    with hf_server(tiny_text_dir, get_free_port()) as url:
+    with trainer_serve(get_free_port(), "--engine", "hf", "--model", str(tiny_text_dir)) as (url, _):
         info = http.get(url + "/rm/info/").json()
         assert "torch-gloo" in info["nccl_backends"] and "torch-nccl" not in info["nccl_backends"]  # CPU server
         refused = http.post(url + "/init_communicator/",
