@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rollout-matching"
 TOPOLOGY_FILES = ("values-6v2.yaml", "values-3v1.yaml", "values-colocate.yaml")
+ALL_VALUES = (None, *TOPOLOGY_FILES)  # the chart defaults and every topology file
 # Versions the manifests must validate against: the chart's minimum (kubeVersion) and the newest schema shipped.
 KUBE_VERSIONS = ("1.27.0", "1.37.0")
 
@@ -26,6 +28,36 @@ def load_values(name: str | None) -> dict[str, Any]:
 def render_chart(values: dict[str, Any], name: str = "stage2", namespace: str = "ml") -> dict[str, str]:
     with helm.Chart.load(str(CHART)) as chart:
         return chart.render(values, name=name, namespace=namespace, is_install=True)
+
+
+def render_docs(values_file: str | None, overrides: dict[str, Any] | None = None,
+                ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``(values, manifests)`` of the chart rendered with a topology file's values (``None``: the defaults), with
+    ``overrides`` merged over them."""
+    from trainer.config.loader import deep_merge
+
+    values = load_values(values_file)
+    if overrides:
+        values = deep_merge(values, copy.deepcopy(overrides))
+    return values, manifests_of(render_chart(values))
+
+
+def assert_lint_clean(values: dict[str, Any]) -> None:
+    """``helm lint --strict`` reports no error and no warning."""
+    report = helm.lint(str(CHART), values, strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def node_gpus(values: dict[str, Any]) -> int:
+    """GPUs of the node the values describe (the chart's default 8)."""
+    return values.get("node", {}).get("gpuCount", 8)
+
+
+def train_yaml(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The training config the chart mounts (its one ConfigMap's ``train.yaml``)."""
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    return yaml.safe_load(cm["data"]["train.yaml"])
 
 
 def manifests_of(rendered: dict[str, str]) -> list[dict[str, Any]]:

@@ -2,69 +2,58 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import yaml
 from deploy_helpers import (
+    ALL_VALUES,
     CHART,
     REPO,
     TOPOLOGY_FILES,
     args_of,
+    assert_lint_clean,
     assert_valid_kubernetes,
     flag,
     helm,
     load_values,
     manifests_of,
+    node_gpus,
     pod_spec,
     render_chart,
+    render_docs,
+    train_yaml,
     workload,
 )
 
 from trainer.config.schema import validate_config
 from trainer.deploy.checks import check_manifests
 
-ALL_VALUES = (None, *TOPOLOGY_FILES)
 # values file -> (rollout servers, learner GPUs)
 EXPECTED_SHAPE = {None: (1, 1), "values-6v2.yaml": (6, 2), "values-3v1.yaml": (3, 1), "values-colocate.yaml": (0, 4)}
 
 
-def _docs(values_file):
-    values = load_values(values_file)
-    return values, manifests_of(render_chart(values))
-
-
-def _train_yaml(docs):
-    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
-    return yaml.safe_load(cm["data"]["train.yaml"])
-
-
 @pytest.mark.parametrize("values_file", ALL_VALUES)
 def test_lint_is_clean(values_file):
-    report = helm.lint(str(CHART), load_values(values_file), strict=True)
-    assert report["errors"] == []
-    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+    assert_lint_clean(load_values(values_file))
 
 
 @pytest.mark.parametrize("values_file", ALL_VALUES)
 def test_every_rendered_manifest_validates(values_file):
-    _, docs = _docs(values_file)
+    _, docs = render_docs(values_file)
     assert {d["kind"] for d in docs} >= {"ConfigMap", "Job", "Pod"}
     assert_valid_kubernetes(docs)
 
 
 @pytest.mark.parametrize("values_file", ALL_VALUES)
 def test_topology_is_coherent(values_file):
-    values, docs = _docs(values_file)
-    node_gpus = values.get("node", {}).get("gpuCount", 8)
-    assert check_manifests(docs, node_gpus) == []
+    values, docs = render_docs(values_file)
+    gpus = node_gpus(values)
+    assert check_manifests(docs, gpus) == []
     n_servers, learner_gpus = EXPECTED_SHAPE[values_file]
     servers = workload(docs, "rollout-server")
     (learner,) = workload(docs, "learner")
     assert len(servers) == n_servers
     assert flag(args_of(learner), "--nproc-per-node") == str(learner_gpus)
     gpu_total = sum(pod_spec(d)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] for d in [*servers, learner])
-    assert gpu_total == n_servers + learner_gpus <= min(node_gpus, 8)
+    assert gpu_total == n_servers + learner_gpus <= min(gpus, 8)
     ports = [flag(args_of(s), "--port") for s in servers]
     assert len(set(ports)) == len(ports)
     for s in servers:
@@ -79,11 +68,11 @@ def test_topology_is_coherent(values_file):
 
 @pytest.mark.parametrize("values_file", ALL_VALUES)
 def test_learner_waits_for_every_server_and_config_lists_them(values_file):
-    _, docs = _docs(values_file)
+    _, docs = render_docs(values_file)
     urls = [f"http://127.0.0.1:{flag(args_of(s), '--port')}" for s in workload(docs, "rollout-server")]
     (learner,) = workload(docs, "learner")
     args = args_of(learner)
-    cfg = _train_yaml(docs)
+    cfg = train_yaml(docs)
     if urls:
         assert flag(args, "--wait-for-servers").split(",") == urls
         assert float(flag(args, "--health-timeout-s")) > 0
@@ -95,13 +84,13 @@ def test_learner_waits_for_every_server_and_config_lists_them(values_file):
 
 @pytest.mark.parametrize("values_file", ALL_VALUES)
 def test_mounted_training_config_passes_the_trainer_schema(values_file):
-    _, docs = _docs(values_file)
-    validate_config(_train_yaml(docs), source=f"ConfigMap of {values_file or 'chart defaults'}")
+    _, docs = render_docs(values_file)
+    validate_config(train_yaml(docs), source=f"ConfigMap of {values_file or 'chart defaults'}")
 
 
 @pytest.mark.parametrize("values_file", ALL_VALUES)
 def test_helm_test_hook_checks_every_server(values_file):
-    _, docs = _docs(values_file)
+    _, docs = render_docs(values_file)
     (hook,) = [d for d in docs if d["kind"] == "Pod"]
     assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test"
     urls = [f"http://127.0.0.1:{flag(args_of(s), '--port')}" for s in workload(docs, "rollout-server")]
@@ -123,7 +112,7 @@ def test_grpo_config_gets_the_server_list_in_its_rlhf_section():
     values["learner"]["config"] = {"rlhf": {"rlhf_type": "grpo", "use_vllm": True}, "model": {"path": "/models/policy"}}
     docs = manifests_of(render_chart(values))
     assert check_manifests(docs, 8) == []
-    cfg = _train_yaml(docs)
+    cfg = train_yaml(docs)
     assert cfg["rlhf"]["vllm_mode"] == "server"
     assert cfg["rlhf"]["vllm_server_host"] == ["127.0.0.1"] and cfg["rlhf"]["vllm_server_port"] == [8080]
     assert cfg["custom"]["extra"]["rollout_server"]["vllm_data_parallel_size"] == 6
@@ -145,7 +134,7 @@ def test_visible_devices_mode_pins_physical_ids_without_resource_requests():
 
 
 def test_node_name_pins_every_pod():
-    docs = manifests_of(render_chart({**load_values("values-3v1.yaml"), "node": {"name": "gpu-node-7", "gpuCount": 4}}))
+    _, docs = render_docs("values-3v1.yaml", {"node": {"name": "gpu-node-7", "gpuCount": 4}})
     for d in [*workload(docs, "rollout-server"), *workload(docs, "learner"), *[x for x in docs if x["kind"] == "Pod"]]:
         assert pod_spec(d)["nodeSelector"]["kubernetes.io/hostname"] == "gpu-node-7"
 
@@ -168,7 +157,7 @@ def test_node_name_pins_every_pod():
     ids=["duplicate-port", "shared-gpu", "probe-path", "learner-misses-servers", "no-host-network", "gpu-count"],
 )
 def test_semantic_checks_catch_broken_manifests(mutate, expected):
-    docs = copy.deepcopy(manifests_of(render_chart(load_values("values-6v2.yaml"))))
+    _, docs = render_docs("values-6v2.yaml")
     mutate(docs)
     problems = check_manifests(docs, 8)
     assert any(expected in p for p in problems), problems
@@ -221,7 +210,7 @@ def test_topology_rules_fail_the_render_with_guidance(values, expected):
 
 
 def test_learner_works_in_the_writable_output_volume():
-    docs = manifests_of(render_chart(load_values("values-6v2.yaml")))
+    _, docs = render_docs("values-6v2.yaml")
     (learner,) = workload(docs, "learner")
     container = pod_spec(learner)["containers"][0]
     assert container["workingDir"] == "/output"

@@ -4,30 +4,32 @@ topology rendered with each option on and off, validated against the Kubernetes 
 
 from __future__ import annotations
 
-import copy
 import re
 
 import pytest
 import yaml
 from deploy_helpers import (
+    ALL_VALUES,
     CHART,
     REPO,
-    TOPOLOGY_FILES,
     args_of,
+    assert_lint_clean,
     assert_valid_kubernetes,
     flag,
     helm,
     load_values,
     manifests_of,
+    node_gpus,
     pod_spec,
     render_chart,
+    render_docs,
+    train_yaml,
     workload,
 )
 
 from trainer.config.loader import deep_merge
 from trainer.deploy.checks import check_manifests, check_ports, port_claims
 
-ALL_VALUES = (None, *TOPOLOGY_FILES)
 OPTIONS = {
     "defaults": {},
     "caches-hostpath": {"caches": {"hostPath": "/var/cache/rollout-matching"}},
@@ -48,8 +50,7 @@ OPTIONS = {
 
 
 def _render(values_file, option):
-    values = deep_merge(load_values(values_file), copy.deepcopy(OPTIONS[option]))
-    return values, manifests_of(render_chart(values))
+    return render_docs(values_file, OPTIONS[option])
 
 
 def _gpu_pods(docs):
@@ -88,10 +89,9 @@ def _validate(docs):
 @pytest.mark.parametrize("values_file", ALL_VALUES)
 def test_every_topology_with_every_option_lints_validates_and_is_coherent(values_file, option):
     values, docs = _render(values_file, option)
-    report = helm.lint(str(CHART), values, strict=True)
-    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+    assert_lint_clean(values)
     _validate(docs)
-    assert check_manifests(docs, values.get("node", {}).get("gpuCount", 8)) == []
+    assert check_manifests(docs, node_gpus(values)) == []
 
 
 # --- ports ------------------------------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_port_blocks_follow_the_instance_index():
     env = _env(learner["spec"]["template"])
     assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == str(first) and env["VLLM_PORT"] == str(first + 50)
     assert flag(args_of(learner), "--control-port") == str(first + 1)
-    cfg = yaml.safe_load([d for d in docs if d["kind"] == "ConfigMap"][0]["data"]["train.yaml"])
+    cfg = train_yaml(docs)
     assert cfg["custom"]["extra"]["rollout_matching"]["vllm"]["sync"]["group_port"] == first + 2
     for s in servers:
         assert flag(args_of(s), "--learner-control") == f"http://127.0.0.1:{first + 1}"
@@ -146,7 +146,7 @@ def test_grpo_group_ports_are_one_per_server_in_the_learner_block():
     values["learner"]["config"] = {"rlhf": {"rlhf_type": "grpo"}, "model": {"path": "/models/policy"}}
     docs = manifests_of(render_chart(values))
     assert check_manifests(docs, 8) == []
-    cfg = yaml.safe_load([d for d in docs if d["kind"] == "ConfigMap"][0]["data"]["train.yaml"])
+    cfg = train_yaml(docs)
     assert cfg["rlhf"]["vllm_server_group_port"] == [20202, 20203]
     assert "vllm_gpu_memory_utilization" not in cfg["custom"]["extra"]["rollout_server"]
     assert all("--gpu-memory-utilization" not in args_of(s) for s in workload(docs, "rollout-server"))
@@ -298,7 +298,7 @@ def test_priority_class_ttl_and_pdb():
 
 
 def test_ttl_zero_is_kept():
-    docs = manifests_of(render_chart(deep_merge(load_values("values-3v1.yaml"), {"jobs": {"ttlSecondsAfterFinished": 0}})))
+    _, docs = render_docs("values-3v1.yaml", {"jobs": {"ttlSecondsAfterFinished": 0}})
     assert all(d["spec"]["ttlSecondsAfterFinished"] == 0 for d in docs if d["kind"] == "Job")
 
 
@@ -351,7 +351,7 @@ def test_servers_are_supervised_to_stop_when_the_learner_ends(values_file):
 
 
 def test_a_learner_with_retries_left_is_not_final_on_failure():
-    docs = manifests_of(render_chart(deep_merge(load_values("values-3v1.yaml"), {"learner": {"backoffLimit": 2}})))
+    _, docs = render_docs("values-3v1.yaml", {"learner": {"backoffLimit": 2}})
     (learner,) = workload(docs, "learner")
     assert "--final-on-failure" not in args_of(learner) and learner["spec"]["backoffLimit"] == 2
 
@@ -421,8 +421,7 @@ def test_metrics_ports_pod_monitor_and_learner_exporter(values_file):
 
 def test_metrics_on_loopback_without_pod_monitor_or_learner_port():
     _, docs = _render("values-3v1.yaml", "defaults")
-    values = deep_merge(load_values("values-3v1.yaml"), {"metrics": {"enabled": True, "host": "127.0.0.1"}})
-    docs = manifests_of(render_chart(values))
+    _, docs = render_docs("values-3v1.yaml", {"metrics": {"enabled": True, "host": "127.0.0.1"}})
     assert not [d for d in docs if d["kind"] == "PodMonitor"]
     for _, _, pod in _gpu_pods(docs):
         c = pod["spec"]["containers"][0]
