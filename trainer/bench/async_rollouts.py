@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tempfile
 import threading
 import time
@@ -136,12 +137,15 @@ def fractions(timeline: Sequence[tuple[str, float, float]], server_intervals: Se
 
     waits = [(a, b) for k, a, b in timeline if k == "wait"]
     learner_idle = clipped(waits)
+    push = clipped([(a, b) for k, a, b in timeline if k == "sync"])
     server_busy = [clipped(iv) for iv in server_intervals]
     mean_busy = sum(server_busy) / len(server_busy) if server_busy else 0.0
     return {"wall_s": wall, "steps": len(steps), "learner_idle_s": learner_idle,
             "learner_idle_fraction": learner_idle / wall, "learner_busy_fraction": 1 - learner_idle / wall,
             "server_busy_fraction": mean_busy / wall, "server_idle_fraction": 1 - mean_busy / wall,
-            "step_s_mean": wall / len(steps)}
+            "step_s_mean": wall / len(steps), "weight_push_s": push, "weight_push_fraction": push / wall,
+            # what can overlap a decode: targets, forward, backward, optimizer (no rollout wait, no weight push)
+            "train_s_per_step": (wall - learner_idle - push) / len(steps)}
 
 
 def measure(work: Path, *, async_on: bool, delay_s: float, steps: int, batch: int, servers: int,
@@ -176,48 +180,70 @@ def plot(result: dict[str, Any], path: Path) -> None:
         r = result[key]
         rows = [("learner", r["timeline"]["learner"])] + [
             (f"server {i}", [("decode", a, b) for a, b in iv]) for i, iv in enumerate(r["timeline"]["servers"])]
-        colors = {"step": "tab:blue", "wait": "tab:red", "decode": "tab:green"}
+        colors = {"step": "tab:blue", "wait": "tab:red", "sync": "tab:orange", "decode": "tab:green"}
         for y, (_label, spans) in enumerate(rows):
             for kind, a, b in spans:
-                ax.broken_barh([(a, b - a)], (y - 0.35, 0.7), color=colors[kind], alpha=0.6 if kind == "step" else 0.9)
+                ax.broken_barh([(a, b - a)], (y - 0.35, 0.7), color=colors[kind], alpha=0.6 if kind == "step" else 0.9,
+                               zorder=1 if kind == "step" else 2)
         ax.set_yticks(range(len(rows)), [label for label, _ in rows])
         ax.set_title(f"{key.replace('_', ' ')}: learner idle {100 * r['learner_idle_fraction']:.0f}%, "
                      f"servers idle {100 * r['server_idle_fraction']:.0f}% (after step 1)", fontsize=9)
-    axes[-1].set_xlabel("seconds (blue: learner training step, red: learner waiting on rollouts, green: server decoding)")
+    axes[-1].set_xlabel("seconds (blue: learner training step, red: waiting on rollouts, orange: weight push, "
+                        "green: server decoding)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def run(out_dir: str | Path, delay_s: float | None = None, steps: int = 8, batch: int = 2, servers: int = 2) -> dict:
-    """Both variants; ``delay_s`` defaults to the measured mean training step of the no-overlap run with a short
-    calibration (so decode time ≈ train time, the case the issue targets)."""
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline keys of an overlap result (both variants measured)."""
+    no, ov = result["no_overlap"], result["overlap"]
+    result["learner_idle_fraction_no_overlap"] = no["learner_idle_fraction"]
+    result["learner_idle_fraction_overlap"] = ov["learner_idle_fraction"]
+    result["server_idle_fraction_no_overlap"] = no["server_idle_fraction"]
+    result["server_idle_fraction_overlap"] = ov["server_idle_fraction"]
+    result["speedup_step_time"] = no["step_s_mean"] / ov["step_s_mean"]
+    result["weight_push_fraction_overlap"] = ov["weight_push_fraction"]
+    return result
+
+
+def run(out_dir: str | Path, delay_s: float | None = None, steps: int = 12, batch: int = 2, servers: int = 2) -> dict:
+    """Both variants; ``delay_s`` defaults to the training time per step (targets + forward + backward + optimizer:
+    the step minus its rollout wait and its weight push, which no decode can overlap) measured by a short no-overlap
+    calibration run with instant servers, so decode time = train time: the limit of the case the issue targets
+    (decode <= train). The result records the train time of the measured no-overlap run beside it."""
+    import math
     import platform
 
     import torch
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    chosen = "given (--decode-s)"
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if delay_s is None:  # calibrate: train time per step with instant servers
-            cal = measure(work / "cal", async_on=False, delay_s=0.0, steps=4, batch=batch, servers=servers)
-            delay_s = round(cal["step_s_mean"] - cal["learner_idle_s"] / max(cal["steps"], 1), 2)
-        result: dict[str, Any] = {"config": {"delay_s": delay_s, "steps": steps, "per_device_train_batch_size": batch,
+            cal = measure(work / "cal", async_on=False, delay_s=0.0, steps=6, batch=batch, servers=servers)
+            delay_s = math.floor(cal["train_s_per_step"] * 1000) / 1000
+            chosen = "calibrated: train time per step (step - rollout wait - weight push) of a no-overlap run"
+        result: dict[str, Any] = {"config": {"delay_s": delay_s, "delay_chosen": chosen, "steps": steps,
+                                             "per_device_train_batch_size": batch,
                                              "servers": servers, "model": "tiny text (embedded)", "device": "cpu",
+                                             "engine": "scripted (in-process uvicorn, sleeps delay_s per /infer/)",
+                                             "server_busy_from": "server-side decode intervals",
                                              "torch_threads": torch.get_num_threads(), "cpu": platform.processor(),
-                                             "max_staleness_steps": 1}}
+                                             "cpu_count": os.cpu_count(), "max_staleness_steps": 1,
+                                             "sync": "full, in-band, every step"}}
         for name, on in (("no_overlap", False), ("overlap", True)):
             result[name] = measure(work / name, async_on=on, delay_s=delay_s, steps=steps, batch=batch, servers=servers)
-    result["learner_idle_fraction_no_overlap"] = result["no_overlap"]["learner_idle_fraction"]
-    result["learner_idle_fraction_overlap"] = result["overlap"]["learner_idle_fraction"]
-    result["server_idle_fraction_no_overlap"] = result["no_overlap"]["server_idle_fraction"]
-    result["server_idle_fraction_overlap"] = result["overlap"]["server_idle_fraction"]
-    result["speedup_step_time"] = result["no_overlap"]["step_s_mean"] / result["overlap"]["step_s_mean"]
+    headline(result)
+    result["decode_le_train"] = delay_s <= result["no_overlap"]["train_s_per_step"]
     (out / "overlap.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "overlap.png")
-    print(f"async rollouts (decode {delay_s:.2f}s/call): learner idle {100 * result['learner_idle_fraction_no_overlap']:.1f}% "
+    print(f"async rollouts (decode {delay_s:.3f}s/call, train {result['no_overlap']['train_s_per_step']:.3f}s/step): "
+          f"learner idle {100 * result['learner_idle_fraction_no_overlap']:.1f}% "
           f"-> {100 * result['learner_idle_fraction_overlap']:.1f}%, servers idle "
           f"{100 * result['server_idle_fraction_no_overlap']:.1f}% -> {100 * result['server_idle_fraction_overlap']:.1f}%, "
+          f"weight push {100 * result['weight_push_fraction_overlap']:.1f}% of the overlapped wall, "
           f"step time x{result['speedup_step_time']:.2f}")
     return result

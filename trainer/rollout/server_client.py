@@ -199,6 +199,8 @@ class ServerRolloutEngine:
         self.version_lock = WeightVersionLock()
         self._sync_held = False
         self._background: ThreadPoolExecutor | None = None
+        self._posts: ThreadPoolExecutor | None = None  # chunk posts beyond the first (see ``_post_all``)
+        self._posts_lock = threading.Lock()
         if wait:
             self.wait_healthy(timeout_s)
 
@@ -301,14 +303,12 @@ class ServerRolloutEngine:
                 break
             spans = contiguous_chunks(len(pending), len(healthy))
             work = [(s, pending[a:b]) for s, (a, b) in zip(healthy, spans) if b > a]
-            with ThreadPoolExecutor(max_workers=len(work)) as pool:
-                futures = [pool.submit(self._post_infer, s, [requests[i] for i in idx], cfg) for s, idx in work]
-            for (server, idx), fut in zip(work, futures):
-                if fut.exception() is not None:
-                    failures.append(str(fut.exception()))
-                    self.fleet.quarantine(server.base_url, str(fut.exception()))
+            for (server, idx), (answer, error) in zip(work, self._post_all(work, requests, cfg)):
+                if error is not None:
+                    failures.append(str(error))
+                    self.fleet.quarantine(server.base_url, str(error))
                     continue
-                for i, res in zip(idx, fut.result()):
+                for i, res in zip(idx, answer):
                     results[i] = res
             pending = [i for i in pending if results[i] is None]
             if not pending:
@@ -318,6 +318,24 @@ class ServerRolloutEngine:
             f"rollouts failed for {len(ids)} sample(s) {ids[:10]}{' …' if len(ids) > 10 else ''} after "
             f"{self.max_retries} retr{'y' if self.max_retries == 1 else 'ies'} ({KEY}.max_retries); "
             f"quarantined servers: {sorted(self.quarantined)}; errors: " + "; ".join(failures))
+
+    def _post_all(self, work: list[tuple[ServerEndpoint, list[int]]], requests: Sequence[RolloutRequest],
+                  cfg: dict[str, Any]) -> list[tuple[list[RolloutResult] | None, BaseException | None]]:
+        """Post the chunks concurrently: the first from this thread, the others from a pool kept for the engine's
+        lifetime (no threads started per call; one thread hand-off less on the path of every decode)."""
+        def post(server: ServerEndpoint, idx: list[int]) -> tuple[list[RolloutResult] | None, BaseException | None]:
+            try:
+                return self._post_infer(server, [requests[i] for i in idx], cfg), None
+            except Exception as exc:  # noqa: BLE001 - reported per chunk, as a failed future was
+                return None, exc
+
+        if len(work) > 1 and self._posts is None:
+            with self._posts_lock:
+                if self._posts is None:
+                    self._posts = ThreadPoolExecutor(max_workers=2 * len(self.servers), thread_name_prefix="rollout-post")
+        futures = [self._posts.submit(post, s, idx) for s, idx in work[1:]] if len(work) > 1 else []
+        first = [post(*work[0])] if work else []
+        return first + [f.result() for f in futures]
 
     def _forget_connection(self, url: str) -> None:
         if self._transport is not None:
@@ -450,6 +468,9 @@ class ServerRolloutEngine:
         if self._background is not None:
             self._background.shutdown(wait=True, cancel_futures=True)
             self._background = None
+        if self._posts is not None:
+            self._posts.shutdown(wait=True, cancel_futures=True)
+            self._posts = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None

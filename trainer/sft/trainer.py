@@ -127,7 +127,9 @@ class RolloutMatchingTrainer(Trainer):
         self._lookahead: tuple[Any, Any] | None = None  # (epoch iterator, the micro-batch read ahead of it)
         self._plan: list[tuple[int, list[Sample]]] = []  # micro-batches still to come, with their optimizer step
         self._staleness: list[int] = []
-        #: optional timeline for benchmarks: (kind, start, end) with kind "wait" (learner waits on rollouts) / "step"
+        self._encoded: tuple[list[str], list[Any]] | None = None  # (sample ids, requests) of the batch issued ahead
+        #: optional timeline for benchmarks: (kind, start, end) with kind "wait" (learner waits on rollouts), "sync"
+        #: (weight push, inside a step) or "step"
         self.timeline: list[tuple[str, float, float]] | None = None
 
     def rollout_params(self, step: int | None = None) -> DecodingParams:
@@ -142,17 +144,25 @@ class RolloutMatchingTrainer(Trainer):
             with self.timers.phase("target"):
                 return self.pipeline.ground_truth_targets(samples)
         step = self.state.global_step
-        prefetched = None
+        prefetched = requests = next_requests = None
         if self.prefetcher is not None:
             upcoming = self._next_planned(samples)
+            with self.timers.phase("rollout"):
+                # encode before waiting on the decode in flight, so that right after the push the next micro-batch
+                # is posted at once; this batch's requests were encoded when it was issued (encoding is pure)
+                requests = self._encoded_requests(samples)
+                if upcoming is not None:
+                    next_requests = self._encoded_requests(upcoming[1])
+                    self._encoded = ([s.sample_id for s in upcoming[1]], next_requests)
             with self.timers.phase("rollout"), self.timers.phase("generate"), self._timeline("wait"):
                 prefetched = self.prefetcher.take([s.sample_id for s in samples], self.rollout_params(), step)
         if self.weight_sync is not None:
-            with self.timers.phase("weight_sync"):
+            with self.timers.phase("weight_sync"), self._timeline("sync"):
                 if self.weight_sync.ensure_fresh(self.accelerator.unwrap_model(self.model), step):
                     self.counters.add({"weight_syncs": 1})
         with self.timers.phase("rollout"):
-            requests, _ = self.pipeline.requests(samples)
+            if requests is None:
+                requests, _ = self.pipeline.requests(samples)
             if prefetched is not None:
                 results, version = prefetched
             else:
@@ -168,8 +178,8 @@ class RolloutMatchingTrainer(Trainer):
             if self.prefetcher is not None and upcoming is not None:
                 # the servers decode the next micro-batch, on the weights just synced, while this one trains
                 synced = self.weight_sync.last_step if self.weight_sync is not None else step
-                next_step, next_samples = upcoming
-                self.prefetcher.issue(self.pipeline.requests(next_samples)[0], self.rollout_params(next_step),
+                next_step, _ = upcoming
+                self.prefetcher.issue(next_requests, self.rollout_params(next_step),
                                       synced if synced is not None else step, next_step)
         with self.timers.phase("target"):  # sub-phases parse / match / build_target
             targets = self.pipeline.targets(samples, requests, results, self.timers)
@@ -180,6 +190,13 @@ class RolloutMatchingTrainer(Trainer):
             t.stats["decode_step"] = version
             self.counters.add({k: v for k, v in t.stats.items() if k not in ("rollout_step", "decode_step")})
         return targets
+
+    def _encoded_requests(self, samples: list[Sample]) -> list[Any]:
+        """``pipeline.requests(samples)``, reusing the encoding made when these samples were issued ahead."""
+        ids = [s.sample_id for s in samples]
+        if self._encoded is not None and self._encoded[0] == ids:
+            return self._encoded[1]
+        return self.pipeline.requests(samples)[0]
 
     @contextlib.contextmanager
     def _timeline(self, kind: str):
@@ -366,7 +383,7 @@ class RolloutMatchingTrainer(Trainer):
         finally:
             if self.prefetcher is not None:  # a batch read ahead past max_steps is never trained
                 self.prefetcher.discard()
-            self._lookahead, self._plan = None, []
+            self._lookahead, self._plan, self._encoded = None, [], None
 
     def _skip_repeated_batches(self, step: int) -> None:
         """HF's resume skips batches of the raw loader, not of the window repeater: skip in the repeater instead."""
