@@ -1,8 +1,10 @@
-"""Shared fixtures: the embedded tokenizer, parse vocab and a saved tiny model directory (built in code, no hub)."""
+"""Shared fixtures: the embedded tokenizer, parse vocab and a saved tiny model directory (built in code, no hub), and
+rollout requests encoded with a chat template."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import pytest
 
@@ -36,3 +38,25 @@ def tiny_tok(tiny_text_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_text_dir)
+
+
+def _chat_requests(tok, scenes: int | Sequence[str], prefix: str = "s"):
+    """One ``RolloutRequest`` per scene, id ``<prefix><i>``: the user turn ``Detect every object.\nScene: <scene>``
+    encoded with ``tok``'s chat template (generation prompt appended, no special tokens added). ``scenes``: the
+    scene texts, or a count ``n`` for ``thing 0`` … ``thing n-1``."""
+    from trainer.rollout.types import RolloutRequest
+
+    if isinstance(scenes, int):
+        scenes = [f"thing {i}" for i in range(scenes)]
+    out = []
+    for i, scene in enumerate(scenes):
+        msgs = ({"role": "user", "content": f"Detect every object.\nScene: {scene}"},)
+        text = tok.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
+        out.append(RolloutRequest(f"{prefix}{i}", msgs, tuple(tok(text, add_special_tokens=False)["input_ids"])))
+    return out
+
+
+@pytest.fixture(scope="session")
+def chat_requests():
+    """``chat_requests(tok, scenes, prefix="s")`` → the encoded ``RolloutRequest``s (``_chat_requests``)."""
+    return _chat_requests

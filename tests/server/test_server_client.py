@@ -28,15 +28,6 @@ from trainer.sync.policy import SyncModeError, WeightSync
 PARAMS = DecodingParams(max_new_tokens=32)
 
 
-def encoded_requests(tok, n, prefix="s"):
-    out = []
-    for i in range(n):
-        msgs = ({"role": "user", "content": f"Detect every object.\nScene: thing {i}"},)
-        text = tok.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
-        out.append(RolloutRequest(f"{prefix}{i}", msgs, tuple(tok(text, add_special_tokens=False)["input_ids"])))
-    return out
-
-
 @contextlib.contextmanager
 def n_servers(scripted_server, n, model_dir=None, **kwargs):
     with contextlib.ExitStack() as stack:
@@ -90,10 +81,10 @@ def test_a_text_prompt_sends_no_images_even_when_the_record_has_them():
     assert payload["images"] == [] and payload["messages"][0]["content"].endswith("a red square")
 
 
-def test_three_servers_chunk_in_order_and_n0_is_a_noop(scripted_server, tiny_text_dir, tiny_tok):
+def test_three_servers_chunk_in_order_and_n0_is_a_noop(scripted_server, tiny_text_dir, tiny_tok, chat_requests):
     with n_servers(scripted_server, 3, tiny_text_dir) as servers:
         client = ServerRolloutEngine([ServerEndpoint(u) for u, _ in servers], timeout_s=10)
-        reqs = encoded_requests(tiny_tok, 7)
+        reqs = chat_requests(tiny_tok, 7)
         results = client.generate(reqs, PARAMS)
         check_prompt_alignment(reqs, results)
         assert [r.extra["server"] for r in results] == [servers[0][0]] * 3 + [servers[1][0]] * 3 + [servers[2][0]]
@@ -108,29 +99,29 @@ def test_three_servers_chunk_in_order_and_n0_is_a_noop(scripted_server, tiny_tex
         client.close()
 
 
-def test_two_learner_ranks_use_their_own_servers(scripted_server, tiny_text_dir, tiny_tok):
+def test_two_learner_ranks_use_their_own_servers(scripted_server, tiny_text_dir, tiny_tok, chat_requests):
     with n_servers(scripted_server, 3, tiny_text_dir) as servers:
         eps = [ServerEndpoint(u) for u, _ in servers]
         r0 = ServerRolloutEngine(eps, rank=0, world_size=2, timeout_s=10)
         r1 = ServerRolloutEngine(eps, rank=1, world_size=2, timeout_s=10)
-        res0 = r0.generate(encoded_requests(tiny_tok, 4, "a"), PARAMS)
-        res1 = r1.generate(encoded_requests(tiny_tok, 3, "b"), PARAMS)
+        res0 = r0.generate(chat_requests(tiny_tok, 4, "a"), PARAMS)
+        res1 = r1.generate(chat_requests(tiny_tok, 3, "b"), PARAMS)
         assert [r.extra["server"] for r in res0] == [servers[0][0]] * 2 + [servers[2][0]] * 2
         assert [r.extra["server"] for r in res1] == [servers[1][0]] * 3
         assert [r.sample_id for r in res1] == ["b0", "b1", "b2"]
 
 
-def test_stalled_server_times_out_naming_it(scripted_server, tiny_tok):
+def test_stalled_server_times_out_naming_it(scripted_server, tiny_tok, chat_requests):
     with scripted_server(delay_s=5.0) as (slow, _), scripted_server() as (fast, _):
         client = ServerRolloutEngine([ServerEndpoint(fast), ServerEndpoint(slow)], timeout_s=10, infer_timeout_s=0.5,
                                      max_retries=0)
         t0 = time.monotonic()
         with pytest.raises(RolloutServerError, match=rf"{slow}.*timed out.*infer_timeout_s=0.5"):
-            client.generate(encoded_requests(tiny_tok, 2), PARAMS)
+            client.generate(chat_requests(tiny_tok, 2), PARAMS)
         assert time.monotonic() - t0 < 4
 
 
-def test_server_down_at_start(scripted_server, get_free_port, tiny_tok):
+def test_server_down_at_start(scripted_server, get_free_port, tiny_tok, chat_requests):
     port = get_free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
@@ -153,7 +144,7 @@ def test_server_down_at_start(scripted_server, get_free_port, tiny_tok):
         t0 = time.monotonic()
         client = ServerRolloutEngine([ServerEndpoint(url)], timeout_s=20)
         assert time.monotonic() - t0 >= 0.9, "the client must have waited for the late server"
-        assert len(client.generate(encoded_requests(tiny_tok, 2), PARAMS)) == 2
+        assert len(client.generate(chat_requests(tiny_tok, 2), PARAMS)) == 2
     finally:
         stop.set()
         thread.join(10)
@@ -211,7 +202,7 @@ def test_adapter_mode_without_server_lora(scripted_server, tiny_model):
             WeightSync.for_model(client, tiny_model, "adapter")
 
 
-def test_hf_engine_server_decodes_like_hf_and_takes_full_weights(serve, tiny_text_dir, tiny_model, tiny_tok):
+def test_hf_engine_server_decodes_like_hf_and_takes_full_weights(serve, tiny_text_dir, tiny_model, tiny_tok, chat_requests):
     from trainer.modeling.coord_vocab import stop_token_ids
     from trainer.rollout.hf import HFRolloutEngine
     from trainer.server.app import create_app
@@ -224,7 +215,7 @@ def test_hf_engine_server_decodes_like_hf_and_takes_full_weights(serve, tiny_tex
 
     with serve(create_app(HFServerEngine(tiny_text_dir))) as url:
         client = ServerRolloutEngine([ServerEndpoint(url)], timeout_s=10, transport="inband")
-        reqs = encoded_requests(tiny_tok, 3)
+        reqs = chat_requests(tiny_tok, 3)
         got = client.generate(reqs, PARAMS)
         check_prompt_alignment(reqs, got)
         assert [r.response_token_ids for r in got] == hf(tiny_model, reqs)
@@ -239,11 +230,11 @@ def test_hf_engine_server_decodes_like_hf_and_takes_full_weights(serve, tiny_tex
         assert [r.response_token_ids for r in client.generate(reqs, PARAMS)] == hf(learner, reqs)
 
 
-def test_failed_chunk_is_retried_on_the_healthy_servers_in_order(scripted_server, tiny_tok):
+def test_failed_chunk_is_retried_on_the_healthy_servers_in_order(scripted_server, tiny_tok, chat_requests):
     with scripted_server(delay_s=5.0) as (slow, _), scripted_server() as (a, _), scripted_server() as (b, _):
         client = ServerRolloutEngine([ServerEndpoint(a), ServerEndpoint(slow), ServerEndpoint(b)], timeout_s=10,
                                      infer_timeout_s=0.5, max_retries=1)
-        reqs = encoded_requests(tiny_tok, 7)
+        reqs = chat_requests(tiny_tok, 7)
         res = client.generate(reqs, PARAMS)
         assert [r.sample_id for r in res] == [r.sample_id for r in reqs]
         assert slow not in {r.extra["server"] for r in res} and client.quarantined == {slow}
@@ -254,12 +245,12 @@ def test_failed_chunk_is_retried_on_the_healthy_servers_in_order(scripted_server
 
 
 def test_rank_whose_servers_all_failed_borrows_the_other_ranks_healthy_servers(scripted_server, tiny_text_dir,
-                                                                              tiny_tok):
+                                                                              tiny_tok, chat_requests):
     with scripted_server(delay_s=5.0) as (slow, _), scripted_server() as (a, _), scripted_server() as (b, _):
         eps = [ServerEndpoint(u) for u in (a, slow, b)]
         r1 = ServerRolloutEngine(eps, rank=1, world_size=2, timeout_s=10, infer_timeout_s=0.5, max_retries=1)
         assert [s.base_url for s in r1.mine] == [slow]
-        reqs = encoded_requests(tiny_tok, 5, "b")
+        reqs = chat_requests(tiny_tok, 5, "b")
         res = r1.generate(reqs, PARAMS)
         assert [r.sample_id for r in res] == [r.sample_id for r in reqs], "no sample lost, order kept"
         assert r1.quarantined == {slow} and {r.extra["server"] for r in res} == {a, b}
@@ -269,10 +260,10 @@ def test_rank_whose_servers_all_failed_borrows_the_other_ranks_healthy_servers(s
             r1.generate(reqs[:1], PARAMS)
 
 
-def test_retries_exhausted_names_servers_and_samples(scripted_server, tiny_tok):
+def test_retries_exhausted_names_servers_and_samples(scripted_server, tiny_tok, chat_requests):
     with scripted_server(delay_s=5.0) as (slow1, _), scripted_server(delay_s=5.0) as (slow2, _):
         client = ServerRolloutEngine([ServerEndpoint(slow1), ServerEndpoint(slow2)], timeout_s=10,
                                      infer_timeout_s=0.3, max_retries=1)
-        reqs = encoded_requests(tiny_tok, 3)
+        reqs = chat_requests(tiny_tok, 3)
         with pytest.raises(RolloutServerError, match=rf"3 sample\(s\).*{reqs[0].sample_id}.*max_retries.*{slow1}"):
             client.generate(reqs, PARAMS)

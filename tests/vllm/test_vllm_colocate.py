@@ -18,16 +18,6 @@ PARAMS = DecodingParams(max_new_tokens=16)
 SCENES = ["red circle top left", "two blue squares", "a green triangle near the bottom edge", "empty"]
 
 
-def make_requests(tok, scenes=SCENES):
-    reqs = []
-    for i, scene in enumerate(scenes):
-        msgs = ({"role": "user", "content": f"Detect every object.\nScene: {scene}"},)
-        text = tok.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        reqs.append(RolloutRequest(f"s{i}", msgs, tuple(ids)))
-    return reqs
-
-
 def hf_decode(model, tok, stop_ids, requests):
     return HFRolloutEngine(model, tok.pad_token_id, stop_ids, batch_size=1).generate(requests, PARAMS)
 
@@ -51,8 +41,8 @@ def engine(tiny_text_dir, stop_ids, cpu_engine_kwargs):
     eng.close()
 
 
-def test_greedy_matches_hf_and_prompt_aligns(engine, hf_model, tiny_tok, stop_ids):
-    reqs = make_requests(tiny_tok)
+def test_greedy_matches_hf_and_prompt_aligns(engine, hf_model, tiny_tok, stop_ids, chat_requests):
+    reqs = chat_requests(tiny_tok, SCENES)
     got = engine.generate(reqs, PARAMS)
     check_prompt_alignment(reqs, got)
     want = hf_decode(hf_model, tiny_tok, stop_ids, reqs)
@@ -67,8 +57,8 @@ def test_request_longer_than_max_model_len_fails_with_the_key(engine, tiny_tok):
         engine.generate([long], PARAMS)
 
 
-def test_full_sync_makes_vllm_decode_like_the_new_weights(engine, hf_model, tiny_tok, stop_ids):
-    reqs = make_requests(tiny_tok)
+def test_full_sync_makes_vllm_decode_like_the_new_weights(engine, hf_model, tiny_tok, stop_ids, chat_requests):
+    reqs = chat_requests(tiny_tok, SCENES)
     before = [r.response_token_ids for r in engine.generate(reqs, PARAMS)]
     learner = copy.deepcopy(hf_model)
     torch.manual_seed(7)
@@ -85,12 +75,12 @@ def test_full_sync_makes_vllm_decode_like_the_new_weights(engine, hf_model, tiny
     assert [r.response_token_ids for r in engine.generate(reqs, PARAMS)] == before
 
 
-def test_adapter_sync_on_step_boundaries(engine, hf_model, tiny_tok, stop_ids):
+def test_adapter_sync_on_step_boundaries(engine, hf_model, tiny_tok, stop_ids, chat_requests):
     from peft import LoraConfig, get_peft_model
 
     from trainer.sync.policy import WeightSync
 
-    reqs = make_requests(tiny_tok)
+    reqs = chat_requests(tiny_tok, SCENES)
     base_out = [r.response_token_ids for r in engine.generate(reqs, PARAMS)]
     peft_model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
                                                                     init_lora_weights=False))

@@ -14,20 +14,11 @@ import pytest
 import torch
 
 from trainer.config.schema import validate_config
-from trainer.rollout.types import DecodingParams, RolloutRequest
+from trainer.rollout.types import DecodingParams
 from trainer.telemetry import read_jsonl
 
 pytestmark = pytest.mark.vllm
 PARAMS = DecodingParams(max_new_tokens=16)
-
-
-def _requests(tok, n=4):
-    out = []
-    for i in range(n):
-        msgs = ({"role": "user", "content": f"Detect every object.\nScene: shape {i}"},)
-        text = tok.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
-        out.append(RolloutRequest(f"t{i}", msgs, tuple(tok(text, add_special_tokens=False)["input_ids"])))
-    return out
 
 
 def _config(tmp_path):
@@ -45,7 +36,8 @@ def _config(tmp_path):
     }
 
 
-def test_colocate_training_on_a_text_model_with_image_records(tmp_path, monkeypatch, cpu_engine_kwargs, stop_ids):
+def test_colocate_training_on_a_text_model_with_image_records(tmp_path, monkeypatch, cpu_engine_kwargs, stop_ids,
+                                                            chat_requests):
     from trainer.rollout import vllm_colocate
     from trainer.rollout.hf import HFRolloutEngine
     from trainer.sft.run import run_training
@@ -74,7 +66,7 @@ def test_colocate_training_on_a_text_model_with_image_records(tmp_path, monkeypa
 
         final = AutoModelForCausalLM.from_pretrained(summary.final_model_dir, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(summary.final_model_dir)
-        reqs = _requests(tok)
+        reqs = chat_requests(tok, [f"shape {i}" for i in range(4)], "t")
         engine.sync_full(final)
         want = HFRolloutEngine(final, tok.pad_token_id, stop_ids, batch_size=1).generate(reqs, PARAMS)
         got = engine.generate(reqs, PARAMS)
