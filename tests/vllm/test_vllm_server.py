@@ -152,3 +152,44 @@ def test_three_servers_chunking_and_sync(tiny_text_dir, tmp_path, hf_model, tiny
         client.close()
     finally:
         _stop(procs)
+
+
+def test_nccl_transport_into_the_vllm_server_engine_both_receive_paths(tiny_text_dir, hf_model, tiny_tok, stop_ids,
+                                                                       cpu_engine_kwargs):
+    """The NCCL transport (torch backend, gloo wire on CPU) into ``VllmServerEngine``, over HTTP: the one-GPU path
+    (the server process receives, stages, loads on ``finish_weights``) and the tensor-parallel path (each vLLM worker
+    receives and stages through ``collective_rpc``; run here with TP=1, where the in-process worker is rank 0).
+    Each path: a sync makes the served ids equal the learner's HF greedy ids; a NaN bucket is refused with 422
+    naming the tensor, and the served ids stay those of the last good update."""
+    from trainer.bench.async_rollouts import serve_engines
+    from trainer.server.vllm_engine import VllmServerEngine
+    from trainer.sync.weights import full_weights
+
+    reqs = _requests(tiny_tok)
+    engine = VllmServerEngine(tiny_text_dir, max_model_len=256, gpu_memory_utilization=0.3, dtype="float32",
+                              engine_kwargs=cpu_engine_kwargs)
+    try:
+        with serve_engines([engine]) as urls:
+            for worker_path, seed in ((False, 5), (True, 6)):
+                engine._multi_worker = (lambda: True) if worker_path else (lambda: False)
+                client = ServerRolloutEngine([ServerEndpoint(urls[0])], timeout_s=120, transport="nccl",
+                                             nccl_backend="torch", group_port=_free_port())
+                learner = copy.deepcopy(hf_model)
+                torch.manual_seed(seed)
+                with torch.no_grad():
+                    for p in learner.parameters():
+                        p.add_(torch.randn_like(p) * 0.2)
+                want = _hf(learner, tiny_tok, stop_ids, reqs)
+                client.sync_full(learner)
+                assert not client.quarantined, (worker_path, client.quarantined)
+                assert [r.response_token_ids for r in client.generate(reqs, PARAMS)] == want, worker_path
+                bad = full_weights(learner)
+                bad["model.layers.0.mlp.up_proj.weight"] = torch.full_like(bad["model.layers.0.mlp.up_proj.weight"],
+                                                                           float("nan"))
+                failed = client.transport().push_full(bad, [ServerEndpoint(urls[0])])
+                msg = failed.get(urls[0], "")
+                assert "refused (HTTP 422)" in msg and "model.layers.0.mlp.up_proj.weight" in msg, (worker_path, failed)
+                assert [r.response_token_ids for r in engine.generate(reqs, PARAMS)] == want, worker_path
+                client.close()
+    finally:
+        engine.close()

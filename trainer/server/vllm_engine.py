@@ -173,11 +173,11 @@ class VllmServerEngine(LocalNcclMixin):
             return
         try:
             self._check_meta(meta)
-            finite = all(self.vllm.collective_rpc(_worker_staged_finite))
-            if not finite:
+            bad = next((b for b in self.vllm.collective_rpc(_worker_staged_non_finite) if b is not None), None)
+            if bad is not None:
                 from trainer.sync.update_check import WeightUpdateRefused
 
-                raise WeightUpdateRefused(None, "non-finite values (NaN or inf) in the staged update")
+                raise WeightUpdateRefused(*bad)
         except Exception:
             self.vllm.collective_rpc(_worker_take_staged, False)
             raise
@@ -202,11 +202,13 @@ def _worker_param_names(worker) -> list[str]:
     return [name for name, _ in vllm_compat.worker_model(worker).named_parameters()]
 
 
-def _worker_staged_finite(worker) -> bool:
-    from trainer.sync.update_check import first_non_finite
+def _worker_staged_non_finite(worker) -> tuple[str, str] | None:
+    """(name, reason) of the first staged tensor of this worker holding NaN/inf, else None."""
+    from trainer.sync.update_check import describe_non_finite, first_non_finite
 
-    rx = getattr(worker, "rm_receiver", None)
-    return first_non_finite(rx.staged if rx is not None else {}) is None
+    staged = getattr(worker, "rm_receiver", None).staged if getattr(worker, "rm_receiver", None) is not None else {}
+    name = first_non_finite(staged)
+    return None if name is None else (name, describe_non_finite(staged[name]))
 
 
 def _worker_take_adapter(worker) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ __all__ = [
     "WeightUpdateRefused",
     "check_learner_weights",
     "check_update",
+    "describe_non_finite",
     "first_non_finite",
     "spec_from_checkpoint",
     "spec_from_state_dict",
@@ -169,7 +170,7 @@ def _dtype_problem(got: torch.dtype, want: torch.dtype, allow_cast: bool) -> str
     return f"dtype {got} != served {want}"
 
 
-def _describe_non_finite(t: torch.Tensor) -> str:
+def describe_non_finite(t: torch.Tensor) -> str:
     t = t.detach()
     nan = int(torch.isnan(t).sum())
     inf = int(torch.isinf(t).sum())
@@ -201,7 +202,7 @@ def check_update(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorS
     if check_finite:
         bad = first_non_finite(tensors)
         if bad is not None:
-            raise WeightUpdateRefused(bad, _describe_non_finite(tensors[bad]))
+            raise WeightUpdateRefused(bad, describe_non_finite(tensors[bad]))
 
 
 def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
