@@ -317,7 +317,7 @@ def test_serve_vllm_inband_sync_and_refused_bad_update(text_dir, tok, stop_ids, 
         assert not client.quarantined
         bad = full_weights(learner)
         bad["model.layers.0.mlp.up_proj.weight"] = torch.full_like(bad["model.layers.0.mlp.up_proj.weight"], float("nan"))
-        resp = httpx.post(url + "/rm/update_weights_inband/", params={"kind": "full"}, content=safetensors_bytes(bad),
+        resp = httpx.post(url + "/rm/update_weights_inband/", params={"kind": "full"}, content=bytes(safetensors_bytes(bad)),
                           timeout=120)
         assert resp.status_code == 422, resp.text
         assert "model.layers.0.mlp.up_proj.weight" in resp.text

@@ -112,7 +112,7 @@ def sync_bench(model_dir: Path, repeats: int = 5) -> dict[str, Any]:
 
     learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     out: dict[str, Any] = {}
-    for variant in ("plain", "lora"):
+    for variant in os.environ.get("RM_BENCH_SYNC_VARIANTS", "plain,lora").split(","):
         lora = variant == "lora"
         engine = VllmColocateEngine(model_dir, [], max_model_len=1024, gpu_memory_utilization=0.25, dtype="bfloat16",
                                     enable_lora=lora, max_lora_rank=16,
@@ -137,7 +137,8 @@ def sync_bench(model_dir: Path, repeats: int = 5) -> dict[str, Any]:
         best = min(runs[1:] or runs, key=lambda r: r["total_s"])
         out[variant] = {"runs": runs, "gb_per_s_end_to_end": best["bytes"] / 1e9 / best["total_s"],
                         "check_fraction": best["check_s"] / best["total_s"], "bytes": best["bytes"]}
-    out["inband"] = inband_bench(model_dir, learner)
+    if os.environ.get("RM_BENCH_SYNC_INBAND", "1") == "1":
+        out["inband"] = inband_bench(model_dir, learner)
     return out
 
 
@@ -264,9 +265,9 @@ def run(out: Path, only: str = "vllm") -> dict[str, Any]:
             result["engine_over_raw_vllm"] = result["engine_bench"]["engine_over_raw_vllm"]
         elif part == "sync":
             result["sync_bench"] = sync_bench(model_dir)
-            result["colocate_sync_gb_s"] = {k: result["sync_bench"][k]["gb_per_s_end_to_end"]
-                                            for k in ("plain", "lora")}
-            result["sync_check_fraction"] = {k: result["sync_bench"][k]["check_fraction"] for k in ("plain", "lora")}
+            done = [k for k in ("plain", "lora") if k in result["sync_bench"]]
+            result["colocate_sync_gb_s"] = {k: result["sync_bench"][k]["gb_per_s_end_to_end"] for k in done}
+            result["sync_check_fraction"] = {k: result["sync_bench"][k]["check_fraction"] for k in done}
         else:
             result["step_bench"] = step_bench(model_dir, work / "step")
         print(f"bench vllm: {part} done in {time.perf_counter() - t0:.1f} s", flush=True)

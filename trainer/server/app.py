@@ -44,10 +44,11 @@ from trainer.server.protocol import (
     UpdateNamedParamBody,
     rollout_output,
 )
+from trainer.sync import wire
 from trainer.sync.nccl import offered_wire_backends
 from trainer.sync.transports import INBAND_PATH
 from trainer.sync.update_check import WeightUpdateRefused
-from trainer.sync.weights import AdapterWeights, tensors_from_safetensors
+from trainer.sync.weights import AdapterWeights
 
 log = logging.getLogger(__name__)
 
@@ -334,9 +335,9 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
 
     @app.post(INBAND_PATH, dependencies=guarded)
     async def update_weights_inband(request: Request, kind: Literal["full", "adapter"] = Query(...)):
-        blob = await request.body()
+        blob = await _read_body(request)
         try:
-            tensors = tensors_from_safetensors(blob)
+            tensors, meta = wire.decode(blob)
         except Exception as exc:
             raise EngineRequestError(f"body is not a safetensors payload: {exc}") from exc
         if not tensors:
@@ -344,7 +345,6 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         if kind == "adapter":
             if not engine.enable_lora:
                 raise EngineRequestError("this server does not serve LoRA adapters (start it with LoRA enabled)")
-            meta = _safetensors_metadata(blob)
             if "peft_config" not in meta:
                 raise EngineRequestError("adapter payloads carry their peft config as safetensors metadata 'peft_config'")
             adapter = AdapterWeights(json.loads(meta["peft_config"]), tensors)
@@ -380,15 +380,25 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
     return app
 
 
+async def _read_body(request: Request) -> bytes | bytearray:
+    """The request body; with a ``Content-Length`` it streams into one buffer of that size (a weight payload is
+    copied once here instead of collected in chunks and joined)."""
+    declared = request.headers.get("content-length", "")
+    if not declared.isdigit():
+        return await request.body()
+    buf = bytearray(int(declared))
+    pos = 0
+    async for chunk in request.stream():
+        end = pos + len(chunk)
+        if end > len(buf):
+            raise EngineRequestError(f"body is longer than its Content-Length of {len(buf)} bytes")
+        buf[pos:end] = chunk
+        pos = end
+    if pos != len(buf):
+        raise EngineRequestError(f"body of {pos} bytes is shorter than its Content-Length of {len(buf)} bytes")
+    return buf
+
+
 def nccl_backends() -> list[str]:
     """The ``/init_communicator/`` backends this server process can build (reported by ``/rm/info/``)."""
     return offered_wire_backends()
-
-
-def _safetensors_metadata(blob: bytes) -> dict[str, str]:
-    """The ``__metadata__`` map of a safetensors payload (its JSON header)."""
-    if len(blob) < 8:
-        return {}
-    n = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8:8 + n])
-    return dict(header.get("__metadata__") or {})

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.sync.wire import MAX_HEADER_BYTES, SAFETENSORS_DTYPES
+
 __all__ = [
     "NonFiniteWeightsError",
     "TensorSpec",
@@ -35,18 +37,6 @@ __all__ = [
     "spec_from_checkpoint",
     "spec_from_state_dict",
 ]
-
-# safetensors header dtype codes → torch dtypes (those this torch build has)
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    code: getattr(torch, name)
-    for code, name in (("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"),
-                       ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu"),
-                       ("I64", "int64"), ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"),
-                       ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("BOOL", "bool"),
-                       ("C64", "complex64"))
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-_MAX_HEADER_BYTES = 100 * 2**20
 
 
 @dataclass(frozen=True)
@@ -111,7 +101,7 @@ def _read_header(path: Path) -> dict:
         if len(raw) != 8:
             raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
         (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER_BYTES:
+        if n > MAX_HEADER_BYTES:
             raise ValueError(f"{path}: safetensors header of {n} bytes is implausible")
         return json.loads(fh.read(n))
 
@@ -143,9 +133,9 @@ def spec_from_checkpoint(model_dir: str | Path, dtype: torch.dtype | None = None
             if name == "__metadata__":
                 continue
             code = entry["dtype"]
-            if code not in _SAFETENSORS_DTYPES:
+            if code not in SAFETENSORS_DTYPES:
                 raise ValueError(f"{path}: tensor {name!r} has dtype {code}, unknown to this torch build")
-            stored = _SAFETENSORS_DTYPES[code]
+            stored = SAFETENSORS_DTYPES[code]
             served = dtype if dtype is not None and stored.is_floating_point else stored
             spec[name] = TensorSpec(tuple(int(d) for d in entry["shape"]), served)
     config_path = root / "config.json"

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load, save
+
+from trainer.sync.wire import decode, encode
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -153,13 +154,15 @@ def adapter_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) ->
     return AdapterWeights(peft_config_dict(model), tensors)
 
 
-def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
-    """Serialise CPU copies of ``tensors`` (shared storage is duplicated, so tied weights are fine)."""
-    return save({k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}, metadata=metadata)
+def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytearray:
+    """``tensors`` (any device; shared storage fine, so tied weights are too) as one safetensors payload, each
+    tensor copied once into it (``trainer.sync.wire.encode``)."""
+    return encode(tensors, metadata)
 
 
-def tensors_from_safetensors(blob: bytes) -> dict[str, torch.Tensor]:
-    return load(blob)
+def tensors_from_safetensors(blob: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors payload, as read-only views of ``blob`` (``trainer.sync.wire.decode``)."""
+    return decode(blob)[0]
 
 
 def write_adapter_dir(directory: str | Path, adapter: AdapterWeights) -> Path:
