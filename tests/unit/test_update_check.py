@@ -181,3 +181,16 @@ def test_learner_check_names_the_parameter_and_the_step():
     assert "the last checkpoint is /run/stage2/checkpoint-4" in str(with_ckpt)
     assert "none (no checkpoint" in str(err.with_checkpoint(None))
     assert str(pickle.loads(pickle.dumps(with_ckpt))) == str(with_ckpt)
+
+
+def test_first_non_finite_mixed_dtypes_huge_finite_values_and_mapping_order():
+    from trainer.sync.update_check import first_non_finite
+
+    huge = torch.full((64,), 3.0e38)  # sums/norms of these overflow; max-abs does not
+    tensors = {"a": huge.to(torch.bfloat16), "b": huge, "c": torch.ones(3, dtype=torch.float16),
+               "i": torch.arange(4), "empty": torch.empty(0)}
+    assert first_non_finite(tensors) is None
+    tensors["d"] = torch.tensor([0.0, float("-inf")], dtype=torch.float16)
+    tensors["e"] = torch.tensor([float("nan")])
+    assert first_non_finite(tensors) == "d"
+    assert first_non_finite({"e": tensors["e"], "d": tensors["d"]}) == "e"

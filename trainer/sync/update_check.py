@@ -196,16 +196,17 @@ def check_update(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorS
 
 
 def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
-    """The first (in mapping order) floating tensor holding NaN or inf, else None. Each tensor is reduced on its
-    own device to one flag; the flags are stacked per device and read with one sync (two when something is bad)."""
+    """The first (in mapping order) floating tensor holding NaN or inf, else None. Per device, one fused
+    multi-tensor max-abs (``torch._foreach_norm`` with ord=inf: NaN and ±inf propagate, finite values never overflow)
+    gives a flag per tensor, read with one sync (two when something is bad)."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, t in tensors.items():
         if (t.is_floating_point() or t.is_complex()) and t.numel():
-            by_device.setdefault(t.device, []).append((name, t))
+            by_device.setdefault(t.device, []).append((name, t.detach()))
     bad: set[str] = set()
     with torch.no_grad():
         for items in by_device.values():
-            flags = torch.stack([torch.isfinite(t.detach()).all() for _, t in items])
+            flags = torch.isfinite(torch.stack(torch._foreach_norm([t for _, t in items], ord=float("inf"))))
             if bool(flags.all()):
                 continue
             bad.update(items[int(i)][0] for i in torch.nonzero(~flags).flatten().tolist())

@@ -49,32 +49,51 @@ def _ties_embeddings(model: torch.nn.Module) -> bool:
     return bool(getattr(cfg, "tie_word_embeddings", False) or getattr(text_cfg, "tie_word_embeddings", False))
 
 
-def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{checkpoint weight name: merged delta}`` for every LoRA-wrapped layer of the active adapters."""
+def _lora_deltas(model: torch.nn.Module) -> dict[str, list[Any]]:
+    """``{checkpoint weight name: merge terms}`` for every LoRA-wrapped layer of the active adapters. A term is
+    ``(B, A, scaling)`` for a plain linear LoRA (merged with one ``addmm``) or peft's delta tensor otherwise."""
     from peft.tuners.lora import LoraLayer
 
-    deltas: dict[str, torch.Tensor] = {}
+    deltas: dict[str, list[Any]] = {}
     for module_name, module in model.named_modules():
         if not isinstance(module, LoraLayer) or module.merged:
             continue
-        total = None
+        terms: list[Any] = []
         for adapter in module.active_adapters:
             if adapter not in module.lora_A:
                 continue
             if module.use_dora.get(adapter, False):
                 raise _DoraNeedsMerge()
-            delta = module.get_delta_weight(adapter)
-            total = delta if total is None else total + delta
-        if total is not None:
-            deltas[_checkpoint_name(f"{module_name}.weight")] = total
+            a, b = module.lora_A[adapter], module.lora_B[adapter]
+            plain = (isinstance(a, torch.nn.Linear) and isinstance(b, torch.nn.Linear) and a.weight.dtype == b.weight.dtype
+                     and not getattr(module, "fan_in_fan_out", False) and module.get_base_layer().weight.dim() == 2)
+            if plain:
+                terms.append((b.weight.detach(), a.weight.detach(), float(module.scaling[adapter])))
+            else:
+                terms.append(module.get_delta_weight(adapter))
+        if terms:
+            deltas[_checkpoint_name(f"{module_name}.weight")] = terms
     return deltas
+
+
+def _merged(weight: torch.Tensor, terms: list[Any]) -> torch.Tensor:
+    """``weight`` plus its LoRA terms, computed in the wider of the two dtypes and rounded once (as peft's merge)."""
+    value = weight
+    for term in terms:
+        if isinstance(term, tuple):
+            b, a, scaling = term
+            wide = torch.promote_types(value.dtype, b.dtype)
+            value = torch.addmm(value.to(wide), b.to(wide), a.to(wide), alpha=scaling)
+        else:
+            value = value.to(torch.promote_types(value.dtype, term.dtype)) + term
+    return value.to(weight.dtype)
 
 
 class _DoraNeedsMerge(Exception):
     """DoRA cannot be merged as an additive delta; peft's merge/unmerge is used instead."""
 
 
-def _collect(model: torch.nn.Module, deltas: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _collect(model: torch.nn.Module, deltas: dict[str, list[Any]], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if "lora_" in name or ".original_module." in name:
@@ -82,7 +101,7 @@ def _collect(model: torch.nn.Module, deltas: dict[str, torch.Tensor], dtype: tor
         key = _checkpoint_name(name).replace(".modules_to_save.default.", ".")
         value = tensor.detach()
         if key in deltas:
-            value = value + deltas[key].to(value.dtype)
+            value = _merged(value, deltas[key])
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         out[key] = value.contiguous()
