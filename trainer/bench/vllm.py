@@ -225,11 +225,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[1].set_title("weight sync GB/s (0.6B, bf16)")
     step = result.get("step_bench", {})
     parts = ("rollout", "weight_sync", "target", "forward", "backward")
+    colors = dict(zip(parts, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
     for i, backend in enumerate(step):
         bottom = 0.0
         for part in parts:
             v = step[backend]["per_step"].get(f"time/{part}_s", 0.0)
-            axes[2].bar(i, v, bottom=bottom, label=part if i == 0 else None)
+            axes[2].bar(i, v, bottom=bottom, color=colors[part], label=part if i == 0 else None)
             bottom += v
     axes[2].set_xticks(range(len(step)), list(step))
     axes[2].set_title("stage-2 step split (s)")
