@@ -10,7 +10,10 @@ One module per benchmark, all building their random-weight models with ``trainer
   (``overlap.json`` / ``.png``; CPU-runnable, not part of ``all``); ``--engine vllm``: against one real vLLM server
   sharing the GPU (``overlap_vllm_gpu.json`` / ``.png``; ``trainer.bench.async_vllm``);
 * ``vllm``: the vLLM colocate engine vs plain vLLM, colocate / in-band sync GB/s, and (``vllm-step``) a stage-2 step
-  with vLLM colocate vs the HF backend (``vllm.json`` / ``.png``; CUDA + vLLM).
+  with vLLM colocate vs the HF backend (``vllm.json`` / ``.png``; CUDA + vLLM);
+* ``inband``: in-band weight push (HTTP) to a scripted server subprocess, the pre-b1c8efc path vs
+  ``InbandTransport`` vs a raw copy, 64 MiB-1 GiB (``inband.json`` / ``.png``; CPU-runnable, not part of ``all``;
+  ``--quick``: 1 and 4 MiB).
 
 The benchmark modules are pure functions (no pydantic, no config); this file holds only the command line and
 imports them lazily, so ``python -m trainer --help`` stays fast.
@@ -22,7 +25,7 @@ import argparse
 import json
 from pathlib import Path
 
-ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async")
+ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async", "inband")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +40,12 @@ def run(args: argparse.Namespace) -> int:
         from trainer.bench.async_rollouts import run as run_async  # CPU: scripted servers with a set decode time
 
         run_async(Path(args.out), delay_s=args.decode_s, steps=args.steps or 12)
+        return 0
+    if getattr(args, "only", "all") == "inband":  # CPU: learner -> scripted server subprocess over loopback HTTP
+        from trainer.bench.inband import QUICK_SIZES_MIB, SIZES_MIB
+        from trainer.bench.inband import run as run_inband
+
+        run_inband(Path(args.out), sizes_mib=QUICK_SIZES_MIB if args.quick else SIZES_MIB)
         return 0
     if not args.quick and not torch.cuda.is_available():
         print("bench: the full benchmarks need a CUDA GPU (Qwen3-0.6B shapes, H100 figures in docs/benchmarks); "
@@ -103,7 +112,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="packing: packed vs padded fwd+bwd (+ offload); rollout: HF rollout batching + rollout "
                         "buffer; weight-sync: NCCL learner -> server sync (two GPUs; not part of 'all'); vllm (= vllm-engine + "
                         "vllm-sync) / vllm-step: vLLM engine, sync, stage-2 step benchmarks (GPU + vLLM; not part of 'all'); async: "
-                        "step timeline with/without async_rollouts (scripted servers, CPU; not part of 'all')")
+                        "step timeline with/without async_rollouts (scripted servers, CPU; not part of 'all'); inband: in-band "
+                        "HTTP weight push before/after b1c8efc vs a raw copy (scripted server, CPU; not part of 'all')")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--decode-s", type=float, default=None,
                    help="async: seconds per /infer/ call of the scripted servers (default: the measured train time "
