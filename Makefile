@@ -60,7 +60,7 @@ pip-check: setup
 
 test: setup
 	$(PY) locks/pip_check.py $(CPU_LOCK) $(LOCK_OVERRIDES)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 test-fast: setup
 	$(PY) -m pytest -q tests/unit

@@ -184,3 +184,31 @@ def test_a_learner_that_drops_the_connection_mid_answer_reads_as_not_answering()
     assert learner_status(f"http://127.0.0.1:{srv.getsockname()[1]}", "w") is None
     t.join(5)
     srv.close()
+
+
+def test_a_watcher_counts_as_having_read_the_final_state_only_after_its_answer_was_written(monkeypatch):
+    """The learner exits once the expected watchers have read the final state; counting a watcher before its answer
+    was written let the learner exit mid-answer (CI: the watcher never saw ``succeeded``)."""
+    from trainer.deploy import lifecycle
+
+    state = lifecycle.LearnerState(final_on_failure=False)
+    state.finish(0)
+    assert state.snapshot()["final"] and not state.watchers_done  # reading alone marks nothing
+    order = []
+    real_mark = state.mark_read
+    monkeypatch.setattr(state, "mark_read", lambda w: (order.append(("marked", w)), real_mark(w)))
+    port = free_port()
+    server = lifecycle.control_server(state, "127.0.0.1", port)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/lifecycle/?watcher=w1", timeout=5) as r:
+            body = json.loads(r.read())
+        order.append(("read", body["state"]))
+        deadline = time.monotonic() + 5
+        while "w1" not in state.watchers_done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert body["state"] == "succeeded" and state.watchers_done == {"w1"}
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/lifecycle/", timeout=5) as r:  # no watcher id
+            assert json.loads(r.read())["final"] is True
+        assert state.watchers_done == {"w1"} and order.count(("marked", "w1")) == 1
+    finally:
+        server.shutdown()

@@ -119,14 +119,17 @@ class LearnerState:
     def final(self) -> bool:
         return self.state == SUCCEEDED or (self.state == FAILED and self.final_on_failure)
 
-    def snapshot(self, watcher: str | None) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         with self.lock:
-            body = {"state": self.state, "final": self.final, "exit_code": self.exit_code,
+            return {"state": self.state, "final": self.final, "exit_code": self.exit_code,
                     "started_at": self.started_at, "pid": os.getpid()}
-            if self.final and watcher:
-                self.watchers_done.add(watcher)
-                self.changed.notify_all()
-        return body
+
+    def mark_read(self, watcher: str) -> None:
+        """``watcher`` has been sent a final state in full (counted only after the answer was written, so the learner
+        cannot exit while that answer is still on its way)."""
+        with self.lock:
+            self.watchers_done.add(watcher)
+            self.changed.notify_all()
 
 
 def control_server(state: LearnerState, host: str, port: int) -> ThreadingHTTPServer:
@@ -137,7 +140,10 @@ def control_server(state: LearnerState, host: str, port: int) -> ThreadingHTTPSe
             parts = urlsplit(self.path)
             if parts.path.rstrip("/") == LIFECYCLE_PATH.rstrip("/"):
                 watcher = (parse_qs(parts.query).get("watcher") or [None])[0]
-                self._json(200, state.snapshot(watcher))
+                body = state.snapshot()
+                self._json(200, body)
+                if body["final"] and watcher:
+                    state.mark_read(watcher)
             elif parts.path.rstrip("/") == "/health":
                 self._json(200, {"status": "ok"})
             else:
@@ -150,6 +156,7 @@ def control_server(state: LearnerState, host: str, port: int) -> ThreadingHTTPSe
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+            self.wfile.flush()
 
         def log_message(self, *args: Any) -> None:
             pass
