@@ -133,7 +133,7 @@ def test_sigkill_mid_overlap_resumes_exactly(assets):
     """A learner SIGKILLed while the servers decode its next batch resumes from the last checkpoint, whose rollout
     state holds the prefetched batch finished: the ledger (decode step included) and losses match a straight run."""
     root, model_dir, data = assets
-    engines = [TimedEngine(model_dir, delay_s=0.6) for _ in range(2)]
+    engines = [TimedEngine(model_dir, delay_s=0.3) for _ in range(2)]
     with serve_engines(engines) as urls:
         straight = stage2_config(root / "straight", data, urls, async_on=True, steps=6, batch=2, save_steps=3)
         run_with_timeline(straight)
@@ -154,7 +154,6 @@ def test_sigkill_mid_overlap_resumes_exactly(assets):
             time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)  # the servers are decoding the learner's next batch
         proc.wait()
-        assert any(r["step"] >= 3 for r in ledger(root / "killed")) or True
         subprocess.run(cmd + ["--resume-from-checkpoint", "latest"], check=True, env=env, capture_output=True,
                        timeout=300)
     fields = ("epoch", "sample_id", "step", "rollout_step", "decode_step")
