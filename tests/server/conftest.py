@@ -4,11 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
@@ -45,33 +41,11 @@ def serve_app(app, port: int | None = None):
 
 @contextlib.contextmanager
 def serve_process(port: int, *args: str, env: dict[str, str] | None = None, timeout_s: float = 90):
-    """``python -m trainer serve --port <port> --log-level warning <args>`` as a subprocess (``env`` over this
-    process's; output kept, and shown when it exits before it is healthy); yields ``(base_url, process)`` once it
-    answers ``/health/``; stopped at the end (terminated, killed if it lingers)."""
-    from trainer.launch.health import process_exited, wait_until_healthy
+    """``trainer.launch.health.serve_subprocess`` on ``port``; yields ``(base_url, process)``."""
+    from trainer.launch.health import serve_subprocess
 
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--port", str(port), "--log-level", "warning",
-                             *args], env={**os.environ, "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false",
-                                          **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
-
-    def output() -> str:
-        log.seek(0)
-        return log.read().decode(errors="replace")
-
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy([url], timeout_s=timeout_s, interval_s=0.2, abort=process_exited(proc, output))
+    with serve_subprocess(*args, port=port, env=env, timeout_s=timeout_s) as (url, proc, _):
         yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        proc.wait(10)
-        log.close()
 
 
 @contextlib.contextmanager

@@ -24,10 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -65,41 +61,16 @@ def client_intervals():
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, log: Path, *, cuda: bool, timeout_s: float = 420.0):
+def vllm_server(model_dir: Path, *, cuda: bool, timeout_s: float = 420.0):
     """One ``trainer serve --engine vllm`` subprocess; yields its base URL once ``/health/`` answers."""
-    import httpx
+    from trainer.launch.health import serve_subprocess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "trainer", "serve", "--engine", "vllm", "--model", str(model_dir), "--host",
-           "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--gpu-memory-utilization", "0.3",
-           "--enforce-eager", "--dtype", "bfloat16" if cuda else "float32"]
-    if not cuda:
-        cmd += ["--kv-cache-bytes", str(256 * 2**20)]
-    t0 = time.perf_counter()
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_PLUGINS": ""})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health/", timeout=2).status_code == 200:
-                    break
-            if time.perf_counter() - t0 > timeout_s:
-                raise RuntimeError(f"vLLM server not healthy after {timeout_s:.0f}s:\n{log.read_text()[-3000:]}")
-            time.sleep(1.0)
-        print(f"bench async vllm: server up in {time.perf_counter() - t0:.1f}s", flush=True)
+    args = ["--engine", "vllm", "--model", str(model_dir), "--max-model-len", "2048", "--gpu-memory-utilization", "0.3",
+            "--enforce-eager", "--dtype", "bfloat16" if cuda else "float32",
+            *([] if cuda else ["--kv-cache-bytes", str(256 * 2**20)])]
+    with serve_subprocess(*args, timeout_s=timeout_s, interval_s=1.0) as (url, _, took):
+        print(f"bench async vllm: server up in {took:.1f}s", flush=True)
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
 
 
 def stage2_config(out_dir: Path, model_dir: Path, url: str, *, async_on: bool, steps: int, batch: int,
@@ -169,7 +140,7 @@ def run(out_dir: str | Path, steps: int = 10, max_new_tokens: int | None = None,
 
             result["config"]["vllm"] = vllm.__version__
         for name, on in (("no_overlap", False), ("overlap", True)):
-            with vllm_server(model_dir, work / f"serve-{name}.log", cuda=cuda) as url:
+            with vllm_server(model_dir, cuda=cuda) as url:
                 if max_new_tokens is None:  # calibrate on the first server: decode <= train
                     cal = measure(work / "cal", model_dir, url, async_on=False, steps=4, batch=batch,
                                   max_new_tokens=CALIBRATION_TOKENS, cuda=cuda)

@@ -30,9 +30,6 @@ import gc
 import json
 import os
 import platform
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -102,42 +99,14 @@ def push_after(transport: Any, endpoint: Any, tensors: dict[str, torch.Tensor]) 
             "whole_body_read": "HTTP 422" in err and REFUSAL in err, "answer": err[:200]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def scripted_server(model_dir: Path, timeout_s: float = 120.0) -> Iterator[tuple[str, float]]:
     """``python -m trainer serve --engine scripted --model model_dir`` on a free loopback port; yields
     ``(base_url, seconds to healthy)``; terminated at the end."""
-    from trainer.launch.health import process_exited, wait_until_healthy
+    from trainer.launch.health import serve_subprocess
 
-    port = _free_port()
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--engine", "scripted", "--model",
-                             str(model_dir), "--port", str(port), "--log-level", "warning"],
-                            env={**os.environ, "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false"},
-                            stdout=log, stderr=subprocess.STDOUT)
-
-    def output() -> str:
-        log.seek(0)
-        return log.read().decode(errors="replace")
-
-    url = f"http://127.0.0.1:{port}"
-    try:
-        took = wait_until_healthy([url], timeout_s, interval_s=0.2, abort=process_exited(proc, output))[url]
+    with serve_subprocess("--engine", "scripted", "--model", str(model_dir), timeout_s=timeout_s) as (url, _, took):
         yield url, took
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        proc.wait(10)
-        log.close()
 
 
 def _accepted_check(transport: Any, endpoint: Any, model_dir: Path) -> dict[str, Any]:

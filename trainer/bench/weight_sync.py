@@ -135,31 +135,11 @@ def broadcast_baseline(nbytes: int, device: torch.device, peer_env: dict[str, st
 
 @contextlib.contextmanager
 def hf_server(model_dir: Path, env: dict[str, str], device: str | None, dtype: str, timeout_s: float = 240.0):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "trainer", "serve", "--engine", "hf", "--model", str(model_dir), "--port", str(port),
-           "--dtype", dtype, "--log-level", "warning"]
-    if device:
-        cmd += ["--device", device]
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    from trainer.launch.health import process_exited, wait_until_healthy
+    from trainer.launch.health import serve_subprocess
 
-    def output() -> str:
-        log.seek(0)
-        return log.read().decode(errors="replace")
-
-    try:
-        took = wait_until_healthy([url], timeout_s, interval_s=0.3, abort=process_exited(proc, output))[url]
+    args = ["--engine", "hf", "--model", str(model_dir), "--dtype", dtype, *(["--device", device] if device else [])]
+    with serve_subprocess(*args, env=env, timeout_s=timeout_s, interval_s=0.3) as (url, _, took):
         yield url, took
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
 
 
 def _verify(url: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import httpx
 
@@ -78,3 +83,39 @@ def process_exited(proc: subprocess.Popen, output: Callable[[], str] | None = No
         return f"server process exited with code {proc.returncode}: {text[-3000:]}"
 
     return check
+
+
+@contextlib.contextmanager
+def serve_subprocess(*args: str, port: int | None = None, env: dict[str, str] | None = None,
+                     timeout_s: float = 120.0, interval_s: float = 0.2) -> Iterator[tuple[str, subprocess.Popen, float]]:
+    """``python -m trainer serve --host 127.0.0.1 --port <port> --log-level warning <args>`` as a subprocess (``env``
+    over this process's; a free port unless given); yields ``(base_url, process, seconds to healthy)`` once it
+    answers ``/health/`` (its output is in the error when it exits first); terminated (killed if it lingers) at
+    the end."""
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--log-level", "warning", *args],
+                            env={**os.environ, "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+                            stdout=log, stderr=subprocess.STDOUT)
+
+    def output() -> str:
+        log.seek(0)
+        return log.read().decode(errors="replace")
+
+    url = f"http://127.0.0.1:{port}"
+    try:
+        took = wait_until_healthy([url], timeout_s, interval_s=interval_s, abort=process_exited(proc, output))[url]
+        yield url, proc, took
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait(10)
+        log.close()
