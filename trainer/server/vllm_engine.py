@@ -206,7 +206,8 @@ def _worker_staged_non_finite(worker) -> tuple[str, str] | None:
     """(name, reason) of the first staged tensor of this worker holding NaN/inf, else None."""
     from trainer.sync.update_check import describe_non_finite, first_non_finite
 
-    staged = getattr(worker, "rm_receiver", None).staged if getattr(worker, "rm_receiver", None) is not None else {}
+    rx = getattr(worker, "rm_receiver", None)
+    staged = rx.staged if rx is not None else {}
     name = first_non_finite(staged)
     return None if name is None else (name, describe_non_finite(staged[name]))
 

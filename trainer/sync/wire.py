@@ -98,7 +98,7 @@ def decode(blob: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor
             numel = 1
             for d in shape:
                 numel *= d
-            size = numel * torch.empty((), dtype=dtype).element_size()
+            size = numel * dtype.itemsize
             if not 0 <= a <= b <= data or b - a != size:
                 raise WireFormatError(f"tensor {name!r}: data_offsets [{a}, {b}] do not hold {shape} {dtype} "
                                       f"within the {data} data bytes")
@@ -106,6 +106,6 @@ def decode(blob: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor
                 out[name] = torch.empty(shape, dtype=dtype)
                 continue
             raw = torch.frombuffer(blob, dtype=torch.uint8, count=size, offset=start + a)
-            aligned = raw.data_ptr() % torch.empty((), dtype=dtype).element_size() == 0
+            aligned = raw.data_ptr() % dtype.itemsize == 0
             out[name] = (raw.view(dtype) if aligned else raw.clone().view(dtype)).view(shape)
     return out, {str(k): str(v) for k, v in metadata.items()}
