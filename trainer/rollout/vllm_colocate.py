@@ -26,6 +26,7 @@ import torch
 
 from trainer.data.images import load_image
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
+from trainer.rollout.vllm_compat import Decoded
 from trainer.rollout.vllm_inprocess import InProcessVllm, VllmEngineError, VllmSettings
 from trainer.sync.weights import adapter_weights, full_weights
 
@@ -79,14 +80,12 @@ def sampling_params(params: DecodingParams, stop_ids: Sequence[int]):
     return SamplingParams(**kwargs)
 
 
-def results_from_outputs(requests: Sequence[RolloutRequest], outputs: Sequence[Any]) -> list[RolloutResult]:
+def results_from_outputs(requests: Sequence[RolloutRequest], outputs: Sequence[Decoded]) -> list[RolloutResult]:
     results = []
     for r, out in zip(requests, outputs):
-        choice = out.outputs[0]
-        finish = "length" if choice.finish_reason == "length" else "stop"
-        if choice.finish_reason not in ("stop", "length"):
-            raise VllmEngineError(f"sample {r.sample_id!r}: vLLM finished with {choice.finish_reason!r}")
-        results.append(RolloutResult(r.sample_id, tuple(out.prompt_token_ids), tuple(choice.token_ids), finish))
+        if out.finish_reason not in ("stop", "length"):
+            raise VllmEngineError(f"sample {r.sample_id!r}: vLLM finished with {out.finish_reason!r}")
+        results.append(RolloutResult(r.sample_id, out.prompt_token_ids, out.token_ids, out.finish_reason))
     return results
 
 

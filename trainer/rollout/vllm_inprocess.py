@@ -234,10 +234,11 @@ class InProcessVllm:
             self._warned_images = True
         return p
 
-    def generate(self, prompts: list[dict[str, Any]], sampling_params) -> list[Any]:
+    def generate(self, prompts: list[dict[str, Any]], sampling_params) -> list[vllm_compat.Decoded]:
+        """Decode ``prompts`` (from ``prompt``) in order; token ids only (no text, no per-step ``RequestOutput``s)."""
         self._ready()
         try:
-            return self.llm.generate(prompts, sampling_params, lora_request=self.lora_request, use_tqdm=False)
+            return vllm_compat.decode_token_ids(self.llm, prompts, sampling_params, self.lora_request)
         except torch.OutOfMemoryError as exc:
             raise VllmEngineError(
                 f"vLLM ran out of memory while decoding {len(prompts)} requests; lower {self.settings.key}."
