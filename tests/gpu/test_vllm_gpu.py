@@ -324,7 +324,11 @@ def test_serve_vllm_inband_sync_and_refused_bad_update(text_dir, tok, stop_ids, 
         again = client.generate(reqs, params())
         assert [r.response_token_ids for r in again] == [r.response_token_ids for r in synced]
         nbytes = sum(t.numel() * t.element_size() for t in full_weights(learner).values())
-        record("serve_inband_sync", seconds=sync_s, bytes=nbytes, refused_status=resp.status_code)
+        phases = [u for u in httpx.get(url + "/rm/info/", timeout=30).json()["updates"]
+                  if u["endpoint"] == "rm/update_weights_inband"]
+        assert phases and all(k in phases[0] for k in ("read_s", "decode_s", "load_s")), phases
+        record("serve_inband_sync", seconds=sync_s, bytes=nbytes, refused_status=resp.status_code,
+               client=client.transport().last_push, server=phases[0])
         client.close()
     finally:
         _stop(proc)

@@ -146,3 +146,48 @@ def test_merged_lora_of_a_bf16_model_with_fp32_adapters_rounds_once_like_peft(ti
         torch.testing.assert_close(merged[k], v, rtol=2**-7, atol=1e-6)
     mismatched = sum(int((merged[k] != v).sum()) for k, v in reference.items())
     assert mismatched <= 0.001 * sum(v.numel() for v in reference.values()), mismatched
+
+
+def test_batched_merge_in_chunks_matches_the_per_layer_merge(tiny, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.sync import weights
+
+    peft_model = get_peft_model(copy.deepcopy(tiny).to(torch.bfloat16),
+                                LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    whole = full_weights(peft_model)
+    q = next(k for k in whole if k.endswith("q_proj.weight"))
+    monkeypatch.setattr(weights, "MERGE_CHUNK_ELEMENTS", 2 * whole[q].numel())  # chunks of 2 q_proj, single others
+    chunked = full_weights(peft_model)
+    reference = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    for k, v in reference.items():
+        torch.testing.assert_close(chunked[k], whole[k], rtol=2**-7, atol=1e-6)
+        torch.testing.assert_close(chunked[k], v, rtol=2**-7, atol=1e-6)
+    assert all(v.is_contiguous() for v in chunked.values())
+
+
+def test_the_cached_weight_layout_follows_new_adapters_and_replaced_parameters(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(copy.deepcopy(tiny), LoraConfig(r=4, target_modules=["q_proj"],
+                                                               init_lora_weights=False))
+    q, v = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight"
+    first = full_weights(peft_model)
+    assert not torch.equal(first[q], tiny.state_dict()[q]) and torch.equal(first[v], tiny.state_dict()[v])
+
+    peft_model.add_adapter("second", LoraConfig(r=4, target_modules=["v_proj"], init_lora_weights=False))
+    peft_model.set_adapter("second")
+    second = full_weights(peft_model)
+    assert torch.equal(second[q], tiny.state_dict()[q]), "the inactive adapter was merged"
+    assert not torch.equal(second[v], tiny.state_dict()[v]), "the new adapter's layers were not merged"
+    reference = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    torch.testing.assert_close(second[v], reference[v], rtol=0, atol=1e-6)
+
+    plain = copy.deepcopy(tiny)
+    full_weights(plain)
+    norm = "model.norm.weight"
+    plain.model.norm.weight = torch.nn.Parameter(torch.full_like(plain.model.norm.weight, 3.0))
+    assert torch.equal(full_weights(plain)[norm], torch.full_like(plain.model.norm.weight, 3.0))
+    with torch.no_grad():
+        plain.model.norm.weight.mul_(2)
+    assert torch.equal(full_weights(plain)[norm], torch.full_like(plain.model.norm.weight, 6.0))

@@ -115,3 +115,28 @@ def test_inband_transport_streams_one_declared_length_body_in_bounded_views(monk
     assert seen["headers"]["content-length"] == str(total) and "transfer-encoding" not in seen["headers"]
     assert max(seen["sizes"]) <= 1000 and len(seen["sizes"]) == -(-total // 1000)
     _assert_same(seen["tensors"], want)
+
+
+def _decode_onto(device: str):
+    want = {k: v.contiguous().clone() for k, v in _tensors().items()}
+    blob = encode(want)
+    got, _ = decode(blob, device=device)
+    assert sorted(got) == sorted(want)
+    for k, v in got.items():
+        assert v.device.type == device and v.dtype == want[k].dtype and v.shape == want[k].shape, k
+    return got, want
+
+
+def test_decode_onto_a_device_gives_tensors_there_and_checks_the_header_first():
+    _decode_onto("meta")
+    bad = bytearray(encode({"w": torch.zeros(4)}))
+    struct.pack_into("<Q", bad, 0, 1 << 40)
+    with pytest.raises(WireFormatError, match="header length"):
+        decode(bad, device="meta")
+
+
+@pytest.mark.gpu
+def test_decode_onto_cuda_is_exact():
+    got, want = _decode_onto("cuda")
+    for k in want:
+        assert torch.equal(got[k].cpu(), want[k]), k

@@ -57,34 +57,6 @@ def test_request_longer_than_max_model_len_fails_with_the_key(engine, tiny_tok):
         engine.generate([long], PARAMS)
 
 
-def test_the_engine_core_decode_loop_gives_what_llm_generate_gives_and_leaves_nothing_queued(engine, tiny_tok,
-                                                                                               chat_requests):
-    from vllm import SamplingParams
-
-    from trainer.rollout.vllm_compat import decode_token_ids
-
-    llm = engine.llm
-    prompts = [engine.vllm.prompt(r.prompt_token_ids) for r in chat_requests(tiny_tok, SCENES)]
-    for sp in (SamplingParams(max_tokens=12, temperature=0.0, detokenize=False),
-               SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, detokenize=False)):
-        want = llm.generate(prompts, sp, use_tqdm=False)
-        got = decode_token_ids(llm, prompts, sp)
-        assert [g.token_ids for g in got] == [tuple(w.outputs[0].token_ids) for w in want]
-        assert [g.prompt_token_ids for g in got] == [tuple(w.prompt_token_ids) for w in want]
-        assert [g.finish_reason for g in got] == [str(w.outputs[0].finish_reason) for w in want]
-        if sp.temperature == 0.0:
-            greedy = got
-    core = llm.llm_engine.engine_core.engine_core
-    assert not core.scheduler.has_unfinished_requests() and llm.llm_engine.get_num_unfinished_requests() == 0
-
-    too_long = {"prompt_token_ids": [5] * 300}
-    with pytest.raises(Exception, match="maximum context length"):
-        decode_token_ids(llm, prompts[:2] + [too_long], SamplingParams(max_tokens=4, detokenize=False))
-    assert not core.scheduler.has_unfinished_requests(), "requests added before the refused one were left queued"
-    again = decode_token_ids(llm, prompts[:1], SamplingParams(max_tokens=12, temperature=0.0, detokenize=False))
-    assert again == greedy[:1], "the aborted requests' leftovers reached the next decode"
-
-
 def test_full_sync_makes_vllm_decode_like_the_new_weights(engine, hf_model, tiny_tok, stop_ids, chat_requests):
     reqs = chat_requests(tiny_tok, SCENES)
     before = [r.response_token_ids for r in engine.generate(reqs, PARAMS)]

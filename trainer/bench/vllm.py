@@ -1,10 +1,8 @@
 """vLLM benchmarks (``python -m trainer bench --only vllm|vllm-step``; CUDA + vLLM; ``docs/benchmarks/vllm.json``):
 
-* ``engine``: new tokens/s of the project's colocate engine (``VllmColocateEngine``: in-process ``InProcessVllm``,
-  which steps the engine core itself: ``vllm_compat.decode_token_ids``) vs plain ``vllm.LLM.generate`` (default
-  settings, its own process) on the same model and workload: Qwen3-0.6B shape with random weights, 64 and 512
-  requests, prompts of 256–512 random tokens, 256 new tokens, greedy, no stop; beside them ``LLM.generate`` on the
-  same in-process engine (what the engine-core loop saves);
+* ``engine``: new tokens/s of the project's colocate engine (``VllmColocateEngine``: in-process ``InProcessVllm``)
+  vs plain ``vllm.LLM.generate`` (default settings, its own process) on the same model and workload: Qwen3-0.6B
+  shape with random weights, 64 and 512 requests, prompts of 256–512 random tokens, 256 new tokens, greedy, no stop;
 * ``sync``: colocate full sync GB/s (in-process ``load_weights``, with the update check timed apart; plain and
   LoRA-enabled engine with a LoRA learner, merge included) and in-band sync to ``serve --engine vllm``;
 * ``step`` (``vllm-step``): one stage-2 optimizer step, vLLM colocate (sleep level 2) vs the HF backend with a static
@@ -90,10 +88,7 @@ def engine_bench(model_dir: Path, util: float = 0.5) -> dict[str, Any]:
                                                "enforce_eager": os.environ.get("RM_BENCH_EAGER") == "1"})
     params = DecodingParams(max_new_tokens=NEW_TOKENS)
     vocab = engine.llm.llm_engine.model_config.get_vocab_size()
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
-    ours, in_process_generate = {}, {}
+    ours = {}
     try:
         for n in WORKLOADS:
             reqs = [RolloutRequest(f"b{i}", (), tuple(p)) for i, p in enumerate(workload(n, vocab))]
@@ -103,19 +98,10 @@ def engine_bench(model_dir: Path, util: float = 0.5) -> dict[str, Any]:
             dt = time.perf_counter() - t0
             toks = sum(len(r.response_token_ids) for r in res)
             ours[str(n)] = {"requests": n, "new_tokens": toks, "seconds": dt, "tokens_per_s": toks / dt}
-            prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in reqs]
-            t0 = time.perf_counter()
-            outs = engine.llm.generate(prompts, sp, use_tqdm=False)
-            dt = time.perf_counter() - t0
-            toks = sum(len(o.outputs[0].token_ids) for o in outs)
-            in_process_generate[str(n)] = {"requests": n, "new_tokens": toks, "seconds": dt, "tokens_per_s": toks / dt}
     finally:
         engine.close()
     ratio = {n: ours[n]["tokens_per_s"] / raw[n]["tokens_per_s"] for n in ours}
-    return {"raw_vllm": raw, "engine": ours, "engine_over_raw_vllm": {**ratio, "min": min(ratio.values())},
-            "in_process_llm_generate": in_process_generate,
-            "in_process_llm_generate_over_raw_vllm": {
-                n: in_process_generate[n]["tokens_per_s"] / raw[n]["tokens_per_s"] for n in ours}}
+    return {"raw_vllm": raw, "engine": ours, "engine_over_raw_vllm": {**ratio, "min": min(ratio.values())}}
 
 
 def sync_bench(model_dir: Path, repeats: int = 5) -> dict[str, Any]:
@@ -165,14 +151,24 @@ def inband_bench(model_dir: Path, learner) -> dict[str, Any]:
         with serve_subprocess("--engine", "vllm", "--model", str(model_dir), "--max-model-len", "1024",
                               "--gpu-memory-utilization", "0.2", "--enforce-eager", "--dtype", "bfloat16",
                               timeout_s=300) as (url, _, _):
+            import httpx
+
             client = ServerRolloutEngine([ServerEndpoint(url)], timeout_s=300, transport="inband")
-            times = []
+            times, client_phases = [], []
             for _ in range(3):
                 t0 = time.perf_counter()
                 client.sync_full(learner)
                 times.append(time.perf_counter() - t0)
+                client_phases.append(dict(client.transport().last_push))
             client.close()
-        return {"seconds": times, "bytes": nbytes, "gb_per_s": nbytes / 1e9 / min(times)}
+            server_phases = [{k: u.get(k) for k in ("read_s", "decode_s", "load_s")}
+                             for u in httpx.get(f"{url}/rm/info/", timeout=30).json()["updates"]
+                             if u["endpoint"] == "rm/update_weights_inband"]
+        return {"seconds": times, "bytes": nbytes, "gb_per_s": nbytes / 1e9 / min(times),
+                "client_phases": client_phases, "server_phases": server_phases,
+                "phases": "client encode_s = full weights copied into the payload (device to host); post_s = HTTP "
+                          "post until the answer; server read_s = body received, decode_s = payload to the GPU "
+                          "(one host-to-device copy), load_s = check + load into vLLM"}
     except Exception as exc:  # noqa: BLE001 - recorded, the rest of the benchmark stands
         return {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
 

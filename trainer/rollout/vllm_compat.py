@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,66 +160,7 @@ class Decoded:
     finish_reason: str
 
 
-def decode_token_ids(llm, prompts: Sequence[dict[str, Any]], params, lora_request=None) -> list[Decoded]:
-    """Decode ``prompts`` by stepping the engine core directly, in prompt order.
-
-    ``LLM.generate`` runs vLLM's output processor after every engine step (request states, ``RequestOutput``
-    objects per step); with the engine core in this process that work is serial with scheduling, and at small batches
-    the step is CPU-bound. Rollouts need only token ids, so requests go in through vLLM's own renderer and input
-    processor (validation, LoRA, multimodal expansion unchanged) and straight to the engine core; each step's new
-    token ids are appended per request. Every request is either finished or aborted on return (nothing left queued in
-    the engine). Releases without these entry points fall back to ``LLM.generate``."""
-    engine = llm.llm_engine
-    render = getattr(llm, "_preprocess_cmpl_one", None)
-    processor = getattr(engine, "input_processor", None)
-    if render is None or processor is None or not hasattr(processor, "assign_request_id"):
-        return [_decoded(o) for o in llm.generate(list(prompts), params, lora_request=lora_request, use_tqdm=False)]
-    core = engine.engine_core
-    tasks = engine.get_supported_tasks()
-    order: dict[str, int] = {}
-    prompt_ids: list[tuple[int, ...]] = []
-    tokens: list[list[int]] = [[] for _ in prompts]
-    reasons: list[str | None] = [None] * len(prompts)
-    try:
-        for i, prompt in enumerate(prompts):
-            request = processor.process_inputs(f"rm-{i}", render(prompt), params, supported_tasks=tasks,
-                                               lora_request=lora_request)
-            processor.assign_request_id(request)
-            prompt_ids.append(tuple(request.prompt_token_ids or ()))
-            core.add_request(request)
-            order[request.request_id] = i
-        pending = len(order)
-        while pending:
-            outputs = core.get_output().outputs
-            if not outputs and _engine_idle(core):
-                raise RuntimeError(f"vLLM's engine core holds no requests while {pending} of {len(order)} are "
-                                   "unfinished")
-            for out in outputs:
-                i = order.get(out.request_id)
-                if i is None:
-                    continue
-                tokens[i].extend(out.new_token_ids)
-                if out.finish_reason is not None and reasons[i] is None:
-                    reasons[i] = str(out.finish_reason)
-                    pending -= 1
-    except BaseException:
-        unfinished = [rid for rid, i in order.items() if reasons[i] is None]
-        if unfinished:
-            core.abort_requests(unfinished)
-        raise
-    return [Decoded(prompt_ids[i], tuple(tokens[i]), reasons[i]) for i in range(len(prompts))]
-
-
-def _engine_idle(core) -> bool:
-    """True when an in-process engine core has nothing scheduled or in flight (never for a multiprocess client,
-    whose ``get_output`` blocks until there is output)."""
-    inner = getattr(core, "engine_core", None)
-    scheduler = getattr(inner, "scheduler", None)
-    if scheduler is None:
-        return False
-    return not scheduler.has_requests() and not getattr(inner, "batch_queue", None)
-
-
-def _decoded(output) -> Decoded:
+def decoded(output) -> Decoded:
+    """A ``vllm.RequestOutput`` (one completion) as ``Decoded``."""
     choice = output.outputs[0]
     return Decoded(tuple(output.prompt_token_ids or ()), tuple(choice.token_ids), str(choice.finish_reason))

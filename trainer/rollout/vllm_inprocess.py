@@ -235,15 +235,16 @@ class InProcessVllm:
         return p
 
     def generate(self, prompts: list[dict[str, Any]], sampling_params) -> list[vllm_compat.Decoded]:
-        """Decode ``prompts`` (from ``prompt``) in order; token ids only (no text, no per-step ``RequestOutput``s)."""
+        """Decode ``prompts`` (from ``prompt``) in order; prompt ids as vLLM saw them, new token ids, finish reason."""
         self._ready()
         try:
-            return vllm_compat.decode_token_ids(self.llm, prompts, sampling_params, self.lora_request)
+            outputs = self.llm.generate(prompts, sampling_params, lora_request=self.lora_request, use_tqdm=False)
         except torch.OutOfMemoryError as exc:
             raise VllmEngineError(
                 f"vLLM ran out of memory while decoding {len(prompts)} requests; lower {self.settings.key}."
                 "gpu_memory_utilization, custom.extra.rollout_matching.rollout_generate_batch_size or "
                 "decoding.max_new_tokens") from exc
+        return [vllm_compat.decoded(o) for o in outputs]
 
     def reset_prefix_cache(self) -> bool:
         if self._asleep:

@@ -132,14 +132,17 @@ def body_chunks(blob: bytes | bytearray, chunk_bytes: int | None = None) -> Iter
 
 class InbandTransport:
     """Full weights / adapters as one safetensors body per server (``POST INBAND_PATH``); the body streams in
-    ``body_chunks`` with its ``Content-Length`` declared (no chunked transfer encoding)."""
+    ``body_chunks`` with its ``Content-Length`` declared (no chunked transfer encoding). ``last_push``: bytes,
+    encode seconds (device-to-host copy into the payload) and post seconds (all targets) of the latest push."""
 
     name = "inband"
 
     def __init__(self, timeout_s: float = 600.0):
         self.client = httpx.Client(timeout=timeout_s)
+        self.last_push: dict[str, float] = {}
 
-    def _post(self, kind: str, blob: bytes | bytearray, targets: Sequence[ServerHandle]) -> dict[str, str]:
+    def _post(self, kind: str, blob: bytes | bytearray, targets: Sequence[ServerHandle],
+              encode_s: float = 0.0) -> dict[str, str]:
         def one(s: ServerHandle) -> None:
             url = s.base_url + INBAND_PATH
             resp = self.client.post(url, params={"kind": kind}, content=body_chunks(blob),
@@ -147,14 +150,20 @@ class InbandTransport:
                                              "content-length": str(len(blob))})
             _check(resp, url, "in-band weight update")
 
-        return on_each(targets, one)[1]
+        t0 = time.perf_counter()
+        errors = on_each(targets, one)[1]
+        self.last_push = {"bytes": len(blob), "encode_s": encode_s, "post_s": time.perf_counter() - t0}
+        return errors
 
     def push_full(self, tensors: dict[str, torch.Tensor], targets: Sequence[ServerHandle]) -> dict[str, str]:
-        return self._post("full", safetensors_bytes(tensors), targets)
+        t0 = time.perf_counter()
+        blob = safetensors_bytes(tensors)
+        return self._post("full", blob, targets, time.perf_counter() - t0)
 
     def push_adapter(self, adapter: AdapterWeights, targets: Sequence[ServerHandle]) -> dict[str, str]:
-        return self._post("adapter", safetensors_bytes(adapter.tensors, {"peft_config": json.dumps(adapter.peft_config)}),
-                          targets)
+        t0 = time.perf_counter()
+        blob = safetensors_bytes(adapter.tensors, {"peft_config": json.dumps(adapter.peft_config)})
+        return self._post("adapter", blob, targets, time.perf_counter() - t0)
 
     def disconnect(self, url: str) -> None:
         """Nothing to forget: every in-band push is self-contained."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,14 +50,71 @@ def _ties_embeddings(model: torch.nn.Module) -> bool:
     return bool(getattr(cfg, "tie_word_embeddings", False) or getattr(text_cfg, "tie_word_embeddings", False))
 
 
-def _lora_deltas(model: torch.nn.Module) -> dict[str, list[Any]]:
-    """``{checkpoint weight name: merge terms}`` for every LoRA-wrapped layer of the active adapters. A term is
-    ``(B, A, scaling)`` for a plain linear LoRA (merged with one ``addmm``) or peft's delta tensor otherwise."""
+#: fp32 elements per batched merge (256 MiB of scratch): LoRA layers of one shape are merged together in chunks
+MERGE_CHUNK_ELEMENTS = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one state-dict entry lives: looked up at every sync, so a parameter replaced since (``.to()``,
+    ZeRO-3 gathering) is read as it is now."""
+
+    key: str
+    module: torch.nn.Module
+    name: str
+    is_param: bool
+
+    def tensor(self) -> torch.Tensor | None:
+        return (self.module._parameters if self.is_param else self.module._buffers).get(self.name)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A model's weight layout, built once from ``state_dict`` (slow on a peft model: thousands of modules) and
+    reused while the module tree and the active adapters stay the same."""
+
+    signature: tuple[Any, ...]
+    slots: tuple[_Slot, ...]
+    lora_layers: tuple[tuple[str, torch.nn.Module], ...]
+
+
+_PLANS: weakref.WeakKeyDictionary[torch.nn.Module, _Plan] = weakref.WeakKeyDictionary()
+
+
+def _signature(model: torch.nn.Module) -> tuple[Any, ...]:
+    adapters = tuple(model.active_adapters) if is_peft_model(model) else ()
+    return (sum(1 for _ in model.modules()), adapters)
+
+
+def _plan(model: torch.nn.Module) -> _Plan:
+    signature = _signature(model)
+    plan = _PLANS.get(model)
+    if plan is not None and plan.signature == signature and all(s.tensor() is not None for s in plan.slots):
+        return plan
     from peft.tuners.lora import LoraLayer
 
+    slots = []
+    for name in model.state_dict(keep_vars=True):
+        if "lora_" in name or ".original_module." in name:
+            continue
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if attr not in module._parameters and attr not in module._buffers:
+            continue  # extra state (no tensor of the model's own)
+        key = _checkpoint_name(name).replace(".modules_to_save.default.", ".")
+        slots.append(_Slot(key, module, attr, attr in module._parameters))
+    lora = tuple((_checkpoint_name(f"{n}.weight"), m) for n, m in model.named_modules() if isinstance(m, LoraLayer))
+    plan = _Plan(signature, tuple(slots), lora)
+    _PLANS[model] = plan
+    return plan
+
+
+def _lora_deltas(plan: _Plan) -> dict[str, list[Any]]:
+    """``{checkpoint weight name: merge terms}`` for every LoRA-wrapped layer of the active adapters. A term is
+    ``(B, A, scaling)`` for a plain linear LoRA (merged with a matrix product) or peft's delta tensor otherwise."""
     deltas: dict[str, list[Any]] = {}
-    for module_name, module in model.named_modules():
-        if not isinstance(module, LoraLayer) or module.merged:
+    for key, module in plan.lora_layers:
+        if module.merged:
             continue
         terms: list[Any] = []
         for adapter in module.active_adapters:
@@ -72,7 +130,7 @@ def _lora_deltas(model: torch.nn.Module) -> dict[str, list[Any]]:
             else:
                 terms.append(module.get_delta_weight(adapter))
         if terms:
-            deltas[_checkpoint_name(f"{module_name}.weight")] = terms
+            deltas[key] = terms
     return deltas
 
 
@@ -89,20 +147,45 @@ def _merged(weight: torch.Tensor, terms: list[Any]) -> torch.Tensor:
     return value.to(weight.dtype)
 
 
+def _merged_batches(weights: dict[str, torch.Tensor], deltas: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
+    """``_merged`` for every key of ``deltas``, with the single-term plain LoRA layers of one shape, dtype, device
+    and scaling merged together (one stacked ``baddbmm_`` per chunk of ``MERGE_CHUNK_ELEMENTS``): the same
+    arithmetic (wide dtype, one rounding) in a handful of kernels instead of several per layer."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for key, terms in deltas.items():
+        w = weights[key]
+        if len(terms) == 1 and isinstance(terms[0], tuple):
+            b, a, scaling = terms[0]
+            groups.setdefault((w.shape, w.dtype, w.device, b.shape, a.shape, b.dtype, scaling), []).append(key)
+        else:
+            out[key] = _merged(w, terms)
+    for (shape, dtype, _, _, _, factor_dtype, scaling), keys in groups.items():
+        wide = torch.promote_types(dtype, factor_dtype)
+        per_chunk = max(1, MERGE_CHUNK_ELEMENTS // max(1, shape.numel()))
+        for i in range(0, len(keys), per_chunk):
+            chunk = keys[i:i + per_chunk]
+            if len(chunk) == 1:
+                out[chunk[0]] = _merged(weights[chunk[0]], deltas[chunk[0]])
+                continue
+            acc = torch.stack([weights[k] for k in chunk]).to(wide)
+            b = torch.stack([deltas[k][0][0] for k in chunk]).to(wide)
+            a = torch.stack([deltas[k][0][1] for k in chunk]).to(wide)
+            merged = acc.baddbmm_(b, a, alpha=scaling).to(dtype)
+            out.update(zip(chunk, merged.unbind(0)))
+    return out
+
+
 class _DoraNeedsMerge(Exception):
     """DoRA cannot be merged as an additive delta; peft's merge/unmerge is used instead."""
 
 
-def _collect(model: torch.nn.Module, deltas: dict[str, list[Any]], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if "lora_" in name or ".original_module." in name:
-            continue
-        key = _checkpoint_name(name).replace(".modules_to_save.default.", ".")
-        value = tensor.detach()
-        if key in deltas:
-            value = _merged(value, deltas[key])
-        if dtype is not None and value.is_floating_point():
+def _collect(plan: _Plan, deltas: dict[str, list[Any]], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    out = {slot.key: slot.tensor().detach() for slot in plan.slots}
+    if deltas:
+        out.update(_merged_batches(out, deltas))
+    for key, value in out.items():
+        if dtype is not None and value.is_floating_point() and value.dtype != dtype:
             value = value.to(dtype)
         out[key] = value.contiguous()
     return out
@@ -112,19 +195,18 @@ def _collect(model: torch.nn.Module, deltas: dict[str, list[Any]], dtype: torch.
 def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, merge_adapter: bool = True) -> dict[str, torch.Tensor]:
     """Base weights in HF checkpoint naming (see module docstring), LoRA merged unless ``merge_adapter`` is
     false (then the frozen base alone); the model is left unchanged."""
-    if is_peft_model(model) and not merge_adapter:
-        out = _collect(model, {}, dtype)
-    elif is_peft_model(model):
+    plan = _plan(model)
+    if is_peft_model(model) and merge_adapter:
         try:
-            out = _collect(model, _lora_deltas(model), dtype)
+            out = _collect(plan, _lora_deltas(plan), dtype)
         except _DoraNeedsMerge:
             model.merge_adapter()
             try:
-                out = {k: v.clone() for k, v in _collect(model, {}, dtype).items()}
+                out = {k: v.clone() for k, v in _collect(plan, {}, dtype).items()}
             finally:
                 model.unmerge_adapter()
     else:
-        out = _collect(model, {}, dtype)
+        out = _collect(plan, {}, dtype)
     if _ties_embeddings(model) and "lm_head.weight" not in out:
         embed = next((k for k in out if k.endswith("embed_tokens.weight")), None)
         if embed is not None:

@@ -79,13 +79,17 @@ def _header(blob: bytes | bytearray | memoryview) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def decode(blob: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def decode(blob: bytes | bytearray | memoryview,
+           device: torch.device | str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors payload. The tensors are read-only views of ``blob`` (they keep it
-    alive); consumers copy them into their own weights. Raises ``WireFormatError`` naming the bad entry."""
+    alive); consumers copy them into their own weights. With a non-CPU ``device`` the whole data section is copied
+    there once (one host-to-device transfer) and the tensors are views of that copy. Raises ``WireFormatError``
+    naming the bad entry (before anything is copied)."""
     header, start = _header(blob)
     data = len(blob) - start
     metadata = header.pop("__metadata__", None) or {}
     out: dict[str, torch.Tensor] = {}
+    layout: list[tuple[str, torch.dtype, list[int], int, int]] = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         for name, entry in header.items():
@@ -103,9 +107,15 @@ def decode(blob: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor
                 raise WireFormatError(f"tensor {name!r}: data_offsets [{a}, {b}] do not hold {shape} {dtype} "
                                       f"within the {data} data bytes")
             if size == 0:
-                out[name] = torch.empty(shape, dtype=dtype)
+                out[name] = torch.empty(shape, dtype=dtype, device=device)
                 continue
-            raw = torch.frombuffer(blob, dtype=torch.uint8, count=size, offset=start + a)
-            aligned = raw.data_ptr() % dtype.itemsize == 0
-            out[name] = (raw.view(dtype) if aligned else raw.clone().view(dtype)).view(shape)
+            layout.append((name, dtype, shape, a, size))
+        base = torch.frombuffer(blob, dtype=torch.uint8, count=data, offset=start) if data else None
+    on_device = device is not None and torch.device(device).type != "cpu"
+    if on_device and base is not None:
+        base = base.to(device)
+    for name, dtype, shape, a, size in layout:
+        raw = base[a:a + size]
+        out[name] = (raw.view(dtype) if raw.data_ptr() % dtype.itemsize == 0 else raw.clone().view(dtype)).view(shape)
     return out, {str(k): str(v) for k, v in metadata.items()}
+
