@@ -140,3 +140,29 @@ def test_decode_onto_cuda_is_exact():
     got, want = _decode_onto("cuda")
     for k in want:
         assert torch.equal(got[k].cpu(), want[k]), k
+
+
+def test_encode_into_a_given_staging_buffer_is_the_same_payload_and_reuses_it():
+    want = _tensors()
+    staging = torch.zeros(1 << 16, dtype=torch.uint8)
+    asked = []
+
+    def allocate(n):
+        asked.append(n)
+        return staging
+
+    blob = encode(want, {"k": "v"}, allocate)
+    assert isinstance(blob, memoryview) and bytes(blob) == bytes(encode(want, {"k": "v"}))
+    assert asked == [len(blob)]
+    assert torch.frombuffer(blob, dtype=torch.uint8).data_ptr() == staging.data_ptr()
+    got, meta = decode(blob)
+    _assert_same(got, {k: v.contiguous() for k, v in want.items()})
+    with pytest.raises(ValueError, match="at least"):
+        encode(want, None, lambda n: torch.zeros(8, dtype=torch.uint8))
+
+
+@pytest.mark.gpu
+def test_encode_from_cuda_into_pinned_staging_matches_the_pageable_payload():
+    want = {k: v.cuda() for k, v in _tensors().items()}
+    pinned = torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True)
+    assert bytes(encode(want, None, lambda n: pinned)) == bytes(encode(want))

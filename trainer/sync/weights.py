@@ -255,10 +255,11 @@ def adapter_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) ->
     return AdapterWeights(peft_config_dict(model), tensors)
 
 
-def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytearray:
+def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                      allocate=None) -> bytearray | memoryview:
     """``tensors`` (any device; shared storage fine, so tied weights are too) as one safetensors payload, each
-    tensor copied once into it (``trainer.sync.wire.encode``)."""
-    return encode(tensors, metadata)
+    tensor copied once into it (``trainer.sync.wire.encode``; ``allocate`` gives it a staging buffer)."""
+    return encode(tensors, metadata, allocate)
 
 
 def tensors_from_safetensors(blob: bytes | bytearray) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import struct
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -36,8 +36,13 @@ class WireFormatError(ValueError):
     """A payload that is not a well-formed safetensors blob (the message says what is wrong)."""
 
 
-def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytearray:
-    """``tensors`` (any device, shared storage fine) as one safetensors payload, each tensor copied exactly once."""
+def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
+           allocate: Callable[[int], torch.Tensor] | None = None) -> bytearray | memoryview:
+    """``tensors`` (any device, shared storage fine) as one safetensors payload, each tensor copied exactly once.
+
+    ``allocate(nbytes)``, when given, returns a CPU ``uint8`` tensor of at least ``nbytes`` (e.g. a pinned staging
+    buffer reused across pushes) and the payload is a ``memoryview`` of its first ``nbytes``; GPU tensors are then
+    copied asynchronously and waited for once. Without it the payload is a new ``bytearray``."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -51,16 +56,28 @@ def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     start = 8 + len(raw)
-    buf = bytearray(start + offset)
+    total = start + offset
+    if allocate is None:
+        buf: bytearray | memoryview = bytearray(total)
+        flat = torch.frombuffer(buf, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+    else:
+        staging = allocate(total)
+        if staging.dtype != torch.uint8 or staging.device.type != "cpu" or staging.numel() < total:
+            raise ValueError(f"allocate({total}) must return a CPU uint8 tensor of at least {total} bytes")
+        flat = staging[:total]
+        buf = memoryview(flat.numpy()).cast("B")
     struct.pack_into("<Q", buf, 0, len(raw))
     buf[8:start] = raw
-    if offset:
-        flat = torch.frombuffer(buf, dtype=torch.uint8)
-        with torch.no_grad():
-            for name, t in tensors.items():
-                a, b = header[name]["data_offsets"]  # type: ignore[index]
-                if b > a:
-                    flat[start + a:start + b].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    asynchronous = allocate is not None and flat.is_pinned()
+    with torch.no_grad():
+        for name, t in tensors.items():
+            a, b = header[name]["data_offsets"]  # type: ignore[index]
+            if b > a:
+                flat[start + a:start + b].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8),
+                                                non_blocking=asynchronous and t.is_cuda)
+    if asynchronous:
+        for device in {t.device for t in tensors.values() if t.is_cuda}:
+            torch.cuda.synchronize(device)
     return buf
 
 
