@@ -9,6 +9,9 @@ payloads of 64 MiB, 256 MiB and 1 GiB (8 weight matrices of 1024 columns each), 
   ``before_cap_s`` or its quadratic extrapolation (time × size ratio²) exceeds ``before_predicted_cap_s``.
 * ``after``: ``InbandTransport.push_full`` (``trainer.sync.wire.encode`` into one buffer, sent as zero-copy
   ``memoryview`` slices with ``Content-Length``).
+* ``shm``: ``InbandTransport(shm_dir=…).push_full`` — the payload written once into a staging file in a directory the
+  server also sees (``/dev/shm`` here; the server runs with ``--shm-dir``), only its name posted; the server reads the
+  file (``trainer.sync.shm_staging``).
 * ``raw_copy``: one ``bytearray(n)`` plus one torch copy of the payload into it — what a single memcpy of the update
   costs on this machine (the floor of any path that serialises the weights once).
 
@@ -42,7 +45,7 @@ GB = 1e9
 MIB = 2**20
 SIZES_MIB = (64, 256, 1024)
 QUICK_SIZES_MIB = (1, 4)
-VARIANTS = ("raw_copy", "after", "before")
+VARIANTS = ("raw_copy", "shm", "after", "before")
 COLUMNS = 1024
 REFUSAL = "not a weight of the served model"
 
@@ -100,12 +103,13 @@ def push_after(transport: Any, endpoint: Any, tensors: dict[str, torch.Tensor]) 
 
 
 @contextlib.contextmanager
-def scripted_server(model_dir: Path, timeout_s: float = 120.0) -> Iterator[tuple[str, float]]:
-    """``python -m trainer serve --engine scripted --model model_dir`` on a free loopback port; yields
-    ``(base_url, seconds to healthy)``; terminated at the end."""
+def scripted_server(model_dir: Path, timeout_s: float = 120.0, shm_dir: Path | None = None) -> Iterator[tuple[str, float]]:
+    """``python -m trainer serve --engine scripted --model model_dir [--shm-dir shm_dir]`` on a free loopback port;
+    yields ``(base_url, seconds to healthy)``; terminated at the end."""
     from trainer.launch.health import serve_subprocess
 
-    with serve_subprocess("--engine", "scripted", "--model", str(model_dir), timeout_s=timeout_s) as (url, _, took):
+    extra = ("--shm-dir", str(shm_dir)) if shm_dir is not None else ()
+    with serve_subprocess("--engine", "scripted", "--model", str(model_dir), *extra, timeout_s=timeout_s) as (url, _, took):
         yield url, took
 
 
@@ -168,14 +172,19 @@ def run(out_dir: str | Path, *, sizes_mib: Sequence[int] = SIZES_MIB, repeats: i
 
             model_dir = save_tiny_model(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "tiny", "text")
         model_dir = Path(model_dir)
-        url, startup_s = stack.enter_context(scripted_server(model_dir))
+        shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+        shm_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rm-bench-shm-", dir=shm_root)))
+        url, startup_s = stack.enter_context(scripted_server(model_dir, shm_dir=shm_dir))
         endpoint = ServerEndpoint(url)
         transport = InbandTransport(timeout_s=600.0)
         stack.callback(transport.close)
+        shm_transport = InbandTransport(timeout_s=600.0, shm_dir=str(shm_dir))
+        stack.callback(shm_transport.close)
         client = stack.enter_context(httpx.Client(timeout=600.0))
         accepted = _accepted_check(transport, endpoint, model_dir)
         warm = payload(MIB, n_tensors)  # first calls (lazy imports, connection, allocator) out of the timings
         raw_copy(warm), push_after(transport, endpoint, warm), push_before(client, url, warm)
+        push_after(shm_transport, endpoint, warm)
         rows: list[dict[str, Any]] = []
         skipped: list[dict[str, Any]] = []
         prev_before: tuple[int, float] | None = None
@@ -186,6 +195,8 @@ def run(out_dir: str | Path, *, sizes_mib: Sequence[int] = SIZES_MIB, repeats: i
             row: dict[str, Any] = {"size_mib": mib, "bytes": nbytes, "tensors": len(tensors),
                                    "shapes": sorted({tuple(t.shape) for t in tensors.values()}), "repeats": reps}
             row["raw_copy"] = _stats([{"seconds": raw_copy(tensors)} for _ in range(reps)], nbytes)
+            gc.collect()
+            row["shm"] = _stats([push_after(shm_transport, endpoint, tensors) for _ in range(reps)], nbytes)
             gc.collect()
             row["after"] = _stats([push_after(transport, endpoint, tensors) for _ in range(reps)], nbytes)
             gc.collect()
@@ -203,6 +214,8 @@ def run(out_dir: str | Path, *, sizes_mib: Sequence[int] = SIZES_MIB, repeats: i
             before_s = row["before"].get("seconds")
             row["after_vs_before_speedup"] = before_s / row["after"]["seconds"] if before_s else None
             row["after_vs_raw_copy"] = row["after"]["seconds"] / row["raw_copy"]["seconds"]
+            row["shm_vs_raw_copy"] = row["shm"]["seconds"] / row["raw_copy"]["seconds"]
+            row["shm_vs_after_speedup"] = row["after"]["seconds"] / row["shm"]["seconds"]
             rows.append(row)
             del tensors
             gc.collect()
@@ -220,6 +233,8 @@ def run(out_dir: str | Path, *, sizes_mib: Sequence[int] = SIZES_MIB, repeats: i
             "before": "safetensors.torch.save({k: v.cpu().clone()}) -> bytes; httpx.Client.post(content=bytes) "
                       "(the learner path before b1c8efc; the server side is the current one)",
             "after": "InbandTransport.push_full (wire.encode into one buffer; memoryview chunks + Content-Length)",
+            "shm": "InbandTransport(shm_dir=/dev/shm/...).push_full: payload written into a staging file the server "
+                   "reads (serve --shm-dir); only its name goes over HTTP",
             "raw_copy": "bytearray(n) + one torch copy of every tensor into it (no HTTP)",
         },
         "seconds": "best of 'repeats' (all in seconds_all); GBps = bytes / seconds / 1e9",
@@ -251,10 +266,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = {"raw_copy": "raw copy (bytearray + memcpy, no HTTP)", "after": "after: InbandTransport.push_full",
+              "shm": "shared directory: InbandTransport(shm_dir)",
               "before": "before: safetensors.save + httpx bytes body"}
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for v, marker in zip(VARIANTS, ("s", "o", "x")):
-        pts = [(r["size_mib"], r[v]["GBps"]) for r in result["results"] if "GBps" in r[v]]
+    for v, marker in zip(VARIANTS, ("s", "D", "o", "x")):
+        pts = [(r["size_mib"], r[v]["GBps"]) for r in result["results"] if "GBps" in r.get(v, {})]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=labels[v])
     for s in result["skipped"]:

@@ -69,7 +69,9 @@ class VllmSyncConfig(Section):
     servers only) | auto (pynccl when vLLM is importable on the learner, else torch). ``allow_dtype_cast``: let the
     colocated engine take weights of another floating dtype than it serves (``vllm.dtype``) and cast them; off, a
     learner/engine dtype mismatch is a config error at start-up (rollout servers decide this with
-    ``serve --allow-dtype-cast``)."""
+    ``serve --allow-dtype-cast``). ``shm_dir`` (inband only): a directory the learner and every rollout server see
+    (one host: a tmpfs such as /dev/shm); the update is written there once and each server, started with the same
+    ``serve --shm-dir``, reads it instead of receiving it over HTTP."""
 
     mode: Literal["full", "adapter", "auto"] = "full"
     fallback_to_full: bool = True
@@ -78,12 +80,16 @@ class VllmSyncConfig(Section):
     group_port: int = Field(51216, ge=1024, le=65535)
     bucket_mb: int = Field(512, ge=1)
     allow_dtype_cast: bool = False
+    shm_dir: str | None = None
 
     @model_validator(mode="after")
     def _backend_needs_nccl(self) -> VllmSyncConfig:
         if self.transport == "inband" and self.nccl_backend != "auto":
             raise ValueError(f"sync.nccl_backend: {self.nccl_backend} only applies to sync.transport nccl (or auto); "
                              "the inband transport has no communicator — drop nccl_backend or set transport: nccl")
+        if self.shm_dir is not None and self.transport != "inband":
+            raise ValueError(f"sync.shm_dir: {self.shm_dir} only applies to sync.transport inband (it stages the "
+                             "in-band payload in a shared directory); set transport: inband or drop shm_dir")
         return self
 
 

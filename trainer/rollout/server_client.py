@@ -173,7 +173,7 @@ class ServerRolloutEngine:
                  transport: str = "auto", group_port: int = 51216, bucket_bytes: int = 512 * 2**20,
                  inline_images: bool = False, wait: bool = True, max_retries: int = 1,
                  readmit_after_s: float | None = None, readmit_max_interval_s: float = 300.0,
-                 clock: Any = time.monotonic, nccl_backend: str = "auto"):
+                 clock: Any = time.monotonic, nccl_backend: str = "auto", shm_dir: str | None = None):
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
@@ -196,6 +196,7 @@ class ServerRolloutEngine:
         self._engine_types: list[dict[str, Any]] | None = None
         self.max_retries = max_retries
         self.nccl_backend = nccl_backend
+        self.shm_dir = shm_dir
         self.version_lock = WeightVersionLock()
         self._sync_held = False
         self._background: ThreadPoolExecutor | None = None
@@ -364,7 +365,7 @@ class ServerRolloutEngine:
                 self._transport = NcclTransport(self.servers, self.group_port, self.timeout_s, self.bucket_bytes,
                                                 backend=self.nccl_backend)
             elif choice == "inband":
-                self._transport = InbandTransport(timeout_s=max(self.timeout_s, 600.0))
+                self._transport = InbandTransport(timeout_s=max(self.timeout_s, 600.0), shm_dir=self.shm_dir)
             else:
                 raise ValueError(f"unknown weight transport {choice!r}; use auto, nccl or inband")
             log.info("weight transport: %s", self._transport.name)
@@ -498,7 +499,7 @@ def engine_from_config(rm, loaded, model) -> ServerRolloutEngine:
     sync = v.sync
     engine = ServerRolloutEngine(
         endpoints_from_config(v.server), timeout_s=v.server.timeout_s, infer_timeout_s=v.server.infer_timeout_s,
-        transport=sync.transport, nccl_backend=sync.nccl_backend, group_port=sync.group_port,
+        transport=sync.transport, nccl_backend=sync.nccl_backend, group_port=sync.group_port, shm_dir=sync.shm_dir,
         bucket_bytes=sync.bucket_mb * 2**20,
         max_retries=v.server.max_retries, readmit_after_s=v.server.readmit_after_s,
         readmit_max_interval_s=v.server.readmit_max_interval_s)

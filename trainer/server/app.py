@@ -42,10 +42,12 @@ from trainer.server.protocol import (
     UpdateAdapterFlattenedBody,
     UpdateFlattenedParamsBody,
     UpdateNamedParamBody,
+    UpdateWeightsShmBody,
     rollout_output,
 )
 from trainer.sync import wire
 from trainer.sync.nccl import offered_wire_backends
+from trainer.sync.shm_staging import SHM_PATH, ShmUpdateError, read_update
 from trainer.sync.transports import INBAND_PATH
 from trainer.sync.update_check import WeightUpdateRefused
 from trainer.sync.weights import AdapterWeights
@@ -172,8 +174,10 @@ def decoding_params(cfg: RequestConfigIn | None, default_max_tokens: int) -> Dec
 
 
 def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_tokens: int = 256,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_inband_bytes: int = DEFAULT_MAX_INBAND_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_inband_bytes: int = DEFAULT_MAX_INBAND_BYTES,
+               shm_dir: str | None = None) -> FastAPI:
     """The rollout-server app for ``engine``; with ``api_key`` every endpoint but health needs the bearer token.
+    With ``shm_dir`` it also takes in-band updates staged in that directory (``POST SHM_PATH``).
     Its Prometheus metrics (``trainer.server.metrics``) are ``app.state.metrics`` and ``GET /metrics``."""
     runner = EngineRunner()
     updates: list[dict[str, Any]] = []
@@ -343,6 +347,13 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         except wire.WireFormatError as exc:
             raise EngineRequestError(f"body is not a safetensors payload: {exc}") from exc
         t2 = time.perf_counter()
+        await apply_update(kind, tensors, meta)
+        record("rm/update_weights_inband", "inband", kind, num_tensors=len(tensors), bytes=len(blob),
+               read_s=round(t1 - t0, 4), decode_s=round(t2 - t1, 4), load_s=round(time.perf_counter() - t2, 4))
+        metrics.accepted("inband", kind, getattr(engine, "weights_version", None))
+        return {"message": f"{kind} weights loaded", "num_tensors": len(tensors)}
+
+    async def apply_update(kind: str, tensors: dict[str, Any], meta: dict[str, str]) -> None:
         if not tensors:
             raise EngineRequestError("the safetensors payload holds no tensors")
         if kind == "adapter":
@@ -354,16 +365,29 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
             await runner.call(lambda: engine.load_adapter(adapter))
         else:
             await runner.call(lambda: engine.load_full(tensors))
-        record("rm/update_weights_inband", "inband", kind, num_tensors=len(tensors), bytes=len(blob),
-               read_s=round(t1 - t0, 4), decode_s=round(t2 - t1, 4), load_s=round(time.perf_counter() - t2, 4))
-        metrics.accepted("inband", kind, getattr(engine, "weights_version", None))
-        return {"message": f"{kind} weights loaded", "num_tensors": len(tensors)}
+
+    if shm_dir is not None:
+        @app.post(SHM_PATH, dependencies=guarded)
+        async def update_weights_shm(body: UpdateWeightsShmBody, kind: Literal["full", "adapter"] = Query(...)):
+            t0 = time.perf_counter()
+            try:  # on the engine's thread: one host-to-device copy of the staged file onto a GPU engine
+                tensors, meta = await runner.call(
+                    lambda: read_update(shm_dir, body.file, body.bytes, getattr(engine, "weights_device", None)))
+            except (ShmUpdateError, wire.WireFormatError) as exc:
+                raise EngineRequestError(f"shared-directory update: {exc}") from exc
+            t1 = time.perf_counter()
+            await apply_update(kind, tensors, meta)
+            record("rm/update_weights_shm", "inband-shm", kind, num_tensors=len(tensors), bytes=body.bytes,
+                   decode_s=round(t1 - t0, 4), load_s=round(time.perf_counter() - t1, 4))
+            metrics.accepted("inband", kind, getattr(engine, "weights_version", None))
+            return {"message": f"{kind} weights loaded", "num_tensors": len(tensors)}
 
     @app.get("/rm/info/", dependencies=guarded)
     async def info():
         return {"engine": engine.kind, "model": engine.model_name, "world_size": engine.world_size,
                 "enable_lora": engine.enable_lora, "weights_version": getattr(engine, "weights_version", None),
-                "updates": updates[-100:], "inband_path": INBAND_PATH, "nccl_backends": nccl_backends()}
+                "updates": updates[-100:], "inband_path": INBAND_PATH, "nccl_backends": nccl_backends(),
+                "shm_dir": shm_dir}
 
     @app.get("/rm/weights_checksum/", dependencies=guarded)
     async def weights_checksum():

@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     p.add_argument("--default-max-tokens", type=int, default=256, help="when request_config.max_tokens is null")
     p.add_argument("--max-body-mb", type=int, default=64, help="size limit of JSON request bodies")
     p.add_argument("--max-inband-mb", type=int, default=4096, help="size limit of in-band weight payloads")
+    p.add_argument("--shm-dir", default=None,
+                   help="also take in-band weight updates the learner staged in this directory (a tmpfs both see, "
+                        "e.g. /dev/shm; the learner's sync.shm_dir): one copy instead of an HTTP body")
     p.add_argument("--log-level", default="info")
     p.add_argument("--metrics-port", type=int,
                    help="also serve the Prometheus metrics (GET /metrics, no API key) on this port; the main port "
@@ -114,13 +117,17 @@ def serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and api_key is None:
         log.warning("listening on %s without an API key: anyone who reaches port %d can overwrite the model's "
                     "weights; pass --api-key-env", args.host, args.port)
+    if args.shm_dir and not os.path.isdir(args.shm_dir):
+        raise SystemExit(f"--shm-dir {args.shm_dir}: not a directory (create it, or mount the tmpfs the learner "
+                         "writes its sync.shm_dir updates to)")
     engine = build_engine(args)
     # uvicorn re-raises SIGTERM after its graceful shutdown; turning it into SystemExit lets the engine close
     # (vLLM's engine-core process would otherwise outlive the server).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         app = create_app(engine, api_key, default_max_tokens=args.default_max_tokens,
-                         max_body_bytes=args.max_body_mb * 2**20, max_inband_bytes=args.max_inband_mb * 2**20)
+                         max_body_bytes=args.max_body_mb * 2**20, max_inband_bytes=args.max_inband_mb * 2**20,
+                         shm_dir=args.shm_dir)
         if args.metrics_port:
             from prometheus_client import start_http_server
 

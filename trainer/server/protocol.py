@@ -132,6 +132,13 @@ class UpdateAdapterFlattenedBody(_Strict):
     metadatas: list[FlatTensorMeta] = Field(min_length=1)
 
 
+class UpdateWeightsShmBody(_Strict):
+    """Our shared-directory in-band update (``trainer.sync.shm_staging``): the staging file's name and size."""
+
+    file: str = Field(min_length=1, max_length=255)
+    bytes: int = Field(gt=8)
+
+
 def rollout_output(model: str, prompt_ids: list[int], response_ids: list[int], finish_reason: str, text: str,
                    rollout_infos: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``RolloutOutput`` item wrapping a ``ChatCompletionResponse`` with token ids."""

@@ -35,6 +35,7 @@ from trainer.sync.nccl import (  # noqa: F401 - re-exported for callers of the t
     vllm_available,
     wire_backend,
 )
+from trainer.sync.shm_staging import SHM_PATH, ShmStaging
 from trainer.sync.weights import AdapterWeights, safetensors_bytes
 
 log = logging.getLogger(__name__)
@@ -134,18 +135,23 @@ def body_chunks(blob: bytes | bytearray | memoryview, chunk_bytes: int | None = 
 
 class InbandTransport:
     """Full weights / adapters as one safetensors body per server (``POST INBAND_PATH``); the body streams in
-    ``body_chunks`` with its ``Content-Length`` declared (no chunked transfer encoding). ``last_push``: bytes,
+    ``body_chunks`` with its ``Content-Length`` declared (no chunked transfer encoding); with ``shm_dir`` the payload
+    is written once into a staging file there and only its name is posted (``trainer.sync.shm_staging``). ``last_push``: bytes,
     encode seconds (device-to-host copy into the payload) and post seconds (all targets) of the latest push."""
 
     name = "inband"
 
-    def __init__(self, timeout_s: float = 600.0, pinned_staging_max_bytes: int = PINNED_STAGING_MAX_BYTES):
+    def __init__(self, timeout_s: float = 600.0, pinned_staging_max_bytes: int = PINNED_STAGING_MAX_BYTES,
+                 shm_dir: str | None = None):
         self.client = httpx.Client(timeout=timeout_s)
         self.last_push: dict[str, float] = {}
         self.pinned_staging_max_bytes = pinned_staging_max_bytes
         self._staging: torch.Tensor | None = None
+        self.shm = ShmStaging(shm_dir) if shm_dir else None
 
     def _allocator(self, tensors: dict[str, torch.Tensor]):
+        if self.shm is not None:
+            return self.shm.allocate
         """A pinned staging buffer, kept and reused across pushes, when the update lives on a GPU and fits
         ``pinned_staging_max_bytes`` (one asynchronous device-to-host copy per tensor instead of pageable copies);
         ``None`` (a fresh ``bytearray``) otherwise."""
@@ -166,6 +172,16 @@ class InbandTransport:
     def _post(self, kind: str, blob: bytes | bytearray | memoryview, targets: Sequence[ServerHandle],
               encode_s: float = 0.0) -> dict[str, str]:
         def one(s: ServerHandle) -> None:
+            if self.shm is not None:
+                url = s.base_url + SHM_PATH
+                resp = self.client.post(url, params={"kind": kind}, headers=s.headers(),
+                                        json={"file": self.shm.name, "bytes": len(blob)})
+                if resp.status_code == 404:
+                    raise WeightTransportError(f"{url}: 404; the server was not started with --shm-dir (or is not "
+                                               "ours): start it with --shm-dir on the directory of sync.shm_dir, or "
+                                               "drop sync.shm_dir")
+                _check(resp, url, "in-band weight update (shared directory)")
+                return
             url = s.base_url + INBAND_PATH
             resp = self.client.post(url, params={"kind": kind}, content=body_chunks(blob),
                                     headers={**s.headers(), "content-type": "application/octet-stream",
@@ -184,7 +200,8 @@ class InbandTransport:
 
     def push_adapter(self, adapter: AdapterWeights, targets: Sequence[ServerHandle]) -> dict[str, str]:
         t0 = time.perf_counter()
-        blob = safetensors_bytes(adapter.tensors, {"peft_config": json.dumps(adapter.peft_config)})
+        blob = safetensors_bytes(adapter.tensors, {"peft_config": json.dumps(adapter.peft_config)},
+                                 allocate=self.shm.allocate if self.shm is not None else None)
         return self._post("adapter", blob, targets, time.perf_counter() - t0)
 
     def disconnect(self, url: str) -> None:
@@ -193,6 +210,8 @@ class InbandTransport:
     def close(self) -> None:
         self.client.close()
         self._staging = None
+        if self.shm is not None:
+            self.shm.close()
 
 
 class NcclTransport:
