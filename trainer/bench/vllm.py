@@ -5,7 +5,8 @@
   shape with random weights, 64 and 512 requests, prompts of 256–512 random tokens, 256 new tokens, greedy, no stop;
   each side runs every workload ``REPEATS`` times (prefix cache reset before each) and reports the median run;
 * ``sync``: colocate full sync GB/s (in-process ``load_weights``, with the update check timed apart; plain and
-  LoRA-enabled engine with a LoRA learner, merge included) and in-band sync to ``serve --engine vllm``;
+  LoRA-enabled engine with a LoRA learner, merge included) and in-band sync to ``serve --engine vllm`` (HTTP body
+  and shared directory);
 * ``step`` (``vllm-step``): one stage-2 optimizer step, vLLM colocate (sleep level 2) vs the HF backend with a static
   cache + compiled decoding, packing on, split into rollout / weight sync / forward / backward.
 Headline figures at the top level of the JSON: ``engine_over_raw_vllm`` (per workload and the minimum) and
@@ -161,34 +162,46 @@ def sync_bench(model_dir: Path, repeats: int = 5) -> dict[str, Any]:
 
 
 def inband_bench(model_dir: Path, learner) -> dict[str, Any]:
+    """In-band full sync of ``learner`` to one ``serve --engine vllm`` on this GPU, over the HTTP body and through a
+    shared directory (``--shm-dir`` / ``sync.shm_dir`` under ``/dev/shm``), with client and server phases."""
+    import tempfile
+
+    import httpx
+
     from trainer.launch.health import serve_subprocess
     from trainer.rollout.server_client import ServerEndpoint, ServerRolloutEngine
 
     nbytes = sum(p.numel() * p.element_size() for p in learner.state_dict().values())
+    shm_root = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    out: dict[str, Any] = {"bytes": nbytes, "phases": (
+        "client encode_s = full weights copied into the payload (device to host); post_s = HTTP post until the "
+        "answer; server read_s = body received (HTTP only), decode_s = payload to the GPU (one host-to-device "
+        "copy), load_s = check + load into vLLM")}
     try:
-        with serve_subprocess("--engine", "vllm", "--model", str(model_dir), "--max-model-len", "1024",
-                              "--gpu-memory-utilization", "0.2", "--enforce-eager", "--dtype", "bfloat16",
-                              timeout_s=300) as (url, _, _):
-            import httpx
-
-            client = ServerRolloutEngine([ServerEndpoint(url)], timeout_s=300, transport="inband")
-            times, client_phases = [], []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                client.sync_full(learner)
-                times.append(time.perf_counter() - t0)
-                client_phases.append(dict(client.transport().last_push))
-            client.close()
-            server_phases = [{k: u.get(k) for k in ("read_s", "decode_s", "load_s")}
-                             for u in httpx.get(f"{url}/rm/info/", timeout=30).json()["updates"]
-                             if u["endpoint"] == "rm/update_weights_inband"]
-        return {"seconds": times, "bytes": nbytes, "gb_per_s": nbytes / 1e9 / min(times),
-                "client_phases": client_phases, "server_phases": server_phases,
-                "phases": "client encode_s = full weights copied into the payload (device to host); post_s = HTTP "
-                          "post until the answer; server read_s = body received, decode_s = payload to the GPU "
-                          "(one host-to-device copy), load_s = check + load into vLLM"}
+        with tempfile.TemporaryDirectory(prefix="rm-bench-shm-", dir=shm_root) as shm_dir, \
+                serve_subprocess("--engine", "vllm", "--model", str(model_dir), "--max-model-len", "1024",
+                                 "--gpu-memory-utilization", "0.2", "--enforce-eager", "--dtype", "bfloat16",
+                                 "--shm-dir", shm_dir, timeout_s=300) as (url, _, _):
+            for variant, shm in (("http", None), ("shm", shm_dir)):
+                client = ServerRolloutEngine([ServerEndpoint(url)], timeout_s=300, transport="inband", shm_dir=shm)
+                times, client_phases = [], []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    client.sync_full(learner)
+                    times.append(time.perf_counter() - t0)
+                    client_phases.append(dict(client.transport().last_push))
+                client.close()
+                endpoint = "rm/update_weights_shm" if shm else "rm/update_weights_inband"
+                server_phases = [{k: u.get(k) for k in ("read_s", "decode_s", "load_s")}
+                                 for u in httpx.get(f"{url}/rm/info/", timeout=30).json()["updates"]
+                                 if u["endpoint"] == endpoint]
+                out[variant] = {"seconds": times, "gb_per_s": nbytes / 1e9 / min(times),
+                                "client_phases": client_phases, "server_phases": server_phases}
+        out["gb_per_s"] = out["http"]["gb_per_s"]
+        out["shm_gb_per_s"] = out["shm"]["gb_per_s"]
+        return out
     except Exception as exc:  # noqa: BLE001 - recorded, the rest of the benchmark stands
-        return {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
+        return {**out, "error": f"{type(exc).__name__}: {exc}"[-3000:]}
 
 
 def step_bench(model_dir: Path, out_dir: Path, steps: int = 4) -> dict[str, Any]:
@@ -239,8 +252,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes[0].set_title("new tokens/s (0.6B, 256 new)")
         axes[0].legend()
     sync = result.get("sync_bench", {})
-    names = [k for k in ("plain", "lora") if k in sync] + (["inband"] if "gb_per_s" in sync.get("inband", {}) else [])
-    axes[1].bar(names, [sync[k].get("gb_per_s_end_to_end", sync[k].get("gb_per_s", 0)) for k in names])
+    bars = {k: sync[k]["gb_per_s_end_to_end"] for k in ("plain", "lora") if k in sync}
+    inband = sync.get("inband", {})
+    bars.update({label: inband[key] for label, key in (("inband", "gb_per_s"), ("inband shm", "shm_gb_per_s"))
+                 if key in inband})
+    axes[1].bar(list(bars), list(bars.values()))
     axes[1].set_title("weight sync GB/s (0.6B, bf16)")
     step = result.get("step_bench", {})
     parts = ("rollout", "weight_sync", "target", "forward", "backward")
