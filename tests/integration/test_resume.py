@@ -21,7 +21,7 @@ def write_config(tmp_path: Path, name: str, *, packing: bool, buffer: bool) -> P
     cfg = {
         "model": {"tiny": "text"},
         "data": {"synthetic": {"num_samples": 12, "seed": 3, "min_objects": 1, "max_objects": 2}},
-        "training": {"output_dir": str(tmp_path / name), "max_steps": 10, "num_train_epochs": 3,
+        "training": {"output_dir": str(tmp_path / name), "max_steps": 7, "num_train_epochs": 3,
                      "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "learning_rate": 1e-3,
                      "save_steps": 3, "logging_steps": 1, "seed": 7, "disable_tqdm": True, "report_to": ["jsonl"],
                      "packing": packing, "packing_length": 330, "packing_buffer": 32},
@@ -74,6 +74,6 @@ def test_killed_and_resumed_run_trains_the_same_sequence(tmp_path, packing, buff
     (incomplete / "rank0-rollout_state.pt.tmp").write_bytes(b"torn write")
     train(killed, "--resume-from-checkpoint", "latest")
     expected = ledger(straight)
-    assert max(row[2] for row in expected) == 9
+    assert max(row[2] for row in expected) == 6
     assert any(row[3] < row[2] for row in expected), "carried or replayed targets exercise the checkpointed buffers"
     assert ledger(killed) == expected
