@@ -191,3 +191,17 @@ def test_the_cached_weight_layout_follows_new_adapters_and_replaced_parameters(t
     with torch.no_grad():
         plain.model.norm.weight.mul_(2)
     assert torch.equal(full_weights(plain)[norm], torch.full_like(plain.model.norm.weight, 6.0))
+
+
+def test_the_cached_weight_layout_does_not_keep_a_model_alive(tiny):
+    import gc
+    import weakref
+
+    from peft import LoraConfig, get_peft_model
+
+    for model in (copy.deepcopy(tiny), get_peft_model(copy.deepcopy(tiny), LoraConfig(r=4, target_modules=["q_proj"]))):
+        full_weights(model)
+        ref = weakref.ref(model)
+        del model
+        gc.collect()
+        assert ref() is None, "the weight-layout cache keeps the model alive"

@@ -105,7 +105,8 @@ def _plan(model: torch.nn.Module) -> _Plan:
         slots.append(_Slot(key, module, attr, attr in module._parameters))
     lora = tuple((_checkpoint_name(f"{n}.weight"), m) for n, m in model.named_modules() if isinstance(m, LoraLayer))
     plan = _Plan(signature, tuple(slots), lora)
-    _PLANS[model] = plan
+    if all(s.module is not model for s in slots):  # a slot holding the model itself would keep the weak key alive
+        _PLANS[model] = plan
     return plan
 
 
