@@ -199,7 +199,9 @@ def test_the_cached_weight_layout_does_not_keep_a_model_alive(tiny):
 
     from peft import LoraConfig, get_peft_model
 
-    for model in (copy.deepcopy(tiny), get_peft_model(copy.deepcopy(tiny), LoraConfig(r=4, target_modules=["q_proj"]))):
+    for make in (lambda: copy.deepcopy(tiny),
+                 lambda: get_peft_model(copy.deepcopy(tiny), LoraConfig(r=4, target_modules=["q_proj"]))):
+        model = make()
         full_weights(model)
         ref = weakref.ref(model)
         del model
