@@ -87,7 +87,7 @@ def test_a_bad_shared_directory_update_is_refused_and_the_old_weights_keep_servi
     resp = post("../" + transport.shm.name, size)
     assert resp.status_code == 400 and "not a staging file name" in resp.json()["detail"], resp.text
     resp = post(transport.shm.name, size + 8)
-    assert resp.status_code == 400 and "the learner declared" in resp.json()["detail"], resp.text
+    assert resp.status_code == 400 and "fewer than the" in resp.json()["detail"], resp.text
     resp = post("rm-update-elsewhere.safetensors", size)
     assert resp.status_code == 400 and "not found in --shm-dir" in resp.json()["detail"], resp.text
     assert _served(url) == before
@@ -136,3 +136,26 @@ def test_config_and_cli_refuse_a_shm_dir_that_cannot_work(tmp_path):
     out = subprocess.run([sys.executable, "-m", "trainer", "serve", "--engine", "scripted", "--shm-dir",
                           str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--shm-dir" in out.stderr and "not a directory" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_smaller_update_after_a_larger_one_reads_only_its_own_bytes(tiny_text_dir, serve, tmp_path):
+    """The staging file only grows: an adapter (small) after a full update (large) must still load."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trainer.server.app import create_app
+    from trainer.server.scripted import ScriptedEngine, tensors_digest
+    from trainer.sync.weights import adapter_weights
+
+    engine = ScriptedEngine(tiny_text_dir, enable_lora=True)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_text_dir, dtype=torch.float32), LoraConfig(r=4, target_modules=["q_proj"],
+                                                                      init_lora_weights=False))
+    with serve(create_app(engine, shm_dir=str(tmp_path))) as url:
+        transport = InbandTransport(timeout_s=30, shm_dir=str(tmp_path))
+        assert transport.push_full(full_weights(peft_model), [ServerEndpoint(url)]) == {}
+        adapter = adapter_weights(peft_model)
+        assert transport.push_adapter(adapter, [ServerEndpoint(url)]) == {}
+        assert transport.shm.path.stat().st_size > transport.last_push["bytes"]
+        transport.close()
+    assert [u["kind"] for u in engine.updates] == ["full", "adapter"]
+    assert engine.updates[-1]["digest"] == tensors_digest(adapter.tensors)

@@ -346,14 +346,13 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
             tensors, meta = await runner.call(lambda: wire.decode(blob, getattr(engine, "weights_device", None)))
         except wire.WireFormatError as exc:
             raise EngineRequestError(f"body is not a safetensors payload: {exc}") from exc
-        t2 = time.perf_counter()
-        await apply_update(kind, tensors, meta)
-        record("rm/update_weights_inband", "inband", kind, num_tensors=len(tensors), bytes=len(blob),
-               read_s=round(t1 - t0, 4), decode_s=round(t2 - t1, 4), load_s=round(time.perf_counter() - t2, 4))
-        metrics.accepted("inband", kind, getattr(engine, "weights_version", None))
-        return {"message": f"{kind} weights loaded", "num_tensors": len(tensors)}
+        return await apply_update("rm/update_weights_inband", "inband", kind, tensors, meta, len(blob),
+                                  read_s=round(t1 - t0, 4), decode_s=round(time.perf_counter() - t1, 4))
 
-    async def apply_update(kind: str, tensors: dict[str, Any], meta: dict[str, str]) -> None:
+    async def apply_update(endpoint: str, transport: str, kind: str, tensors: dict[str, Any], meta: dict[str, str],
+                           nbytes: int, **timings: float) -> dict[str, Any]:
+        """Load decoded in-band ``tensors`` (full or adapter) on the engine thread; record it with its timings."""
+        t0 = time.perf_counter()
         if not tensors:
             raise EngineRequestError("the safetensors payload holds no tensors")
         if kind == "adapter":
@@ -365,6 +364,10 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
             await runner.call(lambda: engine.load_adapter(adapter))
         else:
             await runner.call(lambda: engine.load_full(tensors))
+        record(endpoint, transport, kind, num_tensors=len(tensors), bytes=nbytes, **timings,
+               load_s=round(time.perf_counter() - t0, 4))
+        metrics.accepted("inband", kind, getattr(engine, "weights_version", None))
+        return {"message": f"{kind} weights loaded", "num_tensors": len(tensors)}
 
     if shm_dir is not None:
         @app.post(SHM_PATH, dependencies=guarded)
@@ -375,12 +378,8 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
                     lambda: read_update(shm_dir, body.file, body.bytes, getattr(engine, "weights_device", None)))
             except (ShmUpdateError, wire.WireFormatError) as exc:
                 raise EngineRequestError(f"shared-directory update: {exc}") from exc
-            t1 = time.perf_counter()
-            await apply_update(kind, tensors, meta)
-            record("rm/update_weights_shm", "inband-shm", kind, num_tensors=len(tensors), bytes=body.bytes,
-                   decode_s=round(t1 - t0, 4), load_s=round(time.perf_counter() - t1, 4))
-            metrics.accepted("inband", kind, getattr(engine, "weights_version", None))
-            return {"message": f"{kind} weights loaded", "num_tensors": len(tensors)}
+            return await apply_update("rm/update_weights_shm", "inband-shm", kind, tensors, meta, body.bytes,
+                                      decode_s=round(time.perf_counter() - t0, 4))
 
     @app.get("/rm/info/", dependencies=guarded)
     async def info():

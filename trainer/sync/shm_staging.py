@@ -7,8 +7,10 @@ name and size; the server reads that file (one host-to-device copy onto a GPU en
 CPU engine) instead of receiving the bytes over HTTP, where uvicorn's chunked body receive costs more than the copies.
 
 Contracts:
-- the server only opens a plain file name (no path separators, no leading dot) inside its own ``--shm-dir``, whose
-  size equals the size the learner declared; anything else is refused with a message naming what to change;
+- the server only opens a plain file name (no path separators, no leading dot) inside its own ``--shm-dir``, and
+  reads the first ``nbytes`` the learner declared (the staging file only grows, so a smaller update, e.g. an adapter
+  after a full update, leaves a longer file); a shorter file or any other name is refused with a message naming what
+  to change;
 - a learner and a server that do not share the directory fail at the first push with "not found in --shm-dir",
   never with a silent fallback;
 - the staging file is removed when the transport closes.
@@ -37,7 +39,7 @@ class ShmUpdateError(ValueError):
 
 class ShmStaging:
     """The learner's staging file in ``shm_dir``; ``allocate(nbytes)`` (for ``wire.encode``) returns a CPU ``uint8``
-    tensor backed by it, grown when an update is larger than the last one."""
+    tensor backed by it, grown (never shrunk) when an update is larger than the last one."""
 
     def __init__(self, shm_dir: str | os.PathLike[str]):
         self.dir = Path(shm_dir)
@@ -94,9 +96,9 @@ def read_update(shm_dir: str | os.PathLike[str], name: str, nbytes: int,
         raise ShmUpdateError(f"file {name!r} not found in --shm-dir {str(shm_dir)!r}: the learner and this server do "
                              "not share that directory; mount the same tmpfs on both (same sync.shm_dir and "
                              "--shm-dir) or drop sync.shm_dir to send the update over HTTP") from None
-    if not path.is_file() or size != nbytes:
-        raise ShmUpdateError(f"file {name!r} in --shm-dir holds {size} bytes, the learner declared {nbytes}; "
-                             "an update was overwritten while in flight, or two learners share the directory")
+    if not path.is_file() or size < nbytes:
+        raise ShmUpdateError(f"file {name!r} in --shm-dir holds {size} bytes, fewer than the {nbytes} the learner "
+                             "declared; an update was overwritten while in flight, or two learners share the directory")
     if device is not None and torch.device(device).type != "cpu":
         mapped = torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8)
         return decode(memoryview(mapped.numpy()), device)

@@ -201,7 +201,7 @@ class InbandTransport:
     def push_adapter(self, adapter: AdapterWeights, targets: Sequence[ServerHandle]) -> dict[str, str]:
         t0 = time.perf_counter()
         blob = safetensors_bytes(adapter.tensors, {"peft_config": json.dumps(adapter.peft_config)},
-                                 allocate=self.shm.allocate if self.shm is not None else None)
+                                 allocate=self._allocator(adapter.tensors))
         return self._post("adapter", blob, targets, time.perf_counter() - t0)
 
     def disconnect(self, url: str) -> None:
