@@ -19,9 +19,11 @@ import copy
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -332,6 +334,56 @@ def test_serve_vllm_inband_sync_and_refused_bad_update(text_dir, tok, stop_ids, 
         client.close()
     finally:
         _stop(proc)
+
+
+def test_serve_vllm_shm_sync_and_refused_bad_update(text_dir, tok, stop_ids, hf_model, tmp_path):
+    """In-band updates through a shared directory (``--shm-dir`` / ``sync.shm_dir``) into the vLLM server engine:
+    two pushes through the one staging file serve the learner's weights, a NaN update is refused with the last
+    good weights serving, and the server's phases are recorded."""
+    from trainer.rollout.server_client import ServerEndpoint, ServerRolloutEngine
+    from trainer.sync.transports import InbandTransport
+    from trainer.sync.weights import full_weights
+
+    shm_root = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    shm_dir = Path(tempfile.mkdtemp(prefix="rm-gpu-shm-", dir=shm_root))
+    url, proc = _serve(text_dir, tmp_path / "serve.log", extra=("--shm-dir", str(shm_dir)))
+    try:
+        try:
+            client = ServerRolloutEngine([ServerEndpoint(url)], timeout_s=300, transport="inband",
+                                         shm_dir=str(shm_dir))
+        except Exception:
+            print((tmp_path / "serve.log").read_text()[-4000:])
+            raise
+        reqs = make_requests(tok)
+        assert_greedy(hf_model, client.generate(reqs, params()), "served base weights")
+        first = perturbed(hf_model)
+        client.sync_full(first)
+        assert_greedy(first, client.generate(reqs, params()), "served after the first shared-directory sync")
+        learner = perturbed(first)
+        t0 = time.perf_counter()
+        client.sync_full(learner)
+        sync_s = time.perf_counter() - t0
+        synced = client.generate(reqs, params())
+        assert_greedy(learner, synced, "served after the second shared-directory sync")
+        assert not client.quarantined
+        bad = {k: v.clone() for k, v in full_weights(learner).items()}
+        bad["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+        transport = InbandTransport(timeout_s=120, shm_dir=str(shm_dir))
+        failed = transport.push_full(bad, [ServerEndpoint(url)])
+        transport.close()
+        assert "refused (HTTP 422)" in failed[url] and "model.layers.0.mlp.up_proj.weight" in failed[url], failed
+        again = client.generate(reqs, params())
+        assert [r.response_token_ids for r in again] == [r.response_token_ids for r in synced]
+        phases = [u for u in httpx.get(url + "/rm/info/", timeout=30).json()["updates"]
+                  if u["endpoint"] == "rm/update_weights_shm"]
+        assert len(phases) == 2 and all(k in phases[-1] for k in ("decode_s", "load_s")), phases
+        record("serve_shm_sync", seconds=sync_s, bytes=client.transport().last_push["bytes"],
+               client=client.transport().last_push, server=phases[-1])
+        client.close()
+        assert not list(shm_dir.iterdir()), "staging files outlived their transports"
+    finally:
+        _stop(proc)
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 @pytest.mark.parametrize("worker_path", [False, True], ids=["server-process-receiver", "vllm-worker-receiver"])

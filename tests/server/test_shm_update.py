@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trainer.rollout.server_client import ServerEndpoint, ServerRolloutEngine
-from trainer.sync.shm_staging import SHM_PATH, ShmStaging, ShmUpdateError, read_update
+from trainer.sync.shm_staging import SHM_PATH, ShmReader, ShmStaging, ShmUpdateError
 from trainer.sync.transports import InbandTransport
 from trainer.sync.weights import full_weights, tensor_checksums
 
@@ -113,18 +113,39 @@ def test_learner_and_server_without_a_common_directory_say_so(hf_shm, serve, tin
         ShmStaging(tmp_path / "missing")
 
 
-def test_read_update_onto_a_device_and_into_memory_agree(tmp_path):
+def test_the_reader_keeps_one_mapping_that_sees_each_rewrite_and_follows_a_grown_file(tmp_path):
     from trainer.sync.wire import encode
 
-    staging = ShmStaging(tmp_path)
-    want = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
-    blob = encode(want, None, staging.allocate)
-    in_memory, _ = read_update(tmp_path, staging.name, len(blob))
-    assert all(torch.equal(in_memory[k], want[k]) for k in want)
-    on_meta, _ = read_update(tmp_path, staging.name, len(blob), torch.device("meta"))
+    staging, reader = ShmStaging(tmp_path), ShmReader(tmp_path)
+    first = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    blob = encode(first, None, staging.allocate)
+    got, _ = reader.read(staging.name, len(blob))
+    assert all(torch.equal(got[k], first[k]) for k in first)
+    kept = reader._kept
+    second = {k: v * 3 for k, v in first.items()}  # same size: rewritten in place, read through the kept mapping
+    blob = encode(second, None, staging.allocate)
+    got, _ = reader.read(staging.name, len(blob))
+    assert reader._kept is kept and all(torch.equal(got[k], second[k]) for k in second)
+    on_meta, _ = reader.read(staging.name, len(blob), torch.device("meta"))
     assert {k: (v.device.type, v.shape, v.dtype) for k, v in on_meta.items()} == \
-        {k: ("meta", v.shape, v.dtype) for k, v in want.items()}
+        {k: ("meta", v.shape, v.dtype) for k, v in second.items()}
+
+    old_name = staging.name
+    larger = {**second, "c": torch.randn(4096)}  # a larger update moves to a new file; the old one is removed
+    blob = encode(larger, None, staging.allocate)
+    assert staging.name != old_name and not (tmp_path / old_name).exists()
+    with pytest.raises(ShmUpdateError, match="not found in --shm-dir"):
+        reader.read(old_name, 64)
+    got, _ = reader.read(staging.name, len(blob))
+    assert reader._kept is not kept and all(torch.equal(got[k], larger[k]) for k in larger)
+    smaller = {"a": first["a"] + 1}  # a smaller one reuses the larger file: only its declared bytes are read
+    blob = encode(smaller, None, staging.allocate)
+    got, _ = reader.read(staging.name, len(blob))
+    assert list(got) == ["a"] and torch.equal(got["a"], smaller["a"])
+    reader.close()
+    assert reader._kept is None
     staging.close()
+    assert not list(tmp_path.iterdir()), "the staging file outlived close()"
 
 
 def test_config_and_cli_refuse_a_shm_dir_that_cannot_work(tmp_path):
@@ -139,7 +160,7 @@ def test_config_and_cli_refuse_a_shm_dir_that_cannot_work(tmp_path):
 
 
 def test_a_smaller_update_after_a_larger_one_reads_only_its_own_bytes(tiny_text_dir, serve, tmp_path):
-    """The staging file only grows: an adapter (small) after a full update (large) must still load."""
+    """A smaller update reuses the larger staging file: an adapter (small) after a full update (large) must still load."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

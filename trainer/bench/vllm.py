@@ -131,7 +131,7 @@ def sync_bench(model_dir: Path, repeats: int = 5) -> dict[str, Any]:
 
     learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     out: dict[str, Any] = {}
-    for variant in os.environ.get("RM_BENCH_SYNC_VARIANTS", "plain,lora").split(","):
+    for variant in [v for v in os.environ.get("RM_BENCH_SYNC_VARIANTS", "plain,lora").split(",") if v]:
         lora = variant == "lora"
         engine = VllmColocateEngine(model_dir, [], max_model_len=1024, gpu_memory_utilization=0.25, dtype="bfloat16",
                                     enable_lora=lora, max_lora_rank=16,
@@ -300,10 +300,13 @@ def run(out: Path, only: str = "vllm") -> dict[str, Any]:
             result["engine_bench"] = engine_bench(model_dir)
             result["engine_over_raw_vllm"] = result["engine_bench"]["engine_over_raw_vllm"]
         elif part == "sync":
-            result["sync_bench"] = sync_bench(model_dir)
-            done = [k for k in ("plain", "lora") if k in result["sync_bench"]]
-            result["colocate_sync_gb_s"] = {k: result["sync_bench"][k]["gb_per_s_end_to_end"] for k in done}
-            result["sync_check_fraction"] = {k: result["sync_bench"][k]["check_fraction"] for k in done}
+            fresh = sync_bench(model_dir)  # variants left out by RM_BENCH_SYNC_* keep their earlier records
+            result["sync_bench"] = {**result.get("sync_bench", {}), **fresh}
+            done = [k for k in ("plain", "lora") if k in fresh]
+            result["colocate_sync_gb_s"] = {**result.get("colocate_sync_gb_s", {}),
+                                            **{k: fresh[k]["gb_per_s_end_to_end"] for k in done}}
+            result["sync_check_fraction"] = {**result.get("sync_check_fraction", {}),
+                                             **{k: fresh[k]["check_fraction"] for k in done}}
         else:
             result["step_bench"] = step_bench(model_dir, work / "step")
         print(f"bench vllm: {part} done in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -47,7 +47,7 @@ from trainer.server.protocol import (
 )
 from trainer.sync import wire
 from trainer.sync.nccl import offered_wire_backends
-from trainer.sync.shm_staging import SHM_PATH, ShmUpdateError, read_update
+from trainer.sync.shm_staging import SHM_PATH, ShmReader, ShmUpdateError
 from trainer.sync.transports import INBAND_PATH
 from trainer.sync.update_check import WeightUpdateRefused
 from trainer.sync.weights import AdapterWeights
@@ -194,10 +194,14 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
             raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                 headers={"WWW-Authenticate": "Bearer"})
 
+    shm_reader = ShmReader(shm_dir) if shm_dir is not None else None
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         runner.shutdown()
+        if shm_reader is not None:
+            shm_reader.close()
 
     app = FastAPI(title="rollout-matching rollout server", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
@@ -375,7 +379,7 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
             t0 = time.perf_counter()
             try:  # on the engine's thread: one host-to-device copy of the staged file onto a GPU engine
                 tensors, meta = await runner.call(
-                    lambda: read_update(shm_dir, body.file, body.bytes, getattr(engine, "weights_device", None)))
+                    lambda: shm_reader.read(body.file, body.bytes, getattr(engine, "weights_device", None)))
             except (ShmUpdateError, wire.WireFormatError) as exc:
                 raise EngineRequestError(f"shared-directory update: {exc}") from exc
             return await apply_update("rm/update_weights_shm", "inband-shm", kind, tensors, meta, body.bytes,
