@@ -262,9 +262,17 @@ class InProcessVllm:
     def close(self) -> None:
         """Shut the engine down and free its memory; an in-process engine that owns its distributed state (not under
         an external launcher, whose process group is the learner's) also tears that down, so a later engine in this
-        process starts clean."""
+        process starts clean. A sleeping engine is woken first: vLLM's sleep-mode allocator (cumem) unmaps sleeping
+        memory, freeing it unmapped fails (``CUDA Error: invalid argument`` in ``cumem_allocator.cpp``), and that
+        error stays set in the allocator, so every later sleep-mode engine in this process failed to allocate."""
         llm = getattr(self, "llm", None)
         if llm is not None:
+            if self._asleep:
+                try:
+                    llm.wake_up(tags=sorted(self._asleep))
+                    self._asleep = set()
+                except Exception:  # noqa: BLE001 - closing anyway; a later engine reports its own failure
+                    log.exception("could not wake the sleeping vLLM engine before closing it")
             core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
