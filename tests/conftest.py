@@ -12,6 +12,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_PLUGINS", "")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_ops_built_in_background(request, tmp_path_factory):
+    """See ``tests/deepspeed_ops.py``; ``RM_TEST_BUILD_DS_OPS_INLINE=1`` leaves the builds to the tests."""
+    from tests import deepspeed_ops
+
+    if not deepspeed_ops.wanted([item.nodeid for item in request.session.items]):
+        yield
+        return
+    proc = deepspeed_ops.start(tmp_path_factory.mktemp("deepspeed_ops") / "build.log")
+    yield
+    deepspeed_ops.stop(proc)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from trainer.modeling.fixtures import tiny_tokenizer

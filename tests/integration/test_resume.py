@@ -34,12 +34,27 @@ def write_config(tmp_path: Path, name: str, *, packing: bool, buffer: bool) -> P
     return path
 
 
+def _command(config: Path, *extra: str) -> tuple[list[str], dict[str, str]]:
+    return ([sys.executable, "-m", "trainer", "train", "--config", str(config), *extra],
+            {**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def start(config: Path, *extra: str) -> subprocess.Popen:
+    """A learner running in the background (its output kept for the failure message)."""
+    cmd, env = _command(config, *extra)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+
+
 def train(config: Path, *extra: str, kill_after_checkpoint: int | None = None) -> None:
-    cmd = [sys.executable, "-m", "trainer", "train", "--config", str(config), *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     if kill_after_checkpoint is None:
-        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+        finish(start(config, *extra))
         return
+    cmd, env = _command(config, *extra)
     out_dir = Path(yaml.safe_load(config.read_text())["training"]["output_dir"]) / "stage2"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = out_dir / f"checkpoint-{kill_after_checkpoint}" / "rank0-rollout_state.pt"
@@ -63,8 +78,9 @@ def ledger(config: Path) -> list[tuple[int, str, int]]:
 def test_killed_and_resumed_run_trains_the_same_sequence(tmp_path, packing, buffer):
     straight = write_config(tmp_path, "straight", packing=packing, buffer=buffer)
     killed = write_config(tmp_path, "killed", packing=packing, buffer=buffer)
-    train(straight)
+    uninterrupted = start(straight)  # independent of the killed run: the two share the machine's cores
     train(killed, kill_after_checkpoint=3)
+    finish(uninterrupted)
     partial = ledger(killed)
     assert partial and max(row[2] for row in partial) >= 2
     incomplete = tmp_path / "killed" / "stage2" / "checkpoint-6"
