@@ -48,7 +48,7 @@ def test_close_wakes_a_sleeping_engine_before_shutting_it_down():
         engine = _engine(level, calls)
         engine.sleep()
         engine.close()
-        assert calls == [("sleep", level), ("wake_up", ("kv_cache", "weights")), ("shutdown",)], calls
+        assert calls == [("sleep", level), ("wake_up", ("weights", "kv_cache")), ("shutdown",)], calls
         assert engine.llm is None and not engine._dir.exists()
 
 

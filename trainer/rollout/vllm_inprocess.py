@@ -267,12 +267,10 @@ class InProcessVllm:
         error stays set in the allocator, so every later sleep-mode engine in this process failed to allocate."""
         llm = getattr(self, "llm", None)
         if llm is not None:
-            if self._asleep:
-                try:
-                    llm.wake_up(tags=sorted(self._asleep))
-                    self._asleep = set()
-                except Exception:  # noqa: BLE001 - closing anyway; a later engine reports its own failure
-                    log.exception("could not wake the sleeping vLLM engine before closing it")
+            try:
+                self.wake()
+            except Exception:  # noqa: BLE001 - closing anyway; a later engine reports its own failure
+                log.exception("could not wake the sleeping vLLM engine before closing it")
             core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()

@@ -99,13 +99,18 @@ class _Mapping:
     """One read-only shared mapping of a staging file, page-locked when CUDA allows."""
 
     def __init__(self, path: Path, st: os.stat_result, lock: bool):
-        self.key = (st.st_dev, st.st_ino, st.st_size)
+        self.key = self.identity(st)
         with open(path, "rb") as f:
             self.mm = mmap.mmap(f.fileno(), st.st_size, access=mmap.ACCESS_READ)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.registered = lock and _page_lock(self.tensor, _CUDA_HOST_REGISTER_READ_ONLY, path)
+
+    @staticmethod
+    def identity(st: os.stat_result) -> tuple[int, int, int]:
+        """The file (device, inode) and the size mapped: a mapping serves a later read only if all three match."""
+        return st.st_dev, st.st_ino, st.st_size
 
     def close(self) -> None:
         if self.registered:
@@ -133,8 +138,7 @@ class ShmReader:
              device: torch.device | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         path, st = self._checked(name, nbytes)
         on_device = device is not None and torch.device(device).type != "cpu"
-        key = (st.st_dev, st.st_ino, st.st_size)
-        if self._kept is None or self._kept.key != key:
+        if self._kept is None or self._kept.key != _Mapping.identity(st):
             self.close()
             self._kept = _Mapping(path, st, lock=on_device and torch.device(device).type == "cuda")
         view = memoryview(self._kept.mm)[:nbytes]
