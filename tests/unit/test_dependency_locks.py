@@ -213,3 +213,24 @@ def test_the_locks_are_what_make_lock_resolves(lock_name, tmp_path):
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert pip_check.read_lock(out_file) == lock(lock_name), "the lock is stale: run `make lock`"
+
+
+def test_lock_check_reports_changes_direct_first_and_never_fails(tmp_path):
+    spec = importlib.util.spec_from_file_location("lock_check", LOCKS / "lock_check.py")
+    lock_check = importlib.util.module_from_spec(spec)
+    sys.modules["lock_check"] = lock_check  # its dataclasses look their module up
+    spec.loader.exec_module(lock_check)
+    changes = lock_check.lock_changes({"aaa": "1.0", "pyyaml": "6.0.3", "gone": "2"},
+                                      {"aaa": "1.1", "pyyaml": "6.0.4", "new": "0.1"}, {"pyyaml"})
+    assert [(c.name, c.kind, c.direct) for c in changes] == [
+        ("pyyaml", "changed", True), ("aaa", "changed", False), ("gone", "removed", False), ("new", "added", False)]
+    assert "pyyaml" in lock_check.direct_names(REPO / "pyproject.toml")
+    # the report on a copy of the committed locks: no change, exit 0
+    for name in ("cpu-test.txt", "gpu-runtime.txt"):
+        (tmp_path / name).write_text((LOCKS / name).read_text().replace("pyyaml==", "pyyaml==9"))
+    out = subprocess.run([sys.executable, str(LOCKS / "lock_check.py"), "--today", str(tmp_path), "--no-install",
+                          "--pip-version", "26.3"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("1 package(s) would change (1 named by pyproject.toml)") == 2
+    assert "index as of 20" in out.stdout and "make lock LOCK_DATE=now" in out.stdout
