@@ -28,12 +28,11 @@ Definitions (the decisions, with their reasons, are in ``docs/EVALUATION.md``):
 
 from __future__ import annotations
 
-import contextlib
-import io
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trainer.data.formats.coco import coco_evaluate
 from trainer.data.objects import DetObject
 from trainer.matching.match import match_objects
 
@@ -201,9 +200,6 @@ def coco_box(obj: DetObject) -> list[float]:
 
 def coco_ap(samples: Sequence[SamplePrediction], class_aware: bool = False) -> COCOAP:
     """COCO box AP/AR with pycocotools (every prediction scores 1.0; see the module docstring)."""
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
-
     if not any(s.gt for s in samples):
         return COCOAP(None, None, None, None)
     descs = sorted({o.desc for s in samples for o in (*s.gt, *s.pred)}) if class_aware else []
@@ -224,17 +220,7 @@ def coco_ap(samples: Sequence[SamplePrediction], class_aware: bool = False) -> C
     if not dets:
         return COCOAP(0.0, 0.0, 0.0, 0.0)
     categories = [{"id": i, "name": d} for d, i in cat.items()] if class_aware else [{"id": 1, "name": "object"}]
-    with contextlib.redirect_stdout(io.StringIO()):
-        ground = COCO()
-        ground.dataset = {"images": images, "annotations": gts, "categories": categories}
-        ground.createIndex()
-        detected = ground.loadRes(dets)
-        ev = COCOeval(ground, detected, "bbox")
-        ev.params.useCats = 1
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    stats = [float(v) for v in ev.stats]
+    stats = coco_evaluate({"images": images, "annotations": gts, "categories": categories}, dets)
     # pycocotools reports -1 where a value is undefined; area 'all', maxDets 100 are stats 0, 1, 2 and 8
     return COCOAP(*(v if v >= 0 else None for v in (stats[0], stats[1], stats[2], stats[8])))
 
