@@ -13,23 +13,82 @@ from typing import Any
 import torch
 
 
-class PhaseTimers:
-    """Accumulates wall-clock seconds per named phase (rollout, generate, parse, match, target, forward, ...)."""
+class CudaPeakMemory:
+    """torch.cuda's allocated-bytes counters (the caching allocator's, vLLM's sleep-mode pool included)."""
 
-    def __init__(self) -> None:
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated()
+
+    def current(self) -> int:
+        return torch.cuda.memory_allocated()
+
+    def reset(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+
+class PhaseTimers:
+    """Accumulates wall-clock seconds per named phase (rollout, generate, parse, match, target, forward, ...), and,
+    with a memory probe (CUDA's by default on a GPU), the peak allocated bytes inside each phase.
+
+    Peaks: the device's peak counter is read and reset at every phase boundary; what it read is folded into every
+    phase open at that moment, so a nested phase's peak also counts for the phases around it, and ``peak_bytes``
+    holds, per phase, the maximum over its runs since the last ``pop_peaks``. ``overall_peak`` is the maximum since
+    the timers were made (the counter the boundaries reset)."""
+
+    def __init__(self, memory: Any | None = None) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.memory = memory if memory is not None else (CudaPeakMemory() if torch.cuda.is_available() else None)
+        self.peak_bytes: dict[str, int] = {}
+        self.overall_peak = 0
+        self._open: list[list[Any]] = []
+
+    def _boundary(self) -> int:
+        seen = self.memory.peak()
+        for entry in self._open:
+            entry[1] = max(entry[1], seen)
+        self.overall_peak = max(self.overall_peak, seen)
+        self.memory.reset()
+        return seen
+
+    @contextmanager
+    def track_peak(self, name: str) -> Iterator[None]:
+        """Peak allocated bytes of the block, kept under ``name`` (no time recorded)."""
+        if self.memory is None:
+            yield
+            return
+        self._boundary()
+        entry = [name, self.memory.current()]
+        self._open.append(entry)
+        try:
+            yield
+        finally:
+            self._boundary()
+            self._open.remove(entry)
+            self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), entry[1])
+
+    def record_peak(self, name: str) -> None:
+        """Keep the peak since the last boundary under ``name`` (what ran since the last phase ended)."""
+        if self.memory is not None:
+            seen = self._boundary()
+            self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), seen)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with self.track_peak(name):
+                yield
         finally:
             self.seconds[name] += time.perf_counter() - start
 
     def pop(self) -> dict[str, float]:
         out = dict(self.seconds)
         self.seconds.clear()
+        return out
+
+    def pop_peaks(self) -> dict[str, int]:
+        out = dict(self.peak_bytes)
+        self.peak_bytes.clear()
         return out
 
 
@@ -47,12 +106,14 @@ class Counters:
         return out
 
 
-def gpu_memory_snapshot() -> dict[str, float]:
+def gpu_memory_snapshot(timers: PhaseTimers | None = None) -> dict[str, float]:
+    """Allocated and peak GiB; ``timers``: their boundaries reset CUDA's peak counter, so theirs is folded in."""
     if not torch.cuda.is_available():
         return {}
+    peak = max(torch.cuda.max_memory_allocated(), timers.overall_peak if timers is not None else 0)
     return {
         "gpu_mem_allocated_gib": torch.cuda.memory_allocated() / 2**30,
-        "gpu_mem_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "gpu_mem_peak_gib": peak / 2**30,
     }
 
 

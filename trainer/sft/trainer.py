@@ -411,7 +411,9 @@ class RolloutMatchingTrainer(Trainer):
             # checkpointing recomputes the forward there and must see the same segment-isolating attention
             self._layout_stack = stack
             try:
-                loss = super().training_step(model, inputs, num_items_in_batch)
+                with self.timers.track_peak("step"):
+                    loss = super().training_step(model, inputs, num_items_in_batch)
+                    self.timers.record_peak("backward")  # since the forward ended: backward + optimizer bookkeeping
             finally:
                 self._layout_stack = None
         spent = time.perf_counter() - start
@@ -431,6 +433,8 @@ class RolloutMatchingTrainer(Trainer):
             self._loss_terms.clear()
             for name, sec in self.timers.pop().items():
                 logs[f"time/{name}_s"] = sec
+            for name, nbytes in self.timers.pop_peaks().items():
+                logs[f"mem/{name}_peak_gib"] = nbytes / 2**30
             c = self.counters.pop()
             if c.get("samples"):
                 for key in ("matched", "fn_appended", "fp", "gated", "gt", "valid_pred", "invalid_pred",
@@ -457,5 +461,5 @@ class RolloutMatchingTrainer(Trainer):
             if c.get("packed_segments"):
                 logs["packing/segments_per_row"] = c["packed_segments"] / c["rows"]
                 logs["packing/carried"] = c["packing_carried"] / c["rows"]
-            logs.update(gpu_memory_snapshot())
+            logs.update(gpu_memory_snapshot(self.timers))
         super().log(logs, start_time)
