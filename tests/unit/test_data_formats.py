@@ -335,3 +335,30 @@ def test_cli_subprocess(tmp_path):
                            str(images), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "records written: 3" in proc.stdout and len(read_jsonl(out)) == 3
+
+
+def test_options_that_do_not_apply_and_foreign_predictions_are_errors(tmp_path, capsys):
+    src, images = coco_fixture(tmp_path)
+    records = tmp_path / "gt.jsonl"
+    odvg = odvg_fixture(tmp_path)
+    assert import_(capsys, "--from", "coco", str(src), "--images", str(images), "--out", str(records))[0] == 0
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": "999", "objects": []}) + "\n")
+    cases = [
+        (["import", "--from", "odvg", str(odvg), "--images", str(images), "--out", str(tmp_path / "o.jsonl"),
+          "--geometry", "poly"], "--geometry does not apply to ODVG"),
+        (["import", "--from", "coco", str(src), "--images", str(images), "--out", str(tmp_path / "o.jsonl"),
+          "--label-map", str(src)], "--label-map is for --from odvg"),
+        (["import", "--from", "coco", str(records), "--images", str(images), "--out", str(tmp_path / "o.jsonl")],
+         "(ODVG: --from odvg)"),
+        (["export", "--to", "coco", str(records), "--out", str(tmp_path / "c.json"), "--evaluate"],
+         "--evaluate needs --predictions"),
+        (["export", "--to", "coco", str(records), "--out", str(tmp_path / "c.json"), "--predictions", str(other)],
+         f"{other}:1: id '999' is not in the ground-truth file"),
+        (["export", "--to", "coco", str(records), "--out", str(tmp_path / "c.json"), "--categories", str(odvg)],
+         "not valid JSON"),
+    ]
+    for argv, fragment in cases:
+        assert main(["data", *argv]) == 2, argv
+        assert fragment in capsys.readouterr().err, argv
+    assert not (tmp_path / "o.jsonl").exists()

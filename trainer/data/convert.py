@@ -42,7 +42,8 @@ def load_json(path: Path, what: str) -> Any:
         with path.open(encoding="utf-8") as fh:
             return json.load(fh)
     except json.JSONDecodeError as exc:
-        raise SourceError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        hint = "; one JSON object per line is JSONL (ODVG: --from odvg)" if exc.msg == "Extra data" else ""
+        raise SourceError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}){hint}") from None
 
 
 def write_records(records: Iterable[ImportedRecord], out: Path, base_dir: Path | None, missing: str,
