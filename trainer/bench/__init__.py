@@ -13,7 +13,9 @@ One module per benchmark, all building their random-weight models with ``trainer
   with vLLM colocate vs the HF backend (``vllm.json`` / ``.png``; CUDA + vLLM);
 * ``inband``: in-band weight push (HTTP) to a scripted server subprocess, the pre-b1c8efc path vs
   ``InbandTransport`` vs a raw copy, 64 MiB-1 GiB (``inband.json`` / ``.png``; CPU-runnable, not part of ``all``;
-  ``--quick``: 1 and 4 MiB).
+  ``--quick``: 1 and 4 MiB);
+* ``scale``: whole stage-2 steps at Qwen3-VL 2B / 4B / 8B (random weights, 1024x1024 images, 40-80 objects), vLLM
+  colocate, per-phase seconds, peak memory and MFU (``scale.json`` / ``.png``; GPU; ``trainer.bench.scale``).
 
 The benchmark modules are pure functions (no pydantic, no config); this file holds only the command line and
 imports them lazily, so ``python -m trainer --help`` stays fast.
@@ -25,7 +27,7 @@ import argparse
 import json
 from pathlib import Path
 
-ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async", "inband")
+ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async", "inband", "scale")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +42,11 @@ def run(args: argparse.Namespace) -> int:
         from trainer.bench.async_rollouts import run as run_async  # CPU: scripted servers with a set decode time
 
         run_async(Path(args.out), delay_s=args.decode_s, steps=args.steps or 12)
+        return 0
+    if getattr(args, "only", "all") == "scale":  # Qwen3-VL 2B/4B/8B stage-2 steps (GPU + vLLM); --quick: tiny VL on CPU
+        from trainer.bench.scale import run as run_scale
+
+        run_scale(Path(args.out), quick=args.quick)
         return 0
     if getattr(args, "only", "all") == "inband":  # CPU: learner -> scripted server subprocess over loopback HTTP
         from trainer.bench.inband import QUICK_SIZES_MIB, SIZES_MIB
@@ -113,7 +120,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "buffer; weight-sync: NCCL learner -> server sync (two GPUs; not part of 'all'); vllm (= vllm-engine + "
                         "vllm-sync) / vllm-step: vLLM engine, sync, stage-2 step benchmarks (GPU + vLLM; not part of 'all'); async: "
                         "step timeline with/without async_rollouts (scripted servers, CPU; not part of 'all'); inband: in-band "
-                        "HTTP weight push before/after b1c8efc vs a raw copy (scripted server, CPU; not part of 'all')")
+                        "HTTP weight push before/after b1c8efc vs a raw copy (scripted server, CPU; not part of 'all'); scale: "
+                        "stage-2 steps at Qwen3-VL 2B/4B/8B, vLLM colocate, per-phase time/memory/MFU (GPU; "
+                        "RM_BENCH_SCALE=2b,8b-lora picks configurations; --quick: tiny VL on CPU; not part of 'all')")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--decode-s", type=float, default=None,
                    help="async: seconds per /infer/ call of the scripted servers (default: the measured train time "

@@ -445,6 +445,7 @@ class RolloutMatchingTrainer(Trainer):
                 logs["rollout/match_recall"] = c.get("matched", 0.0) / c["gt"] if c.get("gt") else 0.0
             if c.get("tokens_padded"):
                 logs["batch/fill"] = c["tokens_real"] / c["tokens_padded"]
+                logs["batch/tokens"] = c["tokens_real"]
             if self._staleness:
                 logs["rollout/staleness_max"] = float(max(self._staleness))
                 logs["rollout/staleness_mean"] = sum(self._staleness) / len(self._staleness)

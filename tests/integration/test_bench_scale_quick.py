@@ -1,0 +1,31 @@
+"""`bench --only scale --quick`: the Qwen3-VL scale bench's whole code path (random VL model directory, synthetic
+1024-style records, one stage-2 step through run_training, per-phase split, JSON + PNG) on the tiny Qwen3-VL on the
+CPU, so the GPU bench cannot rot between GPU sessions."""
+
+from __future__ import annotations
+
+import json
+
+from trainer.bench import scale
+
+
+def test_scale_quick_writes_a_step_split_that_adds_up(tmp_path, monkeypatch):
+    monkeypatch.setenv("RM_BENCH_WORK", str(tmp_path / "work"))
+    result = scale.run(tmp_path / "out", quick=True)
+    saved = json.loads((tmp_path / "out" / "scale_quick.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    (rec,) = saved["runs"]
+    assert rec["name"] == "tiny-full-sleep2-util0.3" and "error" not in rec, rec
+    assert rec["steps"] == 1 and rec["per_step"]["batch/tokens"] > 0
+    assert abs(sum(rec["split"].values()) - 1.0) < 0.02, rec["split"]
+    assert rec["train_tokens_per_s"] > 0 and rec["rollout_tokens_per_s"] > 0
+    assert (tmp_path / "out" / "scale_quick.png").stat().st_size > 10_000
+
+
+def test_flops_count_grows_with_size_and_the_published_shapes_have_their_sizes():
+    counts = {s: scale.param_counts(s)["total"] for s in ("2b", "4b", "8b")}
+    assert 1.9e9 < counts["2b"] < 2.4e9 and 4.0e9 < counts["4b"] < 4.8e9 and 8.0e9 < counts["8b"] < 9.2e9, counts
+    f = [scale.fwd_bwd_flops(s, 20_000, 8, 4096) for s in ("2b", "4b", "8b")]
+    assert f[0] < f[1] < f[2]
+    blocks = scale.param_counts("8b")["text_blocks"]
+    assert scale.fwd_bwd_flops("8b", 20_000, 8, 4096) > 6 * blocks * 20_000

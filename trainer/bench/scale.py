@@ -1,0 +1,336 @@
+"""Stage-2 at real Qwen3-VL sizes on one GPU (``python -m trainer bench --only scale``; ``docs/benchmarks/scale.json``).
+
+Random-weight **Qwen3-VL** models at the published 2B / 4B / 8B shapes (``transformers.Qwen3VLConfig``, vision tower
+included, built on the GPU, no download) run whole stage-2 steps through the product's own path
+(``trainer.sft.run.run_training``): vLLM colocate rollouts (sleep level 2: the engine gives its memory back between
+rollouts), parse / match / targets, weight sync, a packed forward + backward with gradient checkpointing, the optimizer
+step. Inputs are realistic: synthetic 1024x1024 detection images (1024 visual tokens after the 2x2 merge) with 40-80
+objects each, so the ground-truth answer that stage 2 trains on is 1-2k tokens. Random weights never stop and never
+parse, so every rollout runs to ``decoding.max_new_tokens`` (the worst case of a real run) and every target is built
+from the ground truth, as stage 2 does for an unparseable rollout.
+
+Per configuration: seconds per phase (``time/<phase>_s``), peak GPU memory per phase (``mem/<phase>_peak_gib``),
+rollout tokens/s, trained tokens/s, and fwd+bwd MFU counting the language model's matmuls and causal attention at 6
+FLOPs per parameter-token (gradient-checkpointing recompute not counted) and the frozen vision tower's forward at 2
+(lm_head excluded: a conservative figure). A configuration that runs out of memory is recorded with the phase it
+was in and the setting that makes it fit. ``--quick``: the tiny Qwen3-VL on the CPU with the HF backend, so CI runs
+the bench's code path.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.bench.models import H100_BF16_TFLOPS, device_name
+
+#: published Qwen3-VL-{2B,4B,8B}-Instruct ``config.json`` dimensions (text model / vision tower).
+QWEN3_VL_TEXT = {
+    "2b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+               num_key_value_heads=8, head_dim=128),
+    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128),
+}
+QWEN3_VL_VISION = {
+    "2b": dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+               deepstack_visual_indexes=[5, 11, 17]),
+    "4b": dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
+               deepstack_visual_indexes=[5, 11, 17]),
+    "8b": dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+               deepstack_visual_indexes=[8, 16, 24]),
+}
+TIED = {"2b": True, "4b": True, "8b": False}
+VOCAB = 151936
+TINY_TEXT = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=64)
+TINY_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=1, out_hidden_size=128,
+                   deepstack_visual_indexes=[0])
+
+
+@dataclass(frozen=True)
+class ScaleRun:
+    """One configuration of the bench: model size, tuner, vLLM sleep level and memory share."""
+
+    size: str
+    tuner: str = "full"  # full | lora | dora
+    lora_rank: int = 64
+    sleep_level: int = 2
+    gpu_memory_utilization: float = 0.3
+    batch: int = 8
+    steps: int = 3
+    max_new_tokens: int = 1536
+    image_size: int = 1024
+    min_objects: int = 40
+    max_objects: int = 80
+
+    @property
+    def name(self) -> str:
+        tuner = self.tuner if self.tuner == "full" else f"{self.tuner}{self.lora_rank}"
+        return f"{self.size}-{tuner}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}"
+
+
+#: the configurations of issue 30 on one 80 GB H100 (``RM_BENCH_SCALE`` picks some by name prefix, e.g. ``2b,8b-lora``)
+RUNS = (
+    ScaleRun("2b", "full", gpu_memory_utilization=0.3),
+    ScaleRun("4b", "full", gpu_memory_utilization=0.2),
+    ScaleRun("8b", "lora", sleep_level=2, gpu_memory_utilization=0.35),
+    ScaleRun("8b", "lora", sleep_level=1, gpu_memory_utilization=0.35),
+    ScaleRun("8b", "dora", sleep_level=2, gpu_memory_utilization=0.35),
+)
+QUICK = ScaleRun("tiny", "full", batch=2, steps=1, max_new_tokens=8, image_size=64, min_objects=2, max_objects=4)
+
+
+def vl_config(size: str):
+    """``Qwen3VLConfig`` of a published size (or ``tiny``), with the embedded tokenizer's special-token ids."""
+    from transformers import Qwen3VLConfig
+
+    from trainer.modeling.fixtures import (
+        IM_END,
+        IMAGE_PAD,
+        PAD_TOKEN,
+        VIDEO_PAD,
+        VISION_END,
+        VISION_START,
+        tiny_tokenizer,
+    )
+
+    tok = tiny_tokenizer()
+    tiny = size == "tiny"
+    text = {**(TINY_TEXT if tiny else QWEN3_VL_TEXT[size]), "vocab_size": len(tok) if tiny else VOCAB,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+            "pad_token_id": tok.convert_tokens_to_ids(PAD_TOKEN), "eos_token_id": tok.convert_tokens_to_ids(IM_END),
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0 if tiny else 5_000_000.0,
+                                "mrope_section": [12, 10, 10] if tiny else [24, 20, 20], "mrope_interleaved": True}}
+    vision = {**(TINY_VISION if tiny else QWEN3_VL_VISION[size]), "patch_size": 16, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "num_position_embeddings": 64 if tiny else 2304}
+    return Qwen3VLConfig(text_config=text, vision_config=vision,
+                         image_token_id=tok.convert_tokens_to_ids(IMAGE_PAD),
+                         video_token_id=tok.convert_tokens_to_ids(VIDEO_PAD),
+                         vision_start_token_id=tok.convert_tokens_to_ids(VISION_START),
+                         vision_end_token_id=tok.convert_tokens_to_ids(VISION_END),
+                         tie_word_embeddings=True if tiny else TIED[size])
+
+
+def save_random_vl_model(out: Path, size: str, device: str) -> tuple[Path, dict[str, float]]:
+    """A random-weight Qwen3-VL model directory (weights drawn on ``device``, bf16 on a GPU), with the embedded
+    tokenizer and a Qwen3-VL image processor (16 px patches, 2x2 merge; up to 4096x4096 pixels). Returns the
+    directory and the build / save seconds."""
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLForConditionalGeneration
+
+    from trainer.modeling.fixtures import tiny_tokenizer
+
+    times: dict[str, float] = {}
+    if (out / ".complete").is_file():
+        return out, times
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    with torch.device(device):
+        model = Qwen3VLForConditionalGeneration._from_config(vl_config(size), dtype=dtype)
+    model.generation_config.eos_token_id = None
+    if device != "cpu":
+        torch.cuda.synchronize()
+    times["build_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                             size={"shortest_edge": 32 * 32, "longest_edge": 4096 * 4096}).save_pretrained(out)
+    times["save_s"] = time.perf_counter() - t0
+    del model
+    gc.collect()
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    (out / ".complete").write_text(size)
+    return out, times
+
+
+def param_counts(size: str) -> dict[str, int]:
+    """Parameters of the language model's blocks (no embeddings / lm_head) and of the vision tower."""
+    with torch.device("meta"):
+        from transformers import Qwen3VLForConditionalGeneration
+
+        model = Qwen3VLForConditionalGeneration._from_config(vl_config(size))
+    blocks = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and "visual" not in n)
+    vision = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
+    total = sum(p.numel() for p in model.parameters())
+    return {"text_blocks": blocks, "vision": vision, "total": total}
+
+
+def fwd_bwd_flops(size: str, tokens: float, samples: float, patches_per_image: int) -> float:
+    """Model FLOPs of one packed forward + backward: 6 per block parameter per token, causal attention
+    (6 * L * heads * head_dim * s^2 per segment of s tokens, segments of equal length), the frozen vision tower's
+    forward (2 per parameter per patch, full attention 4 * depth * hidden * P^2 per image)."""
+    text = TINY_TEXT if size == "tiny" else QWEN3_VL_TEXT[size]
+    vision = TINY_VISION if size == "tiny" else QWEN3_VL_VISION[size]
+    counts = param_counts(size)
+    seg = tokens / max(samples, 1)
+    attn = 6 * text["num_hidden_layers"] * text["num_attention_heads"] * text["head_dim"] * seg * seg * samples
+    vis = samples * (2 * counts["vision"] * patches_per_image
+                     + 4 * vision["depth"] * vision["hidden_size"] * patches_per_image ** 2)
+    return 6 * counts["text_blocks"] * tokens + attn + vis
+
+
+def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -> dict[str, Any]:
+    rm: dict[str, Any] = {"rollout_backend": backend, "rollout_generate_batch_size": run.batch,
+                          "decoding": {"max_new_tokens": run.max_new_tokens, "temperature": 0.0}}
+    if backend == "vllm":
+        rm["vllm"] = {"mode": "colocate", "max_model_len": 4096, "sleep_level": run.sleep_level,
+                      "gpu_memory_utilization": run.gpu_memory_utilization}
+    cfg: dict[str, Any] = {
+        "model": {"path": str(model_dir), "torch_dtype": "bfloat16" if backend == "vllm" else "float32"},
+        "data": {"synthetic": {"num_samples": run.batch * (run.steps + 1), "seed": 0, "min_objects": run.min_objects,
+                               "max_objects": run.max_objects, "image_size": run.image_size}},
+        "training": {"output_dir": str(out_dir), "max_steps": run.steps, "per_device_train_batch_size": run.batch,
+                     "learning_rate": 1e-5, "logging_steps": 1, "seed": 0, "disable_tqdm": True,
+                     "bf16": backend == "vllm", "report_to": ["jsonl"], "packing": True, "packing_length": 16384,
+                     "gradient_checkpointing": True},
+        "custom": {"extra": {"rollout_matching": rm}},
+    }
+    if run.tuner != "full":
+        cfg["tuner"] = {"train_type": run.tuner, "lora_rank": run.lora_rank, "lora_alpha": 2 * run.lora_rank}
+    return cfg
+
+
+def oom_advice(run: ScaleRun, phase: str) -> str:
+    if phase in ("rollout", "generate"):
+        return (f"vLLM could not wake into what the learner left: lower rollout_matching.vllm.gpu_memory_utilization "
+                f"(was {run.gpu_memory_utilization}) or rollout_generate_batch_size, or offload the training state "
+                "during rollouts (rollout_matching.offload)")
+    if run.tuner == "full":
+        return ("the full fine-tune's weights + grads + AdamW states do not fit beside vLLM: use tuner.train_type "
+                "lora, or training.deepspeed zero2_offload / zero3_offload")
+    return "lower training.packing_length (fewer tokens per forward) or rollout_generate_batch_size"
+
+
+def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
+    from trainer.config.schema import validate_config
+    from trainer.sft.run import run_training
+    from trainer.telemetry import read_jsonl
+
+    rec: dict[str, Any] = {"config": asdict(run), "name": run.name}
+    model_dir, build = save_random_vl_model(work / f"qwen3-vl-{run.size}-random", run.size, device)
+    rec["model_build"] = build
+    out_dir = work / "runs" / run.name
+    backend = "vllm" if device != "cpu" else "hf"
+    cfg = stage2_config(run, model_dir, out_dir, backend)
+    if device != "cpu":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    try:
+        summary = run_training(validate_config(cfg))
+    except torch.OutOfMemoryError as exc:
+        rows = list(read_jsonl(out_dir / "metrics.jsonl")) if (out_dir / "metrics.jsonl").is_file() else []
+        phase = next((ph for ph in ("generate", "rollout", "weight_sync", "forward")
+                      if ph in traceback.format_exc()), "backward/optimizer")
+        rec.update(error=f"OutOfMemoryError in {phase}: {str(exc)[:400]}", oom_phase=phase,
+                   advice=oom_advice(run, phase), steps_logged=len(rows))
+        return rec
+    rec["wall_s"] = time.perf_counter() - t0
+    rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
+    timed = rows[1:] or rows  # the first step pays CUDA-graph capture, compilation and first allocations
+    avg = {k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in sorted({k for r in timed for k in r})
+           if isinstance(timed[0].get(k), (int, float))}
+    peaks = {k: max(r.get(k, 0.0) for r in rows) for k in sorted({k for r in rows for k in r})
+             if k.startswith("mem/") or k == "gpu_mem_peak_gib"}
+    step_s = avg.get("time/step_s", 0.0)
+    tokens = avg.get("batch/tokens", 0.0)
+    patches = (run.image_size // 16) ** 2
+    flops = fwd_bwd_flops(run.size, tokens, run.batch, patches)
+    fb_s = avg.get("time/forward_s", 0.0) + avg.get("time/backward_s", 0.0)
+    generated = run.batch * run.max_new_tokens
+    rec.update(
+        steps=len(rows), per_step={k: v for k, v in avg.items() if k.startswith(("time/", "batch/", "rollout/"))},
+        peak_gib=peaks, step_s=step_s,
+        rollout_tokens_per_s=generated / avg["time/generate_s"] if avg.get("time/generate_s") else None,
+        train_tokens_per_s=tokens / fb_s if fb_s else None,
+        fwd_bwd_tflops=flops / fb_s / 1e12 if fb_s else None,
+        mfu=(flops / fb_s / 1e12 / H100_BF16_TFLOPS) if fb_s and device != "cpu" else None,
+        split={k[len("time/"):-2]: avg.get(k, 0.0) / step_s for k in
+               ("time/weight_sync_s", "time/rollout_s", "time/target_s", "time/forward_s", "time/backward_s")}
+        if step_s else {},
+    )
+    return rec
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result["runs"] if "per_step" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    parts = ("weight_sync", "rollout", "target", "forward", "backward")
+    for i, r in enumerate(runs):
+        bottom = 0.0
+        for j, part in enumerate(parts):
+            v = r["per_step"].get(f"time/{part}_s", 0.0)
+            axes[0].bar(i, v, bottom=bottom, color=f"C{j}", label=part if i == 0 else None)
+            bottom += v
+    axes[0].set_xticks(range(len(runs)), [r["name"] for r in runs], rotation=20, fontsize=7)
+    axes[0].set_ylabel("seconds per stage-2 step")
+    axes[0].set_title("step split")
+    axes[0].legend(fontsize=7)
+    mem_parts = ("rollout", "weight_sync", "forward", "backward")
+    width = 0.8 / len(mem_parts)
+    for j, part in enumerate(mem_parts):
+        axes[1].bar([i + j * width for i in range(len(runs))],
+                    [r["peak_gib"].get(f"mem/{part}_peak_gib", 0.0) for r in runs], width, label=part)
+    axes[1].set_xticks([i + 0.4 - width / 2 for i in range(len(runs))], [r["name"] for r in runs], rotation=20,
+                       fontsize=7)
+    axes[1].set_ylabel("peak GiB (torch allocator)")
+    axes[1].set_title("peak GPU memory per phase")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"stage-2 at Qwen3-VL sizes, {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def selected(names: str | None) -> list[ScaleRun]:
+    if not names:
+        return list(RUNS)
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    runs = [r for r in RUNS if any(r.name.startswith(w) for w in wanted)]
+    if not runs:
+        raise SystemExit(f"RM_BENCH_SCALE={names!r} matches none of {[r.name for r in RUNS]}")
+    return runs
+
+
+def run(out: Path, quick: bool = False) -> dict[str, Any]:
+    """Run the configurations into ``out/scale.json`` (merged by name into an existing file) and ``scale.png``;
+    the JSON is written after each configuration."""
+    device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
+    if device == "cpu" and not quick:
+        raise SystemExit("bench --only scale needs a CUDA GPU and vLLM; `--quick` runs the tiny Qwen3-VL on the CPU")
+    work = Path(os.environ.get("RM_BENCH_WORK", "/tmp/rm-bench-scale"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("scale_quick.json" if quick else "scale.json")
+    result = json.loads(path.read_text()) if path.is_file() and not quick else {"runs": []}
+    result.update(device=device_name(device), torch=torch.__version__)
+    try:
+        import vllm
+
+        result["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    for cfg in [QUICK] if quick else selected(os.environ.get("RM_BENCH_SCALE")):
+        print(f"bench scale: {cfg.name} ...", flush=True)
+        rec = run_one(cfg, work, device)
+        print(json.dumps({k: rec.get(k) for k in ("name", "step_s", "split", "peak_gib", "mfu", "error")}), flush=True)
+        result["runs"] = [r for r in result["runs"] if r.get("name") != rec["name"]] + [rec]
+        path.write_text(json.dumps(result, indent=2))
+        plot(result, path.with_suffix(".png"))
+        gc.collect()
+    return result
