@@ -7,9 +7,18 @@ import os
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_PLUGINS", "")
+
+# Property tests (hypothesis) whose verdict is a function of the commit: the examples are derived from each test's
+# code (derandomize: no random seed, no example database carried over from an earlier run), and no timing check can
+# fail them on a slow or loaded machine (no per-example deadline, no too-slow health check). A test that sets its own
+# suppress_health_check replaces this list, so it names too_slow itself.
+settings.register_profile("rollout-matching", derandomize=True, database=None, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("rollout-matching")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -27,10 +27,11 @@ def serve_app(app, port: int | None = None):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # bounds a hang only: an in-process uvicorn starts in milliseconds
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
+            raise RuntimeError(f"uvicorn on 127.0.0.1:{port} did not start within 120s (thread alive: "
+                               f"{thread.is_alive()})")
         time.sleep(0.02)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -40,8 +41,9 @@ def serve_app(app, port: int | None = None):
 
 
 @contextlib.contextmanager
-def serve_process(port: int, *args: str, env: dict[str, str] | None = None, timeout_s: float = 90):
-    """``trainer.launch.health.serve_subprocess`` on ``port``; yields ``(base_url, process)``."""
+def serve_process(port: int, *args: str, env: dict[str, str] | None = None, timeout_s: float = 600):
+    """``trainer.launch.health.serve_subprocess`` on ``port``; yields ``(base_url, process)``. ``timeout_s`` bounds a
+    hang only (a server process that exits fails the wait at once, with its output)."""
     from trainer.launch.health import serve_subprocess
 
     with serve_subprocess(*args, port=port, env=env, timeout_s=timeout_s) as (url, proc, _):
@@ -49,25 +51,34 @@ def serve_process(port: int, *args: str, env: dict[str, str] | None = None, time
 
 
 @contextlib.contextmanager
-def _scripted_server(model_dir=None, api_key=None, port=None, **engine_kwargs):
+def _scripted_server(model_dir=None, api_key=None, port=None, stalled=False, **engine_kwargs):
+    from tests.server.stall import Stall
     from trainer.server.app import create_app
     from trainer.server.scripted import ScriptedEngine
 
     engine = ScriptedEngine(model_dir, **engine_kwargs)
-    with serve_app(create_app(engine, api_key), port) as url:
-        yield url, engine
+    app = create_app(engine, api_key)
+    if stalled:  # every /infer/ hangs until released (tests/server/stall.py): by the test or the next request
+        engine.stall = Stall(engine)
+        app = engine.stall.app(app)
+    with serve_app(app, port) as url:
+        try:
+            yield url, engine
+        finally:  # before the server shuts down: it waits for the requests in flight
+            if stalled:
+                engine.stall.release()
 
 
 @pytest.fixture(scope="session")
 def scripted_server():
-    """``scripted_server(model_dir=None, api_key=None, port=None, **engine_kwargs)`` → context manager
-    yielding ``(base_url, engine)``."""
+    """``scripted_server(model_dir=None, api_key=None, port=None, stalled=False, **engine_kwargs)`` → context manager
+    yielding ``(base_url, engine)``; ``stalled``: ``engine.stall`` is a ``tests.server.stall.Stall`` on every call."""
     return _scripted_server
 
 
 @pytest.fixture(scope="session")
 def trainer_serve():
-    """``trainer_serve(port, *args, env=None, timeout_s=90)`` → context manager yielding ``(base_url, process)``
+    """``trainer_serve(port, *args, env=None, timeout_s=600)`` → context manager yielding ``(base_url, process)``
     of a ``python -m trainer serve`` subprocess (``serve_process``)."""
     return serve_process
 

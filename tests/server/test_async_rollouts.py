@@ -1,11 +1,13 @@
 """``vllm.server.async_rollouts`` (issue 13): real stage-2 training of the tiny model against in-process scripted
 rollout servers that take a set time per ``/infer/`` call. The next micro-batch is decoded while this one trains:
-the learner waits less, the ledger (order, steps) is the one of a run without overlap, every sample is trained
-exactly once, staleness is bounded, a SIGKILL mid-overlap resumes exactly, and a stalled server during an overlapped
-decode is retried and quarantined as without overlap."""
+decodes start while the learner trains (how much idle time that saves is measured by ``bench --only async``, not
+asserted here), the ledger (order, steps) is the one of a run without overlap, every sample is trained exactly
+once, staleness is bounded, a SIGKILL mid-overlap resumes exactly, and a stalled server during an overlapped decode
+is retried and quarantined as without overlap."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.bench.async_rollouts import TimedEngine, fractions, run_with_timeline, serve_engines, stage2_config
+from tests.server.stall import INFER_TIMEOUT_S, Stall
+from trainer.bench.async_rollouts import TimedEngine, run_with_timeline, serve_engines, stage2_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,6 +51,14 @@ def assets(tmp_path_factory):
     return root, model_dir, data
 
 
+def decodes_while_training(timeline, engines) -> int:
+    """How many server decodes started while the learner was not waiting on rollouts (it was training, or pushing
+    weights): the decodes that overlapped its work. Server and learner share this process's perf_counter."""
+    waits = [(a, b) for kind, a, b in timeline if kind == "wait"]
+    starts = [t0 for e in engines for t0, _, _ in e.intervals]
+    return sum(not any(a <= t0 <= b for a, b in waits) for t0 in starts)
+
+
 def test_overlap_cuts_learner_idle_and_keeps_the_ledger(assets):
     root, model_dir, data = assets
     runs = {}
@@ -57,8 +68,8 @@ def test_overlap_cuts_learner_idle_and_keeps_the_ledger(assets):
             cfg = stage2_config(root / f"idle-{on}", data, urls, async_on=on, steps=6, batch=2)
             summary, timeline = run_with_timeline(cfg)
         assert summary.stage2_steps == 6
-        runs[on] = (fractions(timeline, [[(a, b) for a, b, _ in e.intervals] for e in engines]),
-                    ledger(root / f"idle-{on}"), stage2_metrics(root / f"idle-{on}"))
+        runs[on] = (decodes_while_training(timeline, engines), ledger(root / f"idle-{on}"),
+                    stage2_metrics(root / f"idle-{on}"))
     (plain, plain_ledger, _), (overlap, overlap_ledger, overlap_metrics) = runs[False], runs[True]
     assert key(overlap_ledger) == key(plain_ledger), "same samples, same order, same steps"
     counts = Counter(r["sample_id"] for r in overlap_ledger)
@@ -67,8 +78,11 @@ def test_overlap_cuts_learner_idle_and_keeps_the_ledger(assets):
     assert all(r["decode_step"] == r["step"] for r in plain_ledger)
     assert [m["rollout/staleness_max"] for m in overlap_metrics] == [0.0] + [1.0] * 5
     assert sum(m.get("rollout/prefetch_used", 0) for m in overlap_metrics) == 5
-    # timers: the learner waited for the servers much less (decode 0.1 s/call, about a CPU fwd+bwd here)
-    assert overlap["learner_idle_fraction"] < 0.8 * plain["learner_idle_fraction"], (plain, overlap)
+    # the events, not their durations (how much idle time overlap saves is the benchmark's: bench --only async):
+    # without overlap every decode runs while the learner waits for it; with it, the prefetched decodes (5, one
+    # per step after the first) are posted before the step trains, and start while it does
+    assert plain == 0, f"{plain} decode(s) started while the learner was not waiting, without async_rollouts"
+    assert overlap >= 1, "no decode overlapped the learner's training with async_rollouts"
 
 
 def test_staleness_bound_zero_overlaps_only_inside_a_step(assets):
@@ -87,22 +101,15 @@ def test_staleness_bound_zero_overlaps_only_inside_a_step(assets):
     assert sum(x.get("rollout/prefetch_skipped", 0) for x in m) == 2, "the next step's first batch was not prefetched"
 
 
-class StallsOnce(TimedEngine):
-    def __init__(self, *args, stall_on: int, stall_s: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.stall_on, self.stall_s = stall_on, stall_s
+def test_server_stalled_during_an_overlapped_decode_is_quarantined_and_nothing_lost(assets, serve):
+    from trainer.server.app import create_app
 
-    def generate(self, requests, params):
-        if self.generate_calls + 1 == self.stall_on:
-            time.sleep(self.stall_s)
-        return super().generate(requests, params)
-
-
-def test_server_stalled_during_an_overlapped_decode_is_quarantined_and_nothing_lost(assets):
     root, model_dir, data = assets
-    # the stalled server's 2nd call is the prefetch of step 1, issued while step 0 trains
-    engines = [TimedEngine(model_dir, delay_s=0.05), StallsOnce(model_dir, delay_s=0.05, stall_on=2, stall_s=3.0),
-               TimedEngine(model_dir, delay_s=0.05)]
+    # the stalled server's 2nd call is the prefetch of step 1, issued while step 0 trains; it hangs until the next
+    # request reaches that server (the learner's re-admission probe, after it gave up on the call)
+    engines = [TimedEngine(model_dir, delay_s=0.05) for _ in range(3)]
+    stall = Stall(engines[1], calls={2})
+    apps = [create_app(engines[0]), stall.app(create_app(engines[1])), create_app(engines[2])]
     messages: list[str] = []
 
     class Collect(logging.Handler):
@@ -113,14 +120,17 @@ def test_server_stalled_during_an_overlapped_decode_is_quarantined_and_nothing_l
     client_log = logging.getLogger("trainer.rollout")  # client + fleet
     client_log.addHandler(handler)
     try:
-        with serve_engines(engines) as urls:
-            cfg = stage2_config(root / "stall", data, urls, async_on=True, steps=4, batch=3, infer_timeout_s=1.0,
-                                readmit_after_s=0.01)
+        with contextlib.ExitStack() as stack:
+            urls = [stack.enter_context(serve(app)) for app in apps]
+            stack.callback(stall.release)  # before the servers shut down (after a failure the stall may still hold)
+            cfg = stage2_config(root / "stall", data, urls, async_on=True, steps=4, batch=3,
+                                infer_timeout_s=INFER_TIMEOUT_S, readmit_after_s=0.01)
             summary, _ = run_with_timeline(cfg)
     finally:
         client_log.removeHandler(handler)
     assert summary.stage2_steps == 4
     text = "\n".join(messages)
+    assert stall.stalled.is_set(), f"the stalled server's 2nd decode never came:\n{text}"
     assert f"quarantining rollout server {urls[1]}" in text and "timed out" in text, text
     rows = ledger(root / "stall")
     counts = Counter(r["sample_id"] for r in rows)
@@ -144,18 +154,26 @@ def test_sigkill_mid_overlap_resumes_exactly(assets):
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         marker = root / "killed" / "stage2" / "checkpoint-3" / "rank0-rollout_state.pt"
-        deadline = time.time() + 240
+        deadline = time.monotonic() + 900  # bounds a hang only
         while not marker.exists():
-            assert proc.poll() is None and time.time() < deadline, "learner never wrote checkpoint-3"
+            assert proc.poll() is None, f"learner exited ({proc.returncode}) before writing checkpoint-3"
+            assert time.monotonic() < deadline, "learner never wrote checkpoint-3 (waited 900 s)"
             time.sleep(0.01)
-        saved_at = time.perf_counter()
-        while not any(t > saved_at for e in engines for t, _ in list(e.started)):  # the next overlapped decode
-            assert proc.poll() is None and time.time() < deadline
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)  # the servers are decoding the learner's next batch
-        proc.wait()
+        # from now on the servers hold every decode until the kill: steps 5 and 6 need one, so the learner cannot
+        # get past its next decode, and is killed while the servers decode its next batch (mid-overlap)
+        stalls = [Stall(e) for e in engines]
+        try:
+            while not any(s.stalled.is_set() for s in stalls):
+                assert proc.poll() is None, f"learner exited ({proc.returncode}) without a decode after checkpoint-3"
+                assert time.monotonic() < deadline, "no decode reached the servers after checkpoint-3 (900 s)"
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        finally:
+            for s in stalls:
+                s.release()
         subprocess.run(cmd + ["--resume-from-checkpoint", "latest"], check=True, env=env, capture_output=True,
-                       timeout=300)
+                       timeout=900)
     fields = ("epoch", "sample_id", "step", "rollout_step", "decode_step")
     assert key(ledger(root / "killed"), fields) == key(ledger(root / "straight"), fields)
     resumed = {m["step"]: m["loss"] for m in stage2_metrics(root / "killed")}

@@ -8,11 +8,13 @@ import copy
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.server.stall import INFER_TIMEOUT_S
 from trainer.rollout.server_client import (
     RolloutServerError,
     ServerEndpoint,
@@ -112,42 +114,56 @@ def test_two_learner_ranks_use_their_own_servers(scripted_server, tiny_text_dir,
 
 
 def test_stalled_server_times_out_naming_it(scripted_server, tiny_tok, chat_requests):
-    with scripted_server(delay_s=5.0) as (slow, _), scripted_server() as (fast, _):
-        client = ServerRolloutEngine([ServerEndpoint(fast), ServerEndpoint(slow)], timeout_s=10, infer_timeout_s=0.5,
-                                     max_retries=0)
-        t0 = time.monotonic()
-        with pytest.raises(RolloutServerError, match=rf"{slow}.*timed out.*infer_timeout_s=0.5"):
+    with scripted_server(stalled=True) as (slow, slow_engine), scripted_server() as (fast, _):
+        client = ServerRolloutEngine([ServerEndpoint(fast), ServerEndpoint(slow)], timeout_s=10,
+                                     infer_timeout_s=INFER_TIMEOUT_S, max_retries=0)
+        with pytest.raises(RolloutServerError, match=rf"{slow}.*timed out.*infer_timeout_s={INFER_TIMEOUT_S}"):
             client.generate(chat_requests(tiny_tok, 2), PARAMS)
-        assert time.monotonic() - t0 < 4
+        assert slow_engine.stall.stalled.is_set() and not slow_engine.stall.finished.is_set(), \
+            "the client must give up at its timeout, while the server is still stalled"
 
 
-def test_server_down_at_start(scripted_server, get_free_port, tiny_tok, chat_requests):
+def test_server_down_at_start(scripted_server, get_free_port, tiny_tok, chat_requests, monkeypatch):
     port = get_free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     with pytest.raises(RolloutServerError, match=rf"not healthy after 1s.*{url}"):
         ServerRolloutEngine([ServerEndpoint(url)], timeout_s=1)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 60, "the health wait must end at its deadline (60s bounds a hang only)"
 
+    # the server starts only once the client's health check has been refused: the client must keep polling
+    refused = threading.Event()
+    real_get = httpx.Client.get
+
+    def get(self, target, *args, **kwargs):
+        try:
+            return real_get(self, target, *args, **kwargs)
+        except httpx.ConnectError:
+            if str(target).startswith(url):
+                refused.set()
+            raise
+
+    monkeypatch.setattr(httpx.Client, "get", get)
     started = threading.Event()
     stop = threading.Event()
 
     def late():
-        time.sleep(1.0)
+        if not refused.wait(120):
+            return
         with scripted_server(port=port):
             started.set()
-            stop.wait(30)
+            stop.wait(120)
 
     thread = threading.Thread(target=late, daemon=True)
     thread.start()
     try:
-        t0 = time.monotonic()
-        client = ServerRolloutEngine([ServerEndpoint(url)], timeout_s=20)
-        assert time.monotonic() - t0 >= 0.9, "the client must have waited for the late server"
+        client = ServerRolloutEngine([ServerEndpoint(url)], timeout_s=120)  # 120 s bounds a hang only
+        assert refused.is_set() and started.is_set(), "the client must have waited for the late server"
         assert len(client.generate(chat_requests(tiny_tok, 2), PARAMS)) == 2
     finally:
         stop.set()
-        thread.join(10)
+        refused.set()
+        thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -231,9 +247,9 @@ def test_hf_engine_server_decodes_like_hf_and_takes_full_weights(serve, tiny_tex
 
 
 def test_failed_chunk_is_retried_on_the_healthy_servers_in_order(scripted_server, tiny_tok, chat_requests):
-    with scripted_server(delay_s=5.0) as (slow, _), scripted_server() as (a, _), scripted_server() as (b, _):
+    with scripted_server(stalled=True) as (slow, _), scripted_server() as (a, _), scripted_server() as (b, _):
         client = ServerRolloutEngine([ServerEndpoint(a), ServerEndpoint(slow), ServerEndpoint(b)], timeout_s=10,
-                                     infer_timeout_s=0.5, max_retries=1)
+                                     infer_timeout_s=INFER_TIMEOUT_S, max_retries=1)
         reqs = chat_requests(tiny_tok, 7)
         res = client.generate(reqs, PARAMS)
         assert [r.sample_id for r in res] == [r.sample_id for r in reqs]
@@ -246,9 +262,10 @@ def test_failed_chunk_is_retried_on_the_healthy_servers_in_order(scripted_server
 
 def test_rank_whose_servers_all_failed_borrows_the_other_ranks_healthy_servers(scripted_server, tiny_text_dir,
                                                                               tiny_tok, chat_requests):
-    with scripted_server(delay_s=5.0) as (slow, _), scripted_server() as (a, _), scripted_server() as (b, _):
+    with scripted_server(stalled=True) as (slow, _), scripted_server() as (a, _), scripted_server() as (b, _):
         eps = [ServerEndpoint(u) for u in (a, slow, b)]
-        r1 = ServerRolloutEngine(eps, rank=1, world_size=2, timeout_s=10, infer_timeout_s=0.5, max_retries=1)
+        r1 = ServerRolloutEngine(eps, rank=1, world_size=2, timeout_s=10, infer_timeout_s=INFER_TIMEOUT_S,
+                                 max_retries=1)
         assert [s.base_url for s in r1.mine] == [slow]
         reqs = chat_requests(tiny_tok, 5, "b")
         res = r1.generate(reqs, PARAMS)
@@ -261,9 +278,9 @@ def test_rank_whose_servers_all_failed_borrows_the_other_ranks_healthy_servers(s
 
 
 def test_retries_exhausted_names_servers_and_samples(scripted_server, tiny_tok, chat_requests):
-    with scripted_server(delay_s=5.0) as (slow1, _), scripted_server(delay_s=5.0) as (slow2, _):
+    with scripted_server(stalled=True) as (slow1, _), scripted_server(stalled=True) as (slow2, _):
         client = ServerRolloutEngine([ServerEndpoint(slow1), ServerEndpoint(slow2)], timeout_s=10,
-                                     infer_timeout_s=0.3, max_retries=1)
+                                     infer_timeout_s=INFER_TIMEOUT_S, max_retries=1)
         reqs = chat_requests(tiny_tok, 3)
         with pytest.raises(RolloutServerError, match=rf"3 sample\(s\).*{reqs[0].sample_id}.*max_retries.*{slow1}"):
             client.generate(reqs, PARAMS)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from trainer.server.app import create_app
 from trainer.server.scripted import ScriptedEngine
 
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
            | st.text(max_size=30))
@@ -133,7 +133,7 @@ def test_inband_update_never_500(blob, kind):
         check(c.post("/rm/update_weights_inband/", params={"kind": kind}, content=blob), (kind, blob[:40]))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(raw=st.binary(max_size=200), path=st.sampled_from(["/infer/", "/init_communicator/", "/update_flattened_params/"]))
 def test_raw_bytes_never_500(client, raw, path):
     check(client.post(path, content=raw, headers={"content-type": "application/json"}), (path, raw[:40]))

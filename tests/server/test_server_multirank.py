@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 
 import pytest
 import torch.multiprocessing as mp
+
+from tests.server.stall import INFER_TIMEOUT_S, Stall
 
 
 def _rank_main(rank, world, init_file, urls, model_dir, out_dir):
@@ -92,7 +93,7 @@ STEP_S = 1.0  # virtual seconds per step on the ranks' clocks (probe timing with
 READMIT_AFTER_S = 2.0
 
 
-def _quarantine_rank_main(rank, world, init_file, urls, model_dir, out_dir):
+def _quarantine_rank_main(rank, world, init_file, urls, model_dir, out_dir, infer_timeout_s):
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -112,7 +113,7 @@ def _quarantine_rank_main(rank, world, init_file, urls, model_dir, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     clock = Clock()
-    client = ServerRolloutEngine([ServerEndpoint(u) for u in urls], timeout_s=30, infer_timeout_s=1.0,
+    client = ServerRolloutEngine([ServerEndpoint(u) for u in urls], timeout_s=30, infer_timeout_s=infer_timeout_s,
                                  transport="inband", readmit_after_s=READMIT_AFTER_S, readmit_max_interval_s=8,
                                  clock=clock)
     sync = WeightSync.for_model(client, model, "full")
@@ -151,24 +152,14 @@ def test_failure_seen_by_one_rank_is_shared_at_the_next_sync_and_readmission_rea
                                                                                         tmp_path):
     """4 servers, 2 ranks: rank 0 rolls out on A and C, rank 1 on B and D (``servers_for_rank``; with 2 or 3 servers
     rank 1 has one server and cannot lose it without losing samples). Two faults, each seen by one rank only:
-    - D stalls past ``infer_timeout_s`` on its 2nd /infer/ (step 1; rank 1's rollouts). The gather must make rank 0
-      quarantine D at the step-2 sync and push nothing to it (D is alive and would take the weights); rank 0 alone
-      probes it once ``readmit_after_s`` has passed (step 4), re-syncs it once, and the broadcast brings it back on
-      rank 1, which never probes;
+    - D stalls past ``infer_timeout_s`` on its 2nd /infer/ (step 1; rank 1's rollouts; the stall lasts until the next
+      request reaches D, ``tests.server.stall``). The gather must make rank 0 quarantine D at the step-2 sync and push
+      nothing to it (D is alive and would take the weights); rank 0 alone probes it once ``readmit_after_s`` has
+      passed (step 4), re-syncs it once, and the broadcast brings it back on rank 1, which never probes;
     - B's weight load fails once (step-5 push; rank 0). The broadcast must stop rank 1 sending to B, which holds the
       step-4 weights, until rank 0 re-admits it (step 7)."""
     from trainer.server.app import create_app
     from trainer.server.scripted import ScriptedEngine
-
-    class StallsOnce(ScriptedEngine):
-        def __init__(self, stall_on: int, stall_s: float):
-            super().__init__()
-            self.stall_on, self.stall_s = stall_on, stall_s
-
-        def generate(self, requests, params):
-            if self.generate_calls + 1 == self.stall_on:
-                time.sleep(self.stall_s)
-            return super().generate(requests, params)
 
     class LoadFailsOnce(ScriptedEngine):
         def __init__(self, fail_on: int):
@@ -181,11 +172,16 @@ def test_failure_seen_by_one_rank_is_shared_at_the_next_sync_and_readmission_rea
                 raise RuntimeError("out of memory")
             super().load_full(tensors)
 
-    engines = [ScriptedEngine(), LoadFailsOnce(fail_on=6), ScriptedEngine(), StallsOnce(stall_on=2, stall_s=2.5)]
+    engines = [ScriptedEngine(), LoadFailsOnce(fail_on=6), ScriptedEngine(), ScriptedEngine()]
+    stall = Stall(engines[3], calls={2})
     with contextlib.ExitStack() as stack:
-        a, b, c, d = urls = [stack.enter_context(serve(create_app(e))) for e in engines]
+        a, b, c, d = urls = [stack.enter_context(serve(app)) for app in
+                             [create_app(e) for e in engines[:3]] + [stall.app(create_app(engines[3]))]]
+        stack.callback(stall.release)  # before the servers shut down (after a failure the stall may still hold)
         mp.start_processes(_quarantine_rank_main, args=(2, str(tmp_path / "init"), urls, str(tiny_text_dir),
-                                                        str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+                                                        str(tmp_path), INFER_TIMEOUT_S),
+                           nprocs=2, join=True, start_method="spawn")
+        assert stall.stalled.is_set() and stall.finished.is_set(), "D's 2nd decode did not stall, or never ended"
         r0 = json.loads((tmp_path / "q-rank0.json").read_text())
         r1 = json.loads((tmp_path / "q-rank1.json").read_text())
         want = [s["want"] for s in r0["steps"]]

@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import time
 
 import pytest
 import torch
 
+from tests.server.stall import INFER_TIMEOUT_S, Stall
 from trainer.rollout.server_client import ServerEndpoint, ServerRolloutEngine
 from trainer.rollout.types import DecodingParams, RolloutRequest
 from trainer.server.scripted import tensors_digest
@@ -126,12 +126,11 @@ def test_failed_resync_keeps_the_server_quarantined(scripted_server, get_free_po
                                      readmit_after_s=1, clock=clock)
         sync = WeightSync.for_model(client, learner, "full")
         sync.ensure_fresh(learner, 0)
-        eng_b.delay_s = 3.0
-        client.infer_timeout_s = 0.5
+        stall = Stall(eng_b, calls={1})
+        client.infer_timeout_s = INFER_TIMEOUT_S
         client.generate(requests(4), PARAMS)  # B stalls past the timeout
         assert client.quarantined == {url_b}
-        eng_b.delay_s = 0.0
-        time.sleep(2.6)  # let B's stalled call drain
+        stall.wait_finished()  # let B's stalled call drain
 
         def broken(tensors):
             raise RuntimeError("disk full")
@@ -158,14 +157,13 @@ def test_failed_resync_keeps_the_server_quarantined(scripted_server, get_free_po
 
 
 def test_readmission_off_keeps_failed_servers_out(scripted_server, get_free_port, learner):
-    with scripted_server() as (url_a, _), scripted_server(delay_s=2.0) as (url_b, eng_b):
+    with scripted_server() as (url_a, _), scripted_server(stalled=True) as (url_b, eng_b):
         client = ServerRolloutEngine([ServerEndpoint(url_a), ServerEndpoint(url_b)], timeout_s=10, transport="inband",
-                                     infer_timeout_s=0.5, readmit_after_s=None)
+                                     infer_timeout_s=INFER_TIMEOUT_S, readmit_after_s=None)
         sync = WeightSync.for_model(client, learner, "full")
         client.generate(requests(2), PARAMS)
         assert client.quarantined == {url_b}
-        time.sleep(1.6)
-        eng_b.delay_s = 0.0
+        eng_b.stall.wait_finished()
         sync.ensure_fresh(learner, 0)
         assert client.quarantined == {url_b} and eng_b.updates == []
         client.close()

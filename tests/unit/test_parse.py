@@ -155,7 +155,7 @@ def _mutate(ids, ops, vocab_size):
     return out
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 10_000), st.integers(0, 10_000)), max_size=6),
        cut=st.integers(0, 200))
 def test_fuzzed_rollouts_never_raise_and_yield_valid_targets(vocab, ops, cut):
@@ -171,7 +171,7 @@ def test_fuzzed_rollouts_never_raise_and_yield_valid_targets(vocab, ops, cut):
     assert f"object_{r.max_object_index + 1}" in doc
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ids=st.lists(st.integers(0, 1799), max_size=60))
 def test_random_token_soup_never_raises(vocab, ids):
     r = parse_rollout(ids, vocab)
