@@ -13,13 +13,13 @@ import pytest
 from tests.launch.conftest import REPO, child_env, free_port, start_trainer, stop
 from trainer.cli import build_parser
 from trainer.launch import cli as launch_cli
-from trainer.launch.health import wait_until_healthy
+from trainer.launch.health import process_exited, wait_until_healthy
 
 SUMMARY = str(REPO / "configs/summary_1024.yaml")
 STAGE2 = str(REPO / "configs/rollout_matching_sft_template.yaml")
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:  # timeout: bounds a hang only
     return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=timeout)
 
@@ -34,8 +34,9 @@ def test_only_server_and_learner_launchers():
 def test_server_launcher_execs_and_refuses_taken_port(tmp_path):
     port = free_port()
     proc = start_trainer(["launch", "server", "--engine", "scripted", "--port", str(port)], tmp_path / "srv.log")
-    try:
-        wait_until_healthy([f"http://127.0.0.1:{port}"], timeout_s=90, interval_s=0.2)
+    try:  # 600 s bounds a hang only: a server process that exits stops the wait at once
+        wait_until_healthy([f"http://127.0.0.1:{port}"], timeout_s=600, interval_s=0.2,
+                           abort=process_exited(proc, (tmp_path / "srv.log").read_text))
         assert proc.poll() is None
         second = run_cli("launch", "server", "--engine", "scripted", "--port", str(port))
         assert second.returncode == launch_cli.EXIT_PORT
@@ -86,10 +87,12 @@ def test_learner_waits_for_slow_server_then_execs(scripted_server, monkeypatch):
     url, _ = scripted_server()  # still starting: the learner must wait, not fail
     executed = []
     monkeypatch.setattr(launch_cli, "_exec", lambda cmd: executed.append(cmd) or 0)
-    rc = launch_cli.run_learner(_learner_args(wait_for_servers=url, gpus="0,1", health_timeout_s=90.0))
+    rc = launch_cli.run_learner(_learner_args(wait_for_servers=url, gpus="0,1", health_timeout_s=600.0))
     assert rc == 0 and len(executed) == 1
     assert executed[0].argv[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    assert wait_until_healthy([url], timeout_s=1)[url] < 1  # it really was healthy when exec happened
+    rounds = []  # it really was healthy when exec happened: the first probe passes, no second round
+    wait_until_healthy([url], timeout_s=600, request_timeout_s=60, sleep=rounds.append)
+    assert rounds == []
 
 
 def test_learner_wait_for_config_servers(monkeypatch, tmp_path):
