@@ -107,8 +107,9 @@ def pod_container(pod: dict[str, Any], configmaps: dict[str, Path], name: str, s
     return ctr
 
 
-def wait_healthy(url: str, container: DockerContainer, timeout_s: float = 90.0, path: str = "/health/") -> None:
-    """Poll ``url + path`` until 200; fail with the container's logs when it exits or the deadline passes."""
+def wait_healthy(url: str, container: DockerContainer, timeout_s: float = 600.0, path: str = "/health/") -> None:
+    """Poll ``url + path`` until 200; fail with the container's logs when it exits or the deadline passes (which
+    bounds a hang only: a server that fails to start exits, and that ends the wait at once)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

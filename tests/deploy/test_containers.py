@@ -127,11 +127,11 @@ def test_stub_server_container_speaks_the_rollout_protocol(images):
         health = server.exec(["python", "-m", "trainer.deploy.healthcheck"])
         assert health.exit_code == 0, health.output
         wrapped = server.get_wrapped_container()
-        started = time.monotonic()
-        wrapped.stop(timeout=20)
-        assert time.monotonic() - started < 10, "SIGTERM was not forwarded to the server (init process)"
+        wrapped.stop(timeout=120)  # SIGTERM, then SIGKILL after 120 s (a clean stop takes about a second)
         wrapped.reload()
-        assert wrapped.attrs["State"]["ExitCode"] == 0, logs(server)
+        code = wrapped.attrs["State"]["ExitCode"]
+        assert code != 137, "SIGKILLed at the stop timeout: SIGTERM was not forwarded to the server (init process)"
+        assert code == 0, logs(server)
 
 
 def _remove(container: DockerContainer) -> None:

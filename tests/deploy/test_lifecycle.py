@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from docker_pods import free_port
@@ -23,13 +24,17 @@ SERVER_CHILD = ("import signal, sys, time, pathlib\n"
                 "p = pathlib.Path(sys.argv[1])\n"
                 "signal.signal(signal.SIGTERM, lambda *a: (p.write_text('SIGTERM'), sys.exit(0)))\n"
                 "p.write_text('running')\n"
-                "time.sleep(120)\n")
+                "time.sleep(600)\n")  # until signalled; 600 s bounds an orphan only
 
 
-def _learner(port: int, code: int, seconds: float = 1.0, *flags: str) -> subprocess.Popen:
+def _learner(port: int, code: int, seconds: float = 1.0, *flags: str, gate: Path | None = None) -> subprocess.Popen:
+    """A learner supervisor whose child exits with ``code`` after ``seconds``, or, with ``gate``, once that file
+    exists (the test decides when the learner ends; 600 s bounds an orphan only)."""
+    child = (f"import time, sys; time.sleep({seconds}); sys.exit({code})" if gate is None else
+             f"import os, time, sys\nt = time.monotonic()\nwhile not os.path.exists({str(gate)!r}) and "
+             f"time.monotonic() - t < 600:\n    time.sleep(0.05)\nsys.exit({code})")
     return subprocess.Popen([sys.executable, "-m", "trainer.deploy.lifecycle", "learner", "--control-port", str(port),
-                             *flags, "--", sys.executable, "-c", f"import time, sys; time.sleep({seconds}); sys.exit({code})"],
-                            stderr=subprocess.PIPE, text=True)
+                             *flags, "--", sys.executable, "-c", child], stderr=subprocess.PIPE, text=True)
 
 
 def _server(learner_port: int, marker, *flags: str) -> subprocess.Popen:
@@ -39,7 +44,8 @@ def _server(learner_port: int, marker, *flags: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for(predicate, timeout_s=20.0):
+def _wait_for(predicate, timeout_s=120.0):
+    """Poll ``predicate`` until true; ``timeout_s`` bounds a hang only (every wait here is for an event)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -48,7 +54,7 @@ def _wait_for(predicate, timeout_s=20.0):
     return False
 
 
-def _finish(proc: subprocess.Popen, timeout_s: float = 30.0) -> tuple[int, str]:
+def _finish(proc: subprocess.Popen, timeout_s: float = 120.0) -> tuple[int, str]:  # bounds a hang only
     try:
         _, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -63,7 +69,7 @@ def test_servers_stop_when_the_learner_succeeds(tmp_path):
     markers = [tmp_path / f"server-{i}" for i in range(2)]
     servers = [_server(port, m) for m in markers]
     assert _wait_for(lambda: all(m.exists() for m in markers))
-    learner = _learner(port, 0, 1.5, "--expect-watchers", "2", "--linger-s", "20")
+    learner = _learner(port, 0, 1.5, "--expect-watchers", "2", "--linger-s", "120")  # ends once both read
     learner_code, learner_err = _finish(learner)
     assert learner_code == 0, learner_err
     assert "2/2 server(s) read the final state" in learner_err
@@ -78,7 +84,7 @@ def test_a_final_learner_failure_stops_the_servers_and_keeps_its_exit_code(tmp_p
     port = free_port()
     marker = tmp_path / "server"
     server = _server(port, marker)
-    learner = _learner(port, 7, 1.0, "--final-on-failure", "--expect-watchers", "1")
+    learner = _learner(port, 7, 1.0, "--final-on-failure", "--expect-watchers", "1", "--linger-s", "120")
     assert _finish(learner)[0] == 7
     code, err = _finish(server)
     assert code == 0 and marker.read_text() == "SIGTERM", err
@@ -86,13 +92,34 @@ def test_a_final_learner_failure_stops_the_servers_and_keeps_its_exit_code(tmp_p
 
 
 def test_a_learner_failure_with_retries_left_keeps_the_servers_until_the_orphan_timeout(tmp_path):
+    """The learner's endpoint is the supervisor's own (``LearnerState`` + ``control_server``) run in this process, so
+    the test knows which states the server supervisor has read: a non-final failure read twice (the supervisor went
+    on polling after the first) has not stopped the server; once the endpoint is gone, the orphan timeout does."""
+    from trainer.deploy import lifecycle
+
+    state = lifecycle.LearnerState(final_on_failure=False)
+    reads: list[str] = []  # the state each of the server supervisor's polls was answered with
+    snapshot = state.snapshot
+
+    def recorded_snapshot():
+        body = snapshot()
+        reads.append(body["state"])
+        return body
+
+    state.snapshot = recorded_snapshot
     port = free_port()
+    control = lifecycle.control_server(state, "127.0.0.1", port)
     marker = tmp_path / "server"
-    server = _server(port, marker, "--orphan-timeout-s", "3")
-    learner = _learner(port, 1, 1.0)
-    assert _finish(learner)[0] == 1
-    time.sleep(1.0)
-    assert server.poll() is None, "a non-final learner failure (a retry follows) must not stop the servers"
+    server = _server(port, marker, "--orphan-timeout-s", "5")
+    try:
+        assert _wait_for(lambda: marker.exists() and "running" in reads), "the server never polled the learner"
+        state.finish(1)  # a non-final learner failure: a retry follows
+        first = len(reads)
+        assert _wait_for(lambda: reads[first:].count("failed") >= 2), "the server stopped polling the learner"
+        assert server.poll() is None, "a non-final learner failure (a retry follows) must not stop the servers"
+    finally:
+        control.shutdown()  # the learner is gone: unreachable from now on
+        control.server_close()
     code, err = _finish(server)
     assert code == 0, err
     assert "unreachable for" in err and marker.read_text() == "SIGTERM"
@@ -112,18 +139,28 @@ def test_a_crashing_server_passes_its_exit_code_through(tmp_path):
     assert code == 5, err  # a Job with restartPolicy OnFailure restarts it; the learner re-admits it
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has its SIGTERM handler installed (Linux: the SigCgt mask of /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status")
+    if not status.exists():
+        return True  # no procfs: fall back to the child's start (by then the supervisor has long installed it)
+    mask = next(line.split()[1] for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+
+
 def test_sigterm_reaches_the_supervised_server(tmp_path):
     marker = tmp_path / "server"
     server = _server(free_port(), marker)
-    assert _wait_for(marker.exists)
+    assert _wait_for(lambda: marker.exists() and _catches_sigterm(server.pid)), "supervisor or child did not start"
     server.send_signal(signal.SIGTERM)
     code, _ = _finish(server)
     assert code == 0 and marker.read_text() == "SIGTERM"
 
 
-def test_the_control_endpoint_reports_running_then_the_final_state():
+def test_the_control_endpoint_reports_running_then_the_final_state(tmp_path):
     port = free_port()
-    learner = _learner(port, 0, 8.0, "--expect-watchers", "1", "--linger-s", "20")  # long enough to be seen running
+    gate = tmp_path / "learner-may-exit"
+    learner = _learner(port, 0, 0, "--expect-watchers", "1", "--linger-s", "120", gate=gate)  # runs until the gate
 
     def status():
         try:
@@ -132,9 +169,12 @@ def test_the_control_endpoint_reports_running_then_the_final_state():
         except (OSError, ValueError, http.client.HTTPException):  # the learner may go away mid-answer
             return None
 
-    assert _wait_for(lambda: status() is not None)
-    assert status()["state"] == "running" and status()["final"] is False
-    assert _wait_for(lambda: (status() or {}).get("state") == "succeeded", 30)
+    try:
+        assert _wait_for(lambda: status() is not None)
+        assert status()["state"] == "running" and status()["final"] is False
+    finally:
+        gate.touch()
+    assert _wait_for(lambda: (status() or {}).get("state") == "succeeded")
     assert _finish(learner)[0] == 0
 
 
@@ -203,9 +243,8 @@ def test_a_watcher_counts_as_having_read_the_final_state_only_after_its_answer_w
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/lifecycle/?watcher=w1", timeout=5) as r:
             body = json.loads(r.read())
         order.append(("read", body["state"]))
-        deadline = time.monotonic() + 5
-        while "w1" not in state.watchers_done and time.monotonic() < deadline:
-            time.sleep(0.01)
+        with state.changed:  # marked by the server thread once the answer was written (60 s bounds a hang only)
+            state.changed.wait_for(lambda: "w1" in state.watchers_done, timeout=60)
         assert body["state"] == "succeeded" and state.watchers_done == {"w1"}
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/lifecycle/", timeout=5) as r:  # no watcher id
             assert json.loads(r.read())["final"] is True
