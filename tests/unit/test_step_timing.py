@@ -1,6 +1,10 @@
 """``time/*_s`` of one stage-2 step: weight_sync, rollout, target, forward and backward are disjoint and add up to
 ``time/step_s`` (issue 20: ``backward`` used to subtract ``target``, already inside ``rollout``, and never
-``weight_sync``). Each outer phase is made slow by a known sleep, so a phase that leaks into another shows."""
+``weight_sync``). Each outer phase is made slow by a known amount, so a phase that leaks into another shows.
+
+The slow phases do not sleep: they advance the clock the step's timers read (``time.perf_counter`` in
+``trainer.telemetry`` and ``trainer.sft.trainer``) by their amount, so the amounts can dwarf any real time a loaded
+machine takes, and the checks are exact."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import time
 import pytest
 from transformers import TrainingArguments
 
+from trainer import telemetry
 from trainer.data.records import load_jsonl
 from trainer.data.synthetic import generate
 from trainer.losses.objective import LossWeights
@@ -17,10 +22,30 @@ from trainer.modeling.fixtures import build_tiny_model, tiny_tokenizer
 from trainer.modeling.prompts import PromptEncoder
 from trainer.rollout.hf import HFRolloutEngine
 from trainer.rollout.types import DecodingParams
+from trainer.sft import trainer as trainer_module
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.sft.trainer import STEP_PHASES, RolloutMatchingTrainer, SampleDataset
 
-SYNC_S, GENERATE_S, TARGET_S = 0.4, 0.3, 1.5
+SYNC_S, GENERATE_S, TARGET_S = 400.0, 300.0, 1500.0  # virtual seconds
+
+
+class VirtualTime:
+    """``time`` for the timers: ``perf_counter`` is the real one plus the seconds the slow phases added."""
+
+    def __init__(self):
+        self.added = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.added
+
+    def spend(self, seconds: float) -> None:
+        self.added += seconds
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+CLOCK = VirtualTime()
 
 
 class SlowEngine:
@@ -28,7 +53,7 @@ class SlowEngine:
         self.engine = engine
 
     def generate(self, requests, params):
-        time.sleep(GENERATE_S)
+        CLOCK.spend(GENERATE_S)
         return self.engine.generate(requests, params)
 
     def close(self):
@@ -37,17 +62,19 @@ class SlowEngine:
 
 class SlowPipeline(Stage2Pipeline):
     def targets(self, *args, **kwargs):
-        time.sleep(TARGET_S)
+        CLOCK.spend(TARGET_S)
         return super().targets(*args, **kwargs)
 
 
 class SlowSync:
     def ensure_fresh(self, model, step):
-        time.sleep(SYNC_S)
+        CLOCK.spend(SYNC_S)
         return True
 
 
-def test_step_phases_are_disjoint_and_sum_to_the_step(tmp_path):
+def test_step_phases_are_disjoint_and_sum_to_the_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(telemetry, "time", CLOCK)
+    monkeypatch.setattr(trainer_module, "time", CLOCK)
     tok = tiny_tokenizer()
     model, _ = build_tiny_model("text", seed=0)
     samples = load_jsonl(generate(tmp_path / "data", 2, seed=0, max_objects=2))
@@ -67,5 +94,6 @@ def test_step_phases_are_disjoint_and_sum_to_the_step(tmp_path):
     assert t["weight_sync"] >= SYNC_S and t["target"] >= TARGET_S and t["rollout"] >= GENERATE_S
     assert logged["time/generate_s"] >= GENERATE_S and logged["time/generate_s"] <= t["rollout"]
     assert t["rollout"] - logged["time/generate_s"] < TARGET_S, "the target phase is not inside rollout"
+    assert t["weight_sync"] < SYNC_S + GENERATE_S and t["target"] < TARGET_S + SYNC_S, "a phase leaked into another"
     assert t["backward"] > 0
     assert logged["time/parse_s"] + logged["time/match_s"] + logged["time/build_target_s"] <= t["target"]
