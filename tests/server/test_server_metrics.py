@@ -89,7 +89,7 @@ def test_metrics_need_the_api_key_and_each_app_has_its_own_registry(scripted_ser
         assert value(scrape(http, other), "rm_server_rollout_requests_total") == 0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)  # bounds a hang only (a server subprocess starts in ~10 s here)
 def test_serve_metrics_port_serves_the_same_registry(get_free_port, http, trainer_serve):
     port, mport = get_free_port(), get_free_port()
     with trainer_serve(port, "--engine", "scripted", "--api-key-env", "RM_TEST_KEY", "--metrics-port", str(mport),
