@@ -103,8 +103,10 @@ def probe(tmp_path_factory, summary_dataset):
                **{SCHEMA_DATASET_ENV: str(summary_dataset)})
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
         env.pop(k, None)
+    # 1800 s bounds a hang only: ~210 s here on a loaded 2-core machine, most of it waiting for DeepSpeed's CPU ops
+    # to build (tests/deepspeed_ops.py) on a fresh machine
     proc = subprocess.run([sys.executable, "-m", "tests.grpo.swift_probe", json.dumps(spec)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("PROBE-RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {"result": json.loads(lines[-1].removeprefix("PROBE-RESULT ")), "model": str(model),

@@ -28,7 +28,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 def run_worker(*args: str) -> dict:
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "CUDA_VISIBLE_DEVICES": "",
            "TOKENIZERS_PARALLELISM": "false", "VLLM_PLUGINS": ""}
-    proc = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=900, env=env,
+    # 1800 s bounds a hang only: a worker takes ~25 s, the first one on a fresh machine also waits for DeepSpeed's
+    # CPU ops to build (tests/deepspeed_ops.py; minutes on a loaded 2-core machine)
+    proc = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=1800, env=env,
                           cwd=WORKER.parents[2])
     lines = [line for line in proc.stdout.splitlines() if line.startswith("OFFLOAD_REPORT ")]
     assert lines, f"worker printed no report (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
