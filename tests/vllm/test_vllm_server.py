@@ -65,8 +65,17 @@ def _stop(procs):
 
 
 def _client(urls, procs, log_dir):
+    from trainer.launch.health import wait_until_healthy
+
+    def exited():
+        dead = [(u, p.returncode) for u, p in zip(urls, procs) if p.poll() is not None]
+        return f"vLLM server process(es) exited (url, code): {dead}" if dead else None
+
     t0 = time.perf_counter()
     try:
+        # start-up takes ~60 s here (3 servers at once on 2 cores too); 900 s bounds a hang only, and a server
+        # process that exits stops the wait at once
+        wait_until_healthy(urls, timeout_s=900, interval_s=0.5, abort=exited)
         client = ServerRolloutEngine([ServerEndpoint(u, "k3y") for u in urls], timeout_s=300, transport="inband")
     except Exception:
         _stop(procs)
@@ -172,7 +181,7 @@ def test_nccl_transport_into_the_vllm_server_engine_both_receive_paths(tiny_text
         with serve_engines([engine]) as urls:
             for worker_path, seed in ((False, 5), (True, 6)):
                 engine._multi_worker = (lambda: True) if worker_path else (lambda: False)
-                client = ServerRolloutEngine([ServerEndpoint(urls[0])], timeout_s=120, transport="nccl",
+                client = ServerRolloutEngine([ServerEndpoint(urls[0])], timeout_s=600, transport="nccl",
                                              nccl_backend="torch", group_port=_free_port())
                 learner = copy.deepcopy(hf_model)
                 torch.manual_seed(seed)
