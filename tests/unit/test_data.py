@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from trainer.data.objects import DetObject, from_bin, to_bin
 from trainer.data.output_format import serialize_append, serialize_objects
@@ -15,7 +16,7 @@ from trainer.data.synthetic import generate
 
 
 def write_jsonl(tmp_path: Path, lines: list[str]) -> Path:
-    (tmp_path / "img.png").write_bytes(b"not really a png but present")
+    Image.new("RGB", (100, 50)).save(tmp_path / "img.png")
     p = tmp_path / "d.jsonl"
     p.write_text("\n".join(lines) + "\n")
     return p

@@ -14,6 +14,8 @@ One module per benchmark, all building their random-weight models with ``trainer
 * ``inband``: in-band weight push (HTTP) to a scripted server subprocess, the pre-b1c8efc path vs
   ``InbandTransport`` vs a raw copy, 64 MiB-1 GiB (``inband.json`` / ``.png``; CPU-runnable, not part of ``all``;
   ``--quick``: 1 and 4 MiB);
+* ``data``: dataset start-up at 1M records, the eager list of samples vs the line-offset index: seconds and peak
+  RSS (``data.json`` / ``.png``; CPU; ``--quick``: 2,000 records; ``trainer.bench.data``);
 * ``scale``: whole stage-2 steps at Qwen3-VL 2B / 4B / 8B (random weights, 1024x1024 images, 40-80 objects), vLLM
   colocate, per-phase seconds, peak memory and MFU (``scale.json`` / ``.png``; GPU; ``trainer.bench.scale``).
 
@@ -27,10 +29,15 @@ import argparse
 import json
 from pathlib import Path
 
-ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async", "inband", "scale")
+ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async", "inband", "scale", "data")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "only", "all") == "data":  # CPU: 1M-record start-up, eager list vs line-offset index
+        from trainer.bench.data import run as run_data
+
+        run_data(Path(args.out), quick=args.quick)
+        return 0
     import torch
 
     if getattr(args, "only", "all") == "async":
@@ -122,7 +129,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "step timeline with/without async_rollouts (scripted servers, CPU; not part of 'all'); inband: in-band "
                         "HTTP weight push before/after b1c8efc vs a raw copy (scripted server, CPU; not part of 'all'); scale: "
                         "stage-2 steps at Qwen3-VL 2B/4B/8B, vLLM colocate, per-phase time/memory/MFU (GPU; "
-                        "RM_BENCH_SCALE=2b,8b-lora picks configurations; --quick: tiny VL on CPU; not part of 'all')")
+                        "RM_BENCH_SCALE=2b,8b-lora picks configurations; --quick: tiny VL on CPU; not part of 'all'); "
+                        "data: dataset start-up and peak RSS at 1M records, eager list vs line-offset index (CPU; "
+                        "--quick: 2,000 records; not part of 'all')")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--decode-s", type=float, default=None,
                    help="async: seconds per /infer/ call of the scripted servers (default: the measured train time "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-SUBCOMMAND_MODULES = ["trainer.data.convert"]
+SUBCOMMAND_MODULES = ["trainer.data.convert", "trainer.data.check"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

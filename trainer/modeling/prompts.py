@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from PIL import Image
 
-from trainer.data.records import Sample
+from trainer.data.images import load_image
+from trainer.data.records import DatasetError, Sample
 
 DEFAULT_INSTRUCTION = (
     "Detect every object. Answer with one JSON object: keys object_1, object_2, ... in reading order, "
@@ -42,6 +42,18 @@ def expand_image_pads(text: str, image_grid_thw: torch.Tensor, merge_size: int) 
         n = grid[0] * grid[1] * grid[2] // (merge_size**2)
         out.append(IMAGE_PAD * n + rest)
     return "".join(out)
+
+
+def upright_image(sample: Sample, path: str):
+    """Image ``path`` of ``sample`` as trained on (``load_image``: EXIF orientation applied, RGB); its size must be
+    the record's (checked from the header at load; this catches a file replaced since, or an orientation PIL only
+    finds once the pixels are decoded)."""
+    image = load_image(path)
+    if image.size != (sample.width, sample.height):
+        raise DatasetError(f"sample {sample.sample_id!r}: image {path} is {image.size[0]}x{image.size[1]} as displayed "
+                           f"but the record declares {sample.width}x{sample.height}; run `python -m trainer data "
+                           "check` on the dataset")
+    return image
 
 
 class PromptEncoder:
@@ -87,7 +99,7 @@ class PromptEncoder:
             return EncodedPrompt(list(ids), msgs, list(sample.images))
         mm: dict[str, torch.Tensor] = {}
         if sample.images:
-            images = [Image.open(p).convert("RGB") for p in sample.images]
+            images = [upright_image(sample, p) for p in sample.images]
             out = self.image_processor(images=images, return_tensors="pt")
             mm = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
             text = expand_image_pads(text, mm["image_grid_thw"], self.image_processor.merge_size)

@@ -12,7 +12,7 @@ import torch
 from transformers import TrainingArguments
 
 from trainer.config.schema import TrainConfig
-from trainer.data.records import LoadReport, Sample, load_jsonl
+from trainer.data.records import JsonlDataset, LoadReport, index_jsonl
 from trainer.data.synthetic import generate
 from trainer.extras import require
 from trainer.losses.objective import LossWeights
@@ -41,17 +41,19 @@ class RunSummary:
     metrics_path: str
 
 
-def load_samples(cfg: TrainConfig) -> list[Sample]:
+def load_samples(cfg: TrainConfig) -> JsonlDataset:
+    """The training records, checked in one streaming pass and indexed by line offset (each parsed when read)."""
     d = cfg.data
     if d.synthetic is not None:
         s = d.synthetic
         path = generate(Path(cfg.training.output_dir) / "data", s.num_samples, s.seed, s.min_objects,
                         s.max_objects, s.image_size, s.poly_fraction)
-        return load_jsonl(path)
+        return index_jsonl(path)
     report = LoadReport()
-    samples = load_jsonl(d.train_jsonl, d.image_root, on_bad_record=d.on_bad_record, report=report)
-    log.info("dataset %s: %d samples kept (%d without objects), %d bad records dropped",
-             d.train_jsonl, report.kept, report.negatives, len(report.dropped))
+    samples = index_jsonl(d.train_jsonl, d.image_root, on_bad_record=d.on_bad_record, report=report)
+    log.info("dataset %s: %d samples kept (%d without objects), %d bad records dropped%s",
+             d.train_jsonl, report.kept, report.negatives, len(report.dropped),
+             "".join(f"; {kind}: {n}" for kind, n in sorted(report.notes.items())))
     out = Path(cfg.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "data_report.json").write_text(json.dumps(asdict(report), indent=2))

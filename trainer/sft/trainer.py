@@ -47,10 +47,11 @@ logger = logging.getLogger(__name__)
 
 
 class SampleDataset(Dataset):
-    """Validated samples; ``__getitem__`` returns the ``Sample`` itself."""
+    """Validated samples; ``__getitem__`` returns the ``Sample`` itself. A sequence is used as is (a
+    ``JsonlDataset`` parses each record when read); any other iterable is read into a list."""
 
     def __init__(self, samples: Sequence[Sample]):
-        self.samples = list(samples)
+        self.samples = samples if isinstance(samples, Sequence) else list(samples)
 
     def __len__(self) -> int:
         return len(self.samples)
