@@ -67,7 +67,8 @@ def workspace(tmp_path: Path) -> Path:
 
 def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, *argv[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    # 900 s bounds a hang only: the slowest command (train on the tiny VL model) takes ~40 s on an idle machine
+    return subprocess.run([sys.executable, *argv[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
 def data_check_registered() -> bool:
