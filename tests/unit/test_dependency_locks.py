@@ -194,15 +194,16 @@ def test_the_environment_is_the_cpu_lock_and_pip_check_reads_clean():
 @pytest.mark.skipif(shutil.which("uv", path=str(Path(sys.executable).parent)) is None, reason="uv is not installed")
 @pytest.mark.parametrize("lock_name", ["cpu-test.txt", "gpu-runtime.txt"])
 def test_the_locks_are_what_make_lock_resolves(lock_name, tmp_path):
-    """Re-run `make lock`'s compile into a copy of the lock (uv keeps the locked versions where the inputs allow
-    them, so new upstream releases do not fail this): any change means the inputs moved without `make lock`."""
+    """Re-run `make lock`'s compile (a fresh resolution against the index as of the lock's `# index as of:` date,
+    so releases published since cannot change it): any change means the inputs moved without `make lock`."""
     uv = shutil.which("uv", path=str(Path(sys.executable).parent))
     makefile, lock_mk = (REPO / "Makefile").read_text(), (REPO / "mk" / "lock.mk").read_text()
     find_links = re.search(r"^TORCH_FIND_LINKS \?= (\S+)$", makefile, re.M).group(1)
     out_file = tmp_path / lock_name
-    shutil.copy(LOCKS / lock_name, out_file)
+    date = re.search(r"^# index as of: (\S+)", (LOCKS / lock_name).read_text(), re.M).group(1)
     cmd = [uv, "pip", "compile", "-q", "pyproject.toml", "--python", sys.executable,
-           "--no-build-isolation-package", "deepspeed", "--custom-compile-command", "make lock", "-o", str(out_file)]
+           "--no-build-isolation-package", "deepspeed", "--custom-compile-command", "make lock", "--upgrade",
+           "--exclude-newer", date, "-o", str(out_file)]
     if lock_name == "cpu-test.txt":
         cmd += ["locks/cpu-test.in", *[a for e in CPU_EXTRAS for a in ("--extra", e)],
                 "--find-links", find_links, "--override", "locks/overrides.txt"]

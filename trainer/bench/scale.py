@@ -24,7 +24,7 @@ import json
 import os
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +198,8 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
                      "gradient_checkpointing": True},
         "custom": {"extra": {"rollout_matching": rm}},
     }
+    if run.tuner != "full" and backend == "vllm":
+        rm["vllm"]["enable_lora"] = True
     if run.tuner != "full":
         cfg["tuner"] = {"train_type": run.tuner, "lora_rank": run.lora_rank, "lora_alpha": 2 * run.lora_rank}
     return cfg
@@ -230,12 +232,17 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         summary = run_training(validate_config(cfg))
-    except torch.OutOfMemoryError as exc:
+    except Exception as exc:  # noqa: BLE001 - recorded with the phase; the other configurations still run
+        tb = traceback.format_exc()
         rows = list(read_jsonl(out_dir / "metrics.jsonl")) if (out_dir / "metrics.jsonl").is_file() else []
-        phase = next((ph for ph in ("generate", "rollout", "weight_sync", "forward")
-                      if ph in traceback.format_exc()), "backward/optimizer")
-        rec.update(error=f"OutOfMemoryError in {phase}: {str(exc)[:400]}", oom_phase=phase,
-                   advice=oom_advice(run, phase), steps_logged=len(rows))
+        rec.update(error=f"{type(exc).__name__}: {str(exc)[:600]}", traceback=tb[-4000:], steps_logged=len(rows))
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            phase = next((ph for ph in ("generate", "rollout", "weight_sync", "_forward", "backward")
+                          if ph in tb), "optimizer")
+            rec.update(oom_phase=phase.strip("_"), advice=oom_advice(run, phase))
+        gc.collect()
+        if device != "cpu":
+            torch.cuda.empty_cache()
         return rec
     rec["wall_s"] = time.perf_counter() - t0
     rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
@@ -262,6 +269,58 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
         if step_s else {},
     )
     return rec
+
+
+def run_isolated(run: ScaleRun, work: Path) -> dict[str, Any]:
+    """``run_one`` on the GPU in a child process, so that its memory (learner, sleeping vLLM pools, the caching
+    allocator) is gone before the next configuration or the TRL side starts; then TRL on the same inputs."""
+    import subprocess
+    import sys
+
+    rec_path = work / "runs" / f"{run.name}.json"
+    rec_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "trainer.bench.scale", "--one", json.dumps(asdict(run)), str(work), str(rec_path)]
+    proc = subprocess.run(cmd, env={**os.environ, "VLLM_PLUGINS": ""})
+    if proc.returncode or not rec_path.is_file():
+        return {"config": asdict(run), "name": run.name, "error": f"the bench child exited {proc.returncode}"}
+    rec = json.loads(rec_path.read_text())
+    if "per_step" in rec and os.environ.get("RM_BENCH_TRL", "1") == "1":
+        model_dir = work / f"qwen3-vl-{run.size}-random"
+        rec["trl"] = trl_side_by_side(run, model_dir, work / "runs" / run.name / "data" / "train.jsonl", work, rec)
+    return rec
+
+
+def trl_side_by_side(run: ScaleRun, model_dir: Path, data: Path, work: Path, ours: dict[str, Any]) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the same model, records, batch, lengths and vLLM share (``trainer.bench.trl_peer``, its own
+    process), and the ratios TRL / ours per phase (> 1: we are faster)."""
+    import subprocess
+    import sys
+
+    out = work / "runs" / f"{run.name}-trl.json"
+    cmd = [sys.executable, "-m", "trainer.bench.trl_peer", str(model_dir), str(data), str(out), "--steps",
+           str(run.steps), "--batch", str(run.batch), "--max-new-tokens", str(run.max_new_tokens), "--vllm-util",
+           str(run.gpu_memory_utilization), "--lora-rank", str(run.lora_rank if run.tuner != "full" else 0)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_PLUGINS": ""})
+    if proc.returncode or not out.is_file():
+        return {"error": f"trl_peer exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"}
+    trl = json.loads(out.read_text())
+    blocks = {k.split(".", 1)[-1]: v for k, v in trl["blocks_s"].items()}  # "GRPOTrainerSubclass.vLLM.generate"
+    step = ours.get("per_step", {})
+    trl_generate = blocks.get("vLLM.generate", 0.0)
+    trl_sync = blocks.get("sync_weights", 0.0)
+    trl_train = trl["step_s"] - blocks.get("_prepare_inputs", trl_generate + trl_sync)
+    ours_train = step.get("time/forward_s", 0.0) + step.get("time/backward_s", 0.0)
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if a and b else None
+
+    trl["trl_over_ours"] = {
+        "step": ratio(trl["step_s"], ours.get("step_s", 0.0)),
+        "generate": ratio(trl_generate, step.get("time/generate_s", 0.0)),
+        "weight_sync": ratio(trl_sync, step.get("time/weight_sync_s", 0.0)),
+        "train_fwd_bwd_opt": ratio(trl_train, ours_train),
+    }
+    return trl
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -325,12 +384,24 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
         result["vllm"] = vllm.__version__
     except ImportError:
         pass
+    steps = int(os.environ.get("RM_BENCH_SCALE_STEPS", "0"))
     for cfg in [QUICK] if quick else selected(os.environ.get("RM_BENCH_SCALE")):
+        cfg = replace(cfg, steps=steps) if steps else cfg
         print(f"bench scale: {cfg.name} ...", flush=True)
-        rec = run_one(cfg, work, device)
+        rec = run_one(cfg, work, device) if device == "cpu" else run_isolated(cfg, work)
         print(json.dumps({k: rec.get(k) for k in ("name", "step_s", "split", "peak_gib", "mfu", "error")}), flush=True)
+        print(json.dumps({"trl_over_ours": rec.get("trl", {}).get("trl_over_ours"),
+                          "trl_error": rec.get("trl", {}).get("error", "")[-1500:]}), flush=True)
         result["runs"] = [r for r in result["runs"] if r.get("name") != rec["name"]] + [rec]
         path.write_text(json.dumps(result, indent=2))
         plot(result, path.with_suffix(".png"))
         gc.collect()
     return result
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--one"]:  # the child of run_isolated
+        one = ScaleRun(**json.loads(sys.argv[2]))
+        Path(sys.argv[4]).write_text(json.dumps(run_one(one, Path(sys.argv[3]), "cuda"), indent=2))

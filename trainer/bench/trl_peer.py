@@ -1,0 +1,143 @@
+"""The peer of ``bench --only scale``: TRL's ``GRPOTrainer`` with vLLM colocate on the same random Qwen3-VL model,
+records (images), batch and generation length, in its own process (``python -m trainer.bench.trl_peer``).
+
+TRL is what a user would pick instead of this project. Its step is timed the way ours is: whole ``training_step``
+seconds (generation, weight sync, forward, backward), with TRL's own profiling blocks (``sync_weights``,
+``vLLM.generate``, ``compute_loss``) read from its ``ProfilingContext``. Same work as ours: ``batch`` completions of
+exactly ``max_new_tokens`` (random weights never stop), one optimizer step per batch, bf16, gradient checkpointing,
+no KL term (``beta=0``: stage 2 has no reference model), vLLM sleep mode on. The reward is a constant: it does not
+change the time of anything but the advantage arithmetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def records_dataset(jsonl: Path, instruction: str):
+    """TRL's conversational VL format: ``prompt`` (one user turn: the image, then the instruction) and ``image``."""
+    from datasets import Dataset
+    from PIL import Image
+
+    rows = []
+    for line in jsonl.read_text().splitlines():
+        rec = json.loads(line)
+        image = Image.open(jsonl.parent / rec["images"][0]).convert("RGB")
+        rows.append({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": instruction}]}],
+                     "image": image})
+    return Dataset.from_list(rows)
+
+
+def processor_for(model_dir: Path):
+    """The Qwen3-VL processor over the model directory's tokenizer and image processor (what vLLM also loads)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLProcessor
+
+    from trainer.modeling.tokenizer import CHAT_TEMPLATE
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    image_processor = AutoImageProcessor.from_pretrained(model_dir)
+    try:
+        from transformers import Qwen3VLVideoProcessor
+
+        video = Qwen3VLVideoProcessor()
+    except Exception:  # noqa: BLE001 - no torchvision (CPU machine): images only
+        video = None
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video,
+                            chat_template=CHAT_TEMPLATE)
+
+
+def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_new_tokens: int, vllm_util: float,
+        use_vllm: bool, lora_rank: int) -> dict[str, Any]:
+    import torch
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
+
+    from trainer.modeling.prompts import DEFAULT_INSTRUCTION
+
+    blocks: dict[str, list[float]] = defaultdict(list)
+    original = profiling.ProfilingContext._log_metrics
+
+    def record(self, duration: float) -> None:
+        blocks[self.name].append(duration)
+        original(self, duration)
+
+    profiling.ProfilingContext._log_metrics = record
+    steps_s: list[float] = []
+    peaks: list[float] = []
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def training_step(self, *args, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            loss = super().training_step(*args, **kwargs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+            steps_s.append(time.perf_counter() - t0)
+            return loss
+
+    on_gpu = torch.cuda.is_available()
+    args = GRPOConfig(
+        output_dir=str(out.parent / "trl-run"), max_steps=steps, per_device_train_batch_size=batch,
+        num_generations=2, gradient_accumulation_steps=1, learning_rate=1e-5, beta=0.0, logging_steps=1,
+        max_completion_length=max_new_tokens, temperature=1.0, bf16=on_gpu, gradient_checkpointing=True,
+        report_to=[], save_strategy="no", use_vllm=use_vllm, vllm_mode="colocate",
+        vllm_gpu_memory_utilization=vllm_util, vllm_enable_sleep_mode=use_vllm, vllm_max_model_length=4096,
+        seed=0, dataloader_num_workers=0, remove_unused_columns=False, use_cpu=not on_gpu)
+    peft_config = None
+    if lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=["q_proj", "k_proj", "v_proj",
+                                 "o_proj", "gate_proj", "up_proj", "down_proj"], task_type="CAUSAL_LM")
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    model.model.visual.requires_grad_(False)  # as ours: freeze_vit / freeze_aligner default true
+    trainer = TimedGRPOTrainer(model=model, args=args, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                               train_dataset=records_dataset(data, DEFAULT_INSTRUCTION),
+                               processing_class=processor_for(model_dir), peft_config=peft_config)
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    timed = slice(1, None) if len(steps_s) > 1 else slice(None)
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    result = {"trl": trl.__version__, "wall_s": wall, "steps": len(steps_s), "step_s_runs": steps_s,
+              "step_s": mean(steps_s[timed]), "peak_gib_runs": peaks,
+              "blocks_s": {k: mean(v[timed] if len(v) == len(steps_s) else v) for k, v in blocks.items()},
+              "blocks_s_runs": dict(blocks), "completions_per_step": batch, "max_new_tokens": max_new_tokens}
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("data", type=Path, help="a JSONL of detection records (the synthetic set of the scale bench)")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=1536)
+    ap.add_argument("--vllm-util", type=float, default=0.3)
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--lora-rank", type=int, default=0)
+    a = ap.parse_args(argv)
+    res = run(a.model_dir, a.data, a.out, steps=a.steps, batch=a.batch, max_new_tokens=a.max_new_tokens,
+              vllm_util=a.vllm_util, use_vllm=not a.no_vllm, lora_rank=a.lora_rank)
+    print(json.dumps({k: res[k] for k in ("trl", "steps", "step_s", "blocks_s")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
