@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -45,6 +44,7 @@ from trainer.data.formats.common import (
     is_number,
     is_numbers,
     is_positive_int,
+    json_lines,
 )
 from trainer.data.objects import NUM_BINS
 
@@ -362,14 +362,7 @@ def detection_results(lines: Iterable[str], source: str, export: CocoExport,
     agnostic: list[dict] = []
     fallback = min(export.category_ids.values(), default=1)
     seen: set[str] = set()
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{source}:{lineno}"
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SourceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    for _, where, raw in json_lines(lines, source, SourceError):
         if isinstance(raw, dict) and isinstance(raw.get("prediction"), list) and "sample_id" in raw:
             in_bins, rid, objs, key = True, str(raw["sample_id"]), raw["prediction"], "prediction"
         elif isinstance(raw, dict) and isinstance(raw.get("objects"), list) and "id" in raw:

@@ -168,18 +168,23 @@ class ImportReport:
         return "\n".join([f"imported {self.source}", *(f"  {r}" for r in rows), *(f"  note: {n}" for n in self.notes)])
 
 
-def parse_pixel_records(lines: Iterable[str], source: str) -> Iterator[ImportedRecord]:
-    """Our JSONL records with their pixel coordinates (``records.load_jsonl`` keeps only norm1000 bins), each
-    validated by ``records.parse_record`` (images not checked); ``DatasetError`` names ``file:line``."""
-    seen: dict[str, int] = {}
+def json_lines(lines: Iterable[str], source: str, error: type[Exception]) -> Iterator[tuple[int, str, Any]]:
+    """``(line number, source:line, parsed JSON)`` for each non-blank line; a line that is not JSON raises ``error`` naming it."""
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         where = f"{source}:{lineno}"
         try:
-            raw = json.loads(line)
+            yield lineno, where, json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            raise error(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def parse_pixel_records(lines: Iterable[str], source: str) -> Iterator[ImportedRecord]:
+    """Our JSONL records with their pixel coordinates (``records.load_jsonl`` keeps only norm1000 bins), each
+    validated by ``records.parse_record`` (images not checked); ``DatasetError`` names ``file:line``."""
+    seen: dict[str, int] = {}
+    for lineno, where, raw in json_lines(lines, source, DatasetError):
         sample = parse_record(raw, where, None, check_images=False)
         if sample.sample_id in seen:
             raise DatasetError(f"{where}: duplicate id {sample.sample_id!r} (first at line {seen[sample.sample_id]})")

@@ -14,7 +14,6 @@ a filename seen again (several captions of one image) gets ``#2``, ``#3``, … a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from trainer.data.formats.common import (
     fit,
     is_numbers,
     is_positive_int,
+    json_lines,
 )
 
 
@@ -100,14 +100,7 @@ def odvg_records(lines: Iterable[str], source: str, images_dir: Path, report: Im
     """One record per non-blank line; ``SourceError`` names ``file:line`` and the item."""
     seen: dict[str, int] = {}
     repeats = captions = 0
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{source}:{lineno}"
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SourceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    for lineno, where, raw in json_lines(lines, source, SourceError):
         if not isinstance(raw, dict) or not isinstance(raw.get("filename"), str) or not raw["filename"]:
             raise SourceError(f"{where}: needs a filename (and height, width, detection or grounding)")
         for key in ("width", "height"):
