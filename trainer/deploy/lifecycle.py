@@ -15,7 +15,8 @@ Kubernetes pod, under ``docker run`` and on bare metal):
     group, SIGKILL after ``--grace-s``) and exits 0, so a Kubernetes Job completes and its GPUs are released. A
     learner that was seen and then stays unreachable for ``--orphan-timeout-s`` (killed, evicted, deadline), or
     that never appears within that time, also stops the server. A server that exits on its own passes its exit
-    code through (non-zero: the Job restarts it; the learner re-admits it).
+    code through (non-zero: the Job restarts it; the learner re-admits it); 75 is ``python -m trainer serve``'s
+    "engine died, restart me" (``trainer.server.fatal.EXIT_ENGINE_DEAD``), and is reported so.
 
 Arguments after ``--`` starting with a ``python -m trainer`` subcommand (``launch``, ``serve``, ``train``) run as
 ``python -m trainer …``; anything else runs as given (``-- swift rollout …``).
@@ -39,6 +40,8 @@ from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
+
+from trainer.server.fatal import EXIT_ENGINE_DEAD
 
 LIFECYCLE_PATH = "/lifecycle/"
 TRAINER_SUBCOMMANDS = ("launch", "serve", "train", "validate")
@@ -206,6 +209,14 @@ def learner_status(url: str, watcher: str, timeout_s: float = 3.0) -> dict[str, 
         return None
 
 
+def server_exit_reason(code: int) -> str:
+    """What a rollout server's exit code means, for the supervisor's log line (empty when nothing to add)."""
+    if code == EXIT_ENGINE_DEAD:
+        return (f": its engine died (exit {EXIT_ENGINE_DEAD}, trainer.server.fatal); exiting with it so the server is "
+                "restarted fresh (Job restartPolicy OnFailure) and the learner re-admits it with the current weights")
+    return ""
+
+
 def supervise_server(command: Sequence[str], learner_url: str, poll_s: float = 5.0, orphan_timeout_s: float = 1800.0,
                      grace_s: float = 30.0, watcher: str | None = None,
                      clock: Callable[[], float] = time.monotonic) -> int:
@@ -221,7 +232,7 @@ def supervise_server(command: Sequence[str], learner_url: str, poll_s: float = 5
     while True:
         code = child.poll()
         if code is not None:
-            _say("server", f"server exited with {code}" + (" (signalled)" if signalled else ""))
+            _say("server", f"server exited with {code}" + (" (signalled)" if signalled else "") + server_exit_reason(code))
             return code
         status = learner_status(learner_url, watcher)
         now = clock()

@@ -1,7 +1,8 @@
 """``python -m trainer launch {server,learner}``: start one rollout server or one learner (never both).
 
 ``launch server`` checks the port is free, pins the server's GPUs and execs ``swift rollout`` or
-``python -m trainer serve``. ``launch learner`` optionally waits for every server's ``/health/`` (one
+``python -m trainer serve`` (so the exit code is the server's; 75: its engine died, restart it, see
+``trainer.server.fatal``). ``launch learner`` optionally waits for every server's ``/health/`` (one
 deadline), then execs ``swift rlhf`` (``grpo_summary`` configs) or ``torchrun -m trainer train`` (stage 2).
 ``--print-command`` prints the command instead of running it. Arguments after ``--`` go to that command.
 """

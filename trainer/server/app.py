@@ -8,6 +8,11 @@ Engine calls run one at a time on a worker thread. As in ``swift rollout``, the 
 at once and receive in the background (the client broadcasts after the answer); a failure there is reported
 by the next call that waits (``/process_weights_after_loading/``, ``/infer/``, ...).
 
+An engine failure that leaves the engine dead (``trainer.server.fatal.fatal_engine_error``: vLLM's
+``EngineDeadError``, a CUDA error other than out-of-memory) answers that call and every later engine call 503 with
+``detail`` saying the engine is dead and the process is exiting, ``/health/`` answers 503, and ``on_engine_death``
+(given by ``python -m trainer serve``: close the engine, exit with ``EXIT_ENGINE_DEAD``) is called once.
+
 Every weight update is checked by the engine before any served weight changes (``trainer.sync.update_check``);
 a refused one (``WeightUpdateRefused``: unknown name, shape, dtype, non-finite values) answers HTTP 422 with
 ``detail`` naming the tensor and the reason (plus ``tensor`` and ``reason`` fields), also when the refusal
@@ -34,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from trainer.rollout.types import DecodingParams
 from trainer.server.codec import EngineRequestError
 from trainer.server.engines import ServerEngine
+from trainer.server.fatal import EngineDead, dead_detail, fatal_engine_error
 from trainer.server.metrics import CONTENT_TYPE_LATEST, RequestCounterMiddleware, ServerMetrics
 from trainer.server.protocol import (
     InferBody,
@@ -106,29 +112,58 @@ async def _too_large(send, limit: int) -> None:
 
 
 class EngineRunner:
-    """Serialises engine calls on one thread; background (fire-and-forget) failures surface on the next wait."""
+    """Serialises engine calls on one thread; background (fire-and-forget) failures surface on the next wait.
+    A fatal failure (``fatal_engine_error``) marks the engine dead (``dead``: why), calls ``on_fatal`` once, and
+    makes this and every later call raise ``EngineDead`` without touching the engine."""
 
-    def __init__(self):
+    def __init__(self, on_fatal: Callable[[str], None] | None = None):
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.failure: BaseException | None = None
         self.lock = threading.Lock()
+        self.dead: str | None = None
+        self.on_fatal = on_fatal
+
+    def _died(self, exc: BaseException) -> str | None:
+        """``exc``'s fatal reason (recorded, ``on_fatal`` called the first time), else ``None``; a refused request
+        or update is never fatal (its message may quote the request)."""
+        if isinstance(exc, (EngineRequestError, WeightUpdateRefused)):
+            return None
+        reason = fatal_engine_error(exc)
+        if reason is None:
+            return None
+        with self.lock:
+            first = self.dead is None
+            if first:
+                self.dead = reason
+        if first:
+            log.critical("the engine died: %s", reason, exc_info=exc)
+            if self.on_fatal is not None:
+                self.on_fatal(reason)
+        return self.dead
 
     def _guarded(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         def run():
+            if self.dead is not None:
+                raise EngineDead(self.dead)
             try:
                 return fn()
             except BaseException as exc:
                 with self.lock:
                     self.failure = exc
-                log.exception("background engine call failed")
+                if self._died(exc) is None:
+                    log.exception("background engine call failed")
                 raise
         return run
 
     def fire(self, fn: Callable[[], Any]) -> None:
+        if self.dead is not None:
+            raise EngineDead(self.dead)
         self.pool.submit(self._guarded(fn))
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         def run():
+            if self.dead is not None:
+                raise EngineDead(self.dead)
             with self.lock:
                 failure, self.failure = self.failure, None
             if isinstance(failure, WeightUpdateRefused):
@@ -138,7 +173,15 @@ class EngineRunner:
                 raise EngineRequestError(f"an earlier background weight-update call was refused: {failure}") from failure
             if failure is not None:
                 raise RuntimeError(f"an earlier background weight-update call failed: {failure!r}") from failure
-            return fn()
+            try:
+                return fn()
+            except Exception as exc:
+                reason = self._died(exc)
+                if reason is not None:
+                    raise EngineDead(reason) from exc
+                raise
+        if self.dead is not None:
+            raise EngineDead(self.dead)
         return await asyncio.wrap_future(self.pool.submit(run))
 
     def shutdown(self) -> None:
@@ -175,11 +218,13 @@ def decoding_params(cfg: RequestConfigIn | None, default_max_tokens: int) -> Dec
 
 def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_tokens: int = 256,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_inband_bytes: int = DEFAULT_MAX_INBAND_BYTES,
-               shm_dir: str | None = None) -> FastAPI:
+               shm_dir: str | None = None, on_engine_death: Callable[[str], None] | None = None) -> FastAPI:
     """The rollout-server app for ``engine``; with ``api_key`` every endpoint but health needs the bearer token.
     With ``shm_dir`` it also takes in-band updates staged in that directory (``POST SHM_PATH``).
-    Its Prometheus metrics (``trainer.server.metrics``) are ``app.state.metrics`` and ``GET /metrics``."""
-    runner = EngineRunner()
+    Its Prometheus metrics (``trainer.server.metrics``) are ``app.state.metrics`` and ``GET /metrics``.
+    ``on_engine_death(reason)`` is called once, from the engine's thread, when the engine dies (module docstring);
+    ``app.state.runner.dead`` is the reason then."""
+    runner = EngineRunner(on_engine_death)
     updates: list[dict[str, Any]] = []
     metrics = ServerMetrics(engine.kind, engine.model_name)
     metrics.set_version(getattr(engine, "weights_version", None))
@@ -206,6 +251,7 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
     app = FastAPI(title="rollout-matching rollout server", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     app.state.engine = engine
+    app.state.runner = runner
     app.state.updates = updates
     app.state.metrics = metrics
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes, inband_limit=max_inband_bytes)
@@ -230,6 +276,10 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         return JSONResponse({"detail": "invalid request body: " + "; ".join(problems[:20]), "errors": problems},
                             status_code=422)
 
+    @app.exception_handler(EngineDead)
+    async def _engine_dead(_: Request, exc: EngineDead):
+        return JSONResponse({"detail": dead_detail(engine.kind, exc.reason), "engine_dead": True}, status_code=503)
+
     @app.exception_handler(RuntimeError)
     async def _engine_failed(_: Request, exc: RuntimeError):
         return JSONResponse({"detail": f"engine error: {exc}"}, status_code=500)
@@ -245,6 +295,8 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
     @app.get("/health/")
     @app.get("/health")
     async def health():
+        if runner.dead is not None:
+            return JSONResponse({"status": "dead", "detail": dead_detail(engine.kind, runner.dead)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/get_world_size/", dependencies=guarded)

@@ -1,4 +1,10 @@
-"""``python -m trainer serve``: run a rollout server (ms-swift protocol) with the vllm, hf or scripted engine."""
+"""``python -m trainer serve``: run a rollout server (ms-swift protocol) with the vllm, hf or scripted engine.
+
+Exit codes: 0 after SIGTERM/SIGINT; 75 (``EXIT_ENGINE_DEAD``) when the engine died (vLLM's engine core died, or a
+CUDA error poisoned the process: ``trainer.server.fatal``): the request that met it and every later engine call
+answer 503, ``/health/`` answers 503, the server stops, closes the engine and exits (forced after
+``DEAD_EXIT_GRACE_S`` when closing hangs), so its supervisor restarts it fresh; 3 when uvicorn could not start.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,15 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
+from trainer.server.fatal import EXIT_ENGINE_DEAD
+
 log = logging.getLogger(__name__)
+
+DEAD_EXIT_GRACE_S = 30.0
+EXIT_STARTUP_FAILURE = 3
 
 
 def register(subparsers) -> None:
@@ -53,6 +65,9 @@ def register(subparsers) -> None:
     s = p.add_argument_group("scripted engine")
     s.add_argument("--responses", type=Path, help="JSON {uuid: text or token ids} of answers to replay")
     s.add_argument("--delay-s", type=float, default=0.0, help="sleep before each answer (stalled-server tests)")
+    s.add_argument("--die-after-calls", type=int, default=None, metavar="N",
+                   help="fault injection (tests): generate calls after the first N raise a fatal engine error, as a "
+                        "dead vLLM engine does (the server answers 503 and exits with code 75)")
     p.set_defaults(func=serve)
 
 
@@ -76,7 +91,9 @@ def build_engine(args: argparse.Namespace):
         if args.dtype != "auto" and not isinstance(dtype, torch.dtype):
             raise SystemExit(f"serve --dtype {args.dtype}: not a torch dtype (e.g. float32, bfloat16)")
         return ScriptedEngine(args.model, responses=responses, delay_s=args.delay_s, enable_lora=True, dtype=dtype,
-                              allow_dtype_cast=args.allow_dtype_cast)
+                              allow_dtype_cast=args.allow_dtype_cast, die_after_calls=args.die_after_calls)
+    if args.die_after_calls is not None:
+        raise SystemExit("serve --die-after-calls is a fault-injection aid of the scripted engine only")
     if not args.model:
         raise SystemExit(f"serve --engine {args.engine} needs --model DIR (a local HF model directory)")
     if args.engine == "hf":
@@ -124,17 +141,45 @@ def serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises SIGTERM after its graceful shutdown; turning it into SystemExit lets the engine close
     # (vLLM's engine-core process would otherwise outlive the server).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    died: list[str] = []
+    server: list[uvicorn.Server] = []
+
+    def on_engine_death(reason: str) -> None:
+        died.append(reason)
+        log.critical("the %s engine is dead (%s): stopping the server, closing the engine and exiting with code %d "
+                     "so the supervisor restarts this server", engine.kind, reason, EXIT_ENGINE_DEAD)
+        watchdog = threading.Timer(DEAD_EXIT_GRACE_S, _force_exit, (DEAD_EXIT_GRACE_S,))
+        watchdog.daemon = True
+        watchdog.start()
+        if server:
+            server[0].should_exit = True
+
     try:
         app = create_app(engine, api_key, default_max_tokens=args.default_max_tokens,
                          max_body_bytes=args.max_body_mb * 2**20, max_inband_bytes=args.max_inband_mb * 2**20,
-                         shm_dir=args.shm_dir)
+                         shm_dir=args.shm_dir, on_engine_death=on_engine_death)
         if args.metrics_port:
             from prometheus_client import start_http_server
 
             host = args.metrics_host or args.host
             start_http_server(args.metrics_port, addr=host, registry=app.state.metrics.registry)
             log.info("Prometheus metrics on http://%s:%d/metrics", host, args.metrics_port)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)))
+        server[0].run()
+        if not server[0].started:
+            return EXIT_STARTUP_FAILURE
     finally:
-        engine.close()
-    return 0
+        try:
+            engine.close()
+        except Exception:
+            if not died:
+                raise
+            log.exception("closing the dead engine failed (exiting anyway)")
+    return EXIT_ENGINE_DEAD if died else 0
+
+
+def _force_exit(grace_s: float) -> None:
+    log.critical("the server did not exit within %gs of its engine's death: exiting with code %d now", grace_s,
+                 EXIT_ENGINE_DEAD)
+    logging.shutdown()
+    os._exit(EXIT_ENGINE_DEAD)

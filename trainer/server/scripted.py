@@ -13,6 +13,8 @@
   fixes the names, shapes and dtypes (only finite values are checked for that one). A refused update raises
   ``WeightUpdateRefused`` (HTTP 422) and leaves the weights version, answers and checksums unchanged.
   Adapters are checked for finite values.
+- Fault injection: with ``die_after_calls`` N, every ``generate`` after the first N raises ``FatalEngineError``
+  (a dead engine: the server answers 503 and exits, ``trainer.server.fatal``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 from trainer.server.codec import PromptCodec, load_codec
 from trainer.server.engines import LocalNcclMixin
+from trainer.server.fatal import FatalEngineError
 from trainer.server.protocol import RolloutInferRequestIn
 from trainer.sync.update_check import (
     TensorSpec,
@@ -72,7 +75,7 @@ class ScriptedEngine(LocalNcclMixin):
 
     def __init__(self, model_dir: str | Path | None = None, responses: dict[str, str | list[int]] | None = None,
                  delay_s: float = 0.0, enable_lora: bool = True, spec: dict[str, TensorSpec] | None = None,
-                 dtype: torch.dtype | None = None, allow_dtype_cast: bool = False):
+                 dtype: torch.dtype | None = None, allow_dtype_cast: bool = False, die_after_calls: int | None = None):
         self.codec: PromptCodec | ByteCodec = load_codec(model_dir) if model_dir else ByteCodec()
         self.model_name = str(model_dir) if model_dir else "scripted"
         self.responses = dict(responses or {})
@@ -99,6 +102,7 @@ class ScriptedEngine(LocalNcclMixin):
         self.adapter_version: str | None = None
         self.updates: list[dict[str, Any]] = []
         self.generate_calls = 0
+        self.die_after_calls = die_after_calls
 
     @property
     def weights_version(self) -> str:
@@ -124,6 +128,9 @@ class ScriptedEngine(LocalNcclMixin):
 
     def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
         self.generate_calls += 1
+        if self.die_after_calls is not None and self.generate_calls > self.die_after_calls:
+            raise FatalEngineError(f"scripted engine died at generate call {self.generate_calls} (fault injection: "
+                                   f"die_after_calls={self.die_after_calls})")
         if self.delay_s:
             time.sleep(self.delay_s)
         results = []
