@@ -16,6 +16,9 @@ One module per benchmark, all building their random-weight models with ``trainer
   ``--quick``: 1 and 4 MiB);
 * ``data``: dataset start-up at 1M records, the eager list of samples vs the line-offset index: seconds and peak
   RSS (``data.json`` / ``.png``; CPU; ``--quick``: 2,000 records; ``trainer.bench.data``);
+* ``swift-peers``: ms-swift peers on one GPU, our client against the real ``swift rollout`` and ``swift rlhf``
+  (GRPO, server mode) against our server, protocol findings and every log (``swift_peers.json`` + ``logs/``; GPU;
+  ``trainer.bench.swift_peers``, also ``python -m trainer.bench.swift_peers --out DIR [--only rollout|rlhf]``);
 * ``scale``: whole stage-2 steps at Qwen3-VL 2B / 4B / 8B (random weights, 1024x1024 images, 40-80 objects), vLLM
   colocate, per-phase seconds, peak memory and MFU (``scale.json`` / ``.png``; GPU; ``trainer.bench.scale``).
 
@@ -29,7 +32,8 @@ import argparse
 import json
 from pathlib import Path
 
-ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async", "inband", "scale", "data")
+ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async", "inband", "scale", "data",
+        "swift-peers")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +58,11 @@ def run(args: argparse.Namespace) -> int:
         from trainer.bench.scale import run as run_scale
 
         run_scale(Path(args.out), quick=args.quick)
+        return 0
+    if getattr(args, "only", "all") == "swift-peers":  # GPU: our client vs swift rollout, swift rlhf vs our server
+        from trainer.bench.swift_peers import run as run_swift_peers
+
+        run_swift_peers(Path(args.out))
         return 0
     if getattr(args, "only", "all") == "inband":  # CPU: learner -> scripted server subprocess over loopback HTTP
         from trainer.bench.inband import QUICK_SIZES_MIB, SIZES_MIB

@@ -1,0 +1,189 @@
+"""CPU side of ``trainer.bench.swift_peers`` (the one-GPU ms-swift peers check): the command lines it builds, the
+JSON / log helpers, the timeout-and-kill helper on real subprocesses, our client subprocess against a scripted
+server, and ``swift rollout`` parsing the random model directory up to its device check (it needs a GPU past it).
+The GPU run itself: ``python -m trainer.bench.swift_peers --out DIR`` (docs/VLLM_ROLLOUTS.md, "Peers check on one GPU")."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.bench import swift_peers as sp
+
+MODEL = Path("/nonexistent/peers-model")
+
+
+def _after(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_swift_rollout_argv_has_server_flags_and_model_dir():
+    argv = sp.rollout_argv(MODEL, 8123)
+    assert argv[0] == sys.executable and argv[1].endswith(os.path.join("swift", "cli", "rollout.py"))
+    assert _after(argv, "--model") == str(MODEL)
+    assert _after(argv, "--host") == "127.0.0.1" and _after(argv, "--port") == "8123"
+    assert _after(argv, "--vllm_gpu_memory_utilization") == "0.3"
+    assert _after(argv, "--vllm_max_model_len") == "2048"
+    assert _after(argv, "--vllm_enforce_eager") == "true"
+    assert _after(argv, "--vllm_data_parallel_size") == "1" and _after(argv, "--vllm_tensor_parallel_size") == "1"
+    assert _after(argv, "--model_type") == "qwen3" and _after(argv, "--template") == sp.TEMPLATE
+
+
+def test_trainer_serve_argv():
+    argv = sp.serve_argv(MODEL, 8124)
+    assert argv[:5] == [sys.executable, "-m", "trainer", "serve", "--engine"] and argv[5] == "vllm"
+    assert _after(argv, "--model") == str(MODEL) and _after(argv, "--port") == "8124"
+    assert _after(argv, "--max-model-len") == "2048" and _after(argv, "--gpu-memory-utilization") == "0.3"
+    assert "--enforce-eager" in argv and _after(argv, "--dtype") == "bfloat16"
+
+
+def test_swift_rlhf_argv_from_the_summary_config(tmp_path):
+    cfg = sp.grpo_config(tmp_path, MODEL, 8124, 51300)
+    argv, env = sp.rlhf_command(cfg)
+    assert argv[:4] == [sys.executable, "-m", "swift.cli.main", "rlhf"]
+    assert _after(argv, "--model") == str(MODEL)
+    assert _after(argv, "--rlhf_type") == "grpo"
+    assert _after(argv, "--use_vllm") == "true" and _after(argv, "--vllm_mode") == "server"
+    assert _after(argv, "--vllm_server_host") == "127.0.0.1" and _after(argv, "--vllm_server_port") == "8124"
+    assert _after(argv, "--vllm_server_group_port") == "51300"
+    assert _after(argv, "--max_steps") == "2" and _after(argv, "--model_type") == "qwen3"
+    assert "summary.attr_key_recall" in argv  # the rewards of summary_1024_attr_key_recall.yaml, via our plugin
+    assert _after(argv, "--external_plugins").endswith("swift_plugin.py")
+    assert env["NPROC_PER_NODE"] == "1"
+    rows = [json.loads(x) for x in Path(_after(argv, "--dataset")).read_text().splitlines()]
+    assert rows and all("images" not in r and "<image>" not in r["messages"][-1]["content"] for r in rows)
+
+
+def test_swift_cli_dispatch_matches_swift_main():
+    pytest.importorskip("swift", reason="ms-swift is not installed (make setup installs it via mk/grpo.mk)")
+    from swift.cli.main import ROUTE_MAPPING
+
+    assert ROUTE_MAPPING["rollout"] == "swift.cli.rollout" and ROUTE_MAPPING["rlhf"] == "swift.cli.rlhf"
+    assert Path(sp.swift_cli("rollout")[1]).is_file()
+
+
+def test_write_json_and_log_readers(tmp_path):
+    path = tmp_path / "d" / "swift_peers.json"
+    sp.write_json(path, {"a": 1, "p": Path("/x")})
+    sp.write_json(path, {"a": 2})
+    assert json.loads(path.read_text()) == {"a": 2} and not list(path.parent.glob("*.tmp"))
+    log = ('INFO:     127.0.0.1:5 - "GET /health/ HTTP/1.1" 200 OK\n'
+           'INFO:     127.0.0.1:5 - "POST /update_adapter_param/ HTTP/1.1" 404 Not Found\n'
+           'INFO:     127.0.0.1:5 - "POST /update_adapter_param/ HTTP/1.1" 404 Not Found\n')
+    reqs = sp.access_log(log)
+    assert reqs[0] == {"method": "GET", "path": "/health/", "status": 200} and len(reqs) == 3
+    found = sp.non_2xx(reqs, "rlhf", "our server")
+    assert len(found) == 1 and "POST /update_adapter_param/ with HTTP 404 (2x)" in found[0]["detail"]
+    tb = "noise\nTraceback (most recent call last):\n  File x\nRuntimeError: NCCL error: invalid usage\n"
+    assert sp.error_excerpt(tb).startswith("Traceback") and "invalid usage" in sp.error_excerpt(tb)
+    assert sp.nccl_lines("a\nNCCL WARN Duplicate GPU detected\nb") == ["NCCL WARN Duplicate GPU detected"]
+    swift = {"GET /get_world_size/": {"status": 200, "shape": {"world_size": "int"}},
+             "POST /infer/": {"status": 200, "shape": [{"response": {"choices": "list"}}]}}
+    ours = {"GET /get_world_size/": {"status": 200, "shape": {"world_size": "int"}},
+            "POST /infer/": {"status": 422, "shape": {"detail": "str"}}}
+    diff = sp.compare_probes(swift, ours)
+    assert [d["detail"] for d in diff] == ["POST /infer/: swift rollout HTTP 200, ours HTTP 422"]
+    result = {"rollout": {"server": {"requests": reqs}, "failed": {"generate": "x: /infer/ answered HTTP 500: boom"}},
+              "static_routes": {"only_swift": ["POST /update_adapter_param/"]}}
+    kinds = sorted(f["kind"] for f in sp.findings(result))
+    assert kinds == ["client", "route", "status"]
+
+
+def test_static_routes_read_both_sources():
+    pytest.importorskip("swift", reason="ms-swift is not installed (make setup installs it via mk/grpo.mk)")
+    routes = sp.static_routes()
+    assert "POST /init_communicator/" in routes["swift_rollout"] and "POST /infer/" in routes["swift_rollout"]
+    assert "GET /rm/info/" in routes["only_ours"]  # ours only: the in-band / torch-NCCL extensions
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its (dead) parent's reaper counts as gone
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_timeout_kills_the_whole_process_group(tmp_path):
+    pids = tmp_path / "pids"
+    script = ("import os, subprocess, sys, time\n"
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}')\n"
+              "print('started', flush=True)\n"
+              "time.sleep(120)\n")
+    t0 = time.monotonic()
+    rec = sp.run_logged([sys.executable, "-c", script], tmp_path / "logs" / "sleeper.log", timeout_s=3)
+    assert time.monotonic() - t0 < 30
+    assert rec["timed_out"] and rec["rc"] == -signal.SIGTERM and "started" in (tmp_path / "logs/sleeper.log").read_text()
+    parent, child = (int(x) for x in pids.read_text().split())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(parent) and not _alive(child)
+
+
+def test_sigterm_ignored_gets_sigkill(tmp_path):
+    script = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(60)\n"
+    peer = sp.Peer([sys.executable, "-c", script], tmp_path / "stubborn.log")
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    sp.kill_group(peer.proc, grace_s=1.0)
+    assert peer.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 10
+
+
+def test_failed_command_records_rc_and_error(tmp_path):
+    rec = sp.run_logged([sys.executable, "-c", "import sys; print('hello'); raise SystemExit('it broke')"],
+                        tmp_path / "fail.log", timeout_s=30)
+    assert rec["rc"] == 1 and not rec["timed_out"] and "it broke" in rec["error"]
+    assert rec["log"] == "logs/fail.log" and "-c" in rec["command"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    import torch
+
+    from trainer.bench.async_vllm import CPU_SHAPE
+    from trainer.bench.vllm import save_random_model_dir
+
+    return save_random_model_dir(tmp_path_factory.mktemp("peers") / "model", CPU_SHAPE, dtype=torch.float32)
+
+
+@pytest.mark.slow
+def test_client_subprocess_against_a_scripted_server(tmp_path, tiny_model_dir):
+    """The rollout direction's client, end to end against our scripted server: every stage lands in the result
+    file; the NCCL sync fails on CPU (pynccl needs CUDA, or vLLM is absent) and that is recorded, not raised."""
+    from trainer.launch.health import serve_subprocess
+
+    with serve_subprocess("--engine", "scripted", "--model", str(tiny_model_dir), timeout_s=120) as (url, _, _):
+        res = tmp_path / "client.json"
+        rec = sp.run_logged(sp.client_argv(url, tiny_model_dir, res, "all"), tmp_path / "client.log", timeout_s=240)
+    assert rec["rc"] == 0, (tmp_path / "client.log").read_text()[-3000:]
+    stages = json.loads(res.read_text())
+    assert stages["connect_health"]["ok"] and stages["engine_type"]["ok"], stages
+    gen = stages["generate"]
+    assert gen["ok"] and gen["n"] == sp.BATCH and all(1 <= n <= sp.NEW_TOKENS for n in gen["response_lengths"]), gen
+    assert not stages["sync_nccl"]["ok"] and stages["sync_nccl"]["error"], stages["sync_nccl"]
+    assert stages["generate_fresh_client"]["ok"], stages
+
+
+@pytest.mark.slow
+def test_swift_rollout_accepts_the_model_dir_up_to_its_device_check(tmp_path, tiny_model_dir):
+    """The real ``swift rollout`` command line: argument parsing, model_type and template lookup pass on this
+    directory; on a machine without a GPU it stops at its device count (the run needs the GPU from there)."""
+    pytest.importorskip("swift", reason="ms-swift is not installed (make setup installs it via mk/grpo.mk)")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the GPU run (python -m trainer.bench.swift_peers) covers swift rollout")
+    rec = sp.run_logged(sp.rollout_argv(tiny_model_dir, sp.free_port()), tmp_path / "swift_rollout.log",
+                        timeout_s=240, env=sp.peer_env())
+    log = (tmp_path / "swift_rollout.log").read_text()
+    assert rec["rc"] == 1 and "local_device_count (0)" in rec["error"], log[-3000:]
+    assert "Setting args.lazy_tokenize" in log  # RolloutArguments got past model/template resolution

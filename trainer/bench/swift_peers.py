@@ -1,0 +1,719 @@
+"""ms-swift peers on one GPU (issue 28 item 3): our code against the real ms-swift processes, both directions.
+
+``python -m trainer.bench.swift_peers --out DIR [--only rollout|rlhf]`` (or ``python -m trainer bench --only
+swift-peers --out DIR``) writes ``DIR/swift_peers.json`` and keeps every subprocess's full log in ``DIR/logs/``:
+
+* ``rollout``: the real ``swift rollout`` (built by our launcher, ``trainer.launch.commands.swift_rollout_command``)
+  on a small random-weight Qwen3 text model, driven by OUR client (``ServerRolloutEngine``, in a subprocess of its
+  own): ``/health/``, the engine-type probe, a batch of 8 requests x 64 new tokens, a full weight sync through
+  ``sync.transport: nccl`` (the only transport ``swift rollout`` has), a generate after it (same client, then a
+  fresh one);
+* ``rlhf``: ms-swift's GRPO trainer (``swift rlhf``, argv built by our launcher from
+  ``configs/summary_1024_attr_key_recall.yaml`` shrunk to the tiny model, ``use_vllm: true``, ``vllm_mode: server``)
+  against OUR server (``python -m trainer serve --engine vllm``), 2 steps.
+
+On one GPU the NCCL weight sync puts two ranks on the same device, which NCCL refuses; whatever happens is recorded
+(error text, log excerpts), never hidden. ``protocol_findings`` lists what the peers did that disagrees with our
+protocol code: non-2xx answers in either server's access log, endpoint answers whose fields differ between
+``swift rollout`` and our server, and routes one server has and the other lacks.
+
+Never hangs: every subprocess runs in its own session with a timeout and its whole process group is killed at the
+end; one global deadline (``BUDGET_S``, under 8 minutes) bounds the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+BUDGET_S = 460.0  # the whole run, both directions (the brief: under 8 minutes)
+ROLLOUT_SHARE = 0.5  # of the budget when both directions run
+HOST = "127.0.0.1"
+MODEL_TYPE = "qwen3"
+TEMPLATE = "qwen3_nothinking"  # as tests/grpo/test_swift_grpo_cpu.py: the tiny tokenizer's chat template, no <think>
+BATCH = 8
+NEW_TOKENS = 64
+SUMMARY_CONFIG = "configs/summary_1024_attr_key_recall.yaml"
+REPO = Path(__file__).resolve().parents[2]
+_ACCESS = re.compile(r'"(GET|POST|PUT|DELETE|PATCH) (\S+) HTTP/[\d.]+" (\d{3})')
+
+
+# -- subprocess plumbing -----------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def swift_cli(route: str) -> list[str]:
+    """``swift <route>`` without the console script: ``swift.cli.main`` runs ``sys.executable <swift/cli/<route>.py>``
+    (``torch.distributed.run`` first when ``NPROC_PER_NODE`` is set, for pt/sft/rlhf/infer). ``rollout`` is exec'd as
+    that file (what ``swift rollout`` ends up running); ``rlhf`` goes through ``swift.cli.main`` so the torchrun
+    wrapping stays the console script's."""
+    if route == "rlhf":
+        return [sys.executable, "-m", "swift.cli.main", "rlhf"]
+    spec = importlib.util.find_spec(f"swift.cli.{route}")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(f"swift.cli.{route} (ms-swift not installed?)")
+    return [sys.executable, spec.origin]
+
+
+def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS", ""), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "USE_HF": "1"}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NPROC_PER_NODE", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(extra or {})
+    return env
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we cannot signal (should not happen): treat as alive
+        return True
+    return True
+
+
+def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group of ``proc`` (started in its own session), SIGKILL what is left after ``grace_s``,
+    then wait up to ``grace_s`` for the group to be empty (its GPU memory freed)."""
+    pgid = proc.pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not _group_alive(pgid):
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end:
+            proc.poll()  # reap the leader, or it stays a zombie member of the group
+            if not _group_alive(pgid):
+                break
+            time.sleep(0.2)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(2)
+
+
+class Peer:
+    """One subprocess in its own session, output (stdout + stderr) to ``log``; ``stop()`` kills its whole group."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None):
+        self.argv = [str(a) for a in argv]
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = log.open("wb")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.argv, stdout=self._fh, stderr=subprocess.STDOUT, env=env or peer_env(),
+                                     cwd=cwd, start_new_session=True, stdin=subprocess.DEVNULL)
+        self.wall_s: float | None = None
+        self.timed_out = False
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            self.proc.wait(max(timeout_s, 0.0))
+        except subprocess.TimeoutExpired:
+            self.timed_out = True
+        return self.stop()
+
+    def stop(self) -> int | None:
+        if self.wall_s is None:
+            self.wall_s = round(time.monotonic() - self.t0, 2)
+        kill_group(self.proc)
+        self._fh.close()
+        return self.proc.returncode
+
+    def record(self) -> dict[str, Any]:
+        return {"command": shlex.join(self.argv), "rc": self.proc.returncode, "wall_s": self.wall_s,
+                "timed_out": self.timed_out, "log": f"logs/{self.log.name}"}
+
+
+def run_logged(argv: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> dict[str, Any]:
+    """Run ``argv`` to completion or ``timeout_s`` (then its group is killed); the record of ``Peer``."""
+    p = Peer(argv, log, env, cwd)
+    p.wait(timeout_s)
+    out = p.record()
+    if out["rc"] != 0 or p.timed_out:
+        out["error"] = error_excerpt(log.read_text(errors="replace"))
+    return out
+
+
+def wait_health(url: str, peer: Peer, timeout_s: float) -> dict[str, Any]:
+    """Poll ``url/health/`` until 200, the peer exits, or ``timeout_s``."""
+    import httpx
+
+    t0 = time.monotonic()
+    last = "not polled"
+    with httpx.Client(timeout=5.0, trust_env=False) as c:
+        while True:
+            try:
+                r = c.get(url + "/health/")
+                if r.status_code == 200:
+                    return {"ok": True, "seconds": round(time.monotonic() - t0, 2), "body": _json_or_text(r)}
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                last = type(exc).__name__
+            if peer.proc.poll() is not None:
+                return {"ok": False, "seconds": round(time.monotonic() - t0, 2),
+                        "error": f"server exited with code {peer.proc.returncode} before /health/ answered: "
+                                 + error_excerpt(peer.log.read_text(errors="replace"))}
+            if time.monotonic() - t0 >= timeout_s:
+                return {"ok": False, "seconds": round(time.monotonic() - t0, 2),
+                        "error": f"/health/ not 200 after {timeout_s:.0f}s (last: {last})"}
+            time.sleep(1.0)
+
+
+# -- reading logs and answers ------------------------------------------------------------------------------------------
+def error_excerpt(text: str, limit: int = 4000) -> str:
+    """The last traceback of ``text`` (with the lines that follow it), else its last error-looking lines, else its
+    tail; at most ``limit`` characters."""
+    i = text.rfind("Traceback (most recent call last)")
+    if i >= 0:
+        return text[i:][-limit:]
+    lines = [ln for ln in text.splitlines() if re.search(r"error|exception|fail|NCCL WARN|refus", ln, re.I)]
+    return ("\n".join(lines[-30:]) if lines else text[-limit:])[-limit:]
+
+
+def nccl_lines(text: str, limit: int = 40) -> list[str]:
+    keep = [ln.strip()[:400] for ln in text.splitlines()
+            if re.search(r"NCCL|nccl|Duplicate GPU|ncclInvalidUsage|init_communicator|communicator", ln)]
+    return keep[-limit:]
+
+
+def access_log(text: str) -> list[dict[str, Any]]:
+    """uvicorn access lines ``"POST /infer/ HTTP/1.1" 200`` → method, path, status (in order)."""
+    return [{"method": m, "path": p, "status": int(s)} for m, p, s in _ACCESS.findall(text)]
+
+
+def non_2xx(requests: list[dict[str, Any]], direction: str, server: str) -> list[dict[str, Any]]:
+    seen: dict[tuple[str, str, int], int] = {}
+    for r in requests:
+        if not 200 <= r["status"] < 300:
+            key = (r["method"], r["path"], r["status"])
+            seen[key] = seen.get(key, 0) + 1
+    return [{"direction": direction, "kind": "status", "detail": f"{server} answered {m} {p} with HTTP {s} ({n}x)"}
+            for (m, p, s), n in seen.items()]
+
+
+def _json_or_text(r) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return r.text[:2000]
+
+
+def _shape(value: Any, depth: int = 3) -> Any:
+    """Field names (recursively, first list item) of a JSON answer: what the protocol comparison looks at."""
+    if depth <= 0:
+        return type(value).__name__
+    if isinstance(value, dict):
+        return {k: _shape(v, depth - 1) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        return [_shape(value[0], depth - 1)] if value else []
+    return type(value).__name__
+
+
+def probe_endpoints(url: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Raw answers (status, body, field shape) of the endpoints our client and ms-swift's client call before any
+    sync: ``/health/``, ``/get_world_size/``, ``/get_engine_type/``, ``/get_model_state_keys/``, one ``/infer/``
+    (our request body, ``return_details``) and ``/close_communicator/`` with no communicator open."""
+    import httpx
+
+    from trainer.rollout.server_client import infer_request, request_config
+    from trainer.rollout.types import DecodingParams, RolloutRequest
+
+    req = RolloutRequest("probe-0", ({"role": "user", "content": "probe"},), ())
+    calls = [("GET", "/health/", None), ("GET", "/get_world_size/", None), ("POST", "/get_engine_type/", None),
+             ("GET", "/get_model_state_keys/", None),
+             ("POST", "/infer/", {"infer_requests": [infer_request(req)],
+                                  "request_config": request_config(DecodingParams(max_new_tokens=4)),
+                                  "metrics": None, "use_tqdm": None, "adapter_request": None}),
+             ("POST", "/close_communicator/", None)]
+    out: dict[str, Any] = {}
+    with httpx.Client(timeout=timeout_s, trust_env=False) as c:
+        for method, path, body in calls:
+            try:
+                r = c.request(method, url + path, json=body)
+                answer = _json_or_text(r)
+                if path == "/get_model_state_keys/" and isinstance(answer, dict):
+                    keys = answer.get("keys") or []
+                    answer = {**answer, "keys": keys[:5] + (["…"] if len(keys) > 5 else [])}
+                out[f"{method} {path}"] = {"status": r.status_code, "shape": _shape(answer),
+                                           "body": answer if path != "/infer/" else None}
+            except httpx.HTTPError as exc:
+                out[f"{method} {path}"] = {"status": None, "error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def compare_probes(swift: dict[str, Any], ours: dict[str, Any]) -> list[dict[str, Any]]:
+    """Where our server answers an endpoint differently from ``swift rollout`` (status code or field shape)."""
+    found = []
+    for key in sorted(set(swift) & set(ours)):
+        a, b = swift[key], ours[key]
+        if a.get("status") != b.get("status"):
+            found.append({"direction": "both", "kind": "status",
+                          "detail": f"{key}: swift rollout HTTP {a.get('status')}, ours HTTP {b.get('status')}"})
+        elif a.get("shape") != b.get("shape"):
+            found.append({"direction": "both", "kind": "fields", "detail": f"{key}: answers differ in shape",
+                          "swift": a.get("shape"), "ours": b.get("shape")})
+    return found
+
+
+def _routes(source: str, pattern: str) -> set[str]:
+    return {f"{m.upper()} {p}" for m, p in re.findall(pattern, source)}
+
+
+def static_routes() -> dict[str, Any]:
+    """Routes ``swift rollout`` registers (its source) vs routes our server registers (``trainer/server/app.py``)."""
+    out: dict[str, Any] = {}
+    spec = importlib.util.find_spec("swift")
+    ours = _routes((REPO / "trainer/server/app.py").read_text(), r"@app\.(get|post)\(\"([^\"]+)\"")
+    if spec is None or not spec.submodule_search_locations:
+        return {"error": "ms-swift not installed"}
+    src = Path(list(spec.submodule_search_locations)[0]) / "pipelines/infer/rollout.py"
+    if not src.is_file():
+        return {"error": f"{src} not found"}
+    swift = _routes(src.read_text(), r"self\.app\.(get|post)\('([^']+)'")
+    out["swift_rollout"] = sorted(swift)
+    out["only_swift"] = sorted(swift - ours)
+    out["only_ours"] = sorted(ours - swift)
+    return out
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomically (write + rename), so a killed run leaves the last complete file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+# -- direction (a): our client against swift rollout ---------------------------------------------------------------------
+def rollout_argv(model_dir: Path, port: int) -> list[str]:
+    """``swift rollout`` as our launcher builds it (one GPU, tiny model), with ``swift`` replaced by its module."""
+    from trainer.launch.commands import ServerOptions, swift_rollout_command
+
+    cmd = swift_rollout_command(ServerOptions(
+        engine="swift", host=HOST, port=port, model=str(model_dir), tensor_parallel_size=1, data_parallel_size=1,
+        gpu_memory_utilization=0.3, max_model_len=2048, model_type=MODEL_TYPE, template=TEMPLATE,
+        extra=["--vllm_enforce_eager", "true", "--torch_dtype", "bfloat16"]))
+    assert cmd.argv[:2] == ["swift", "rollout"], cmd.argv
+    return swift_cli("rollout") + cmd.argv[2:]
+
+
+def client_argv(url: str, model_dir: Path, result: Path, stage: str) -> list[str]:
+    return [sys.executable, "-m", "trainer.bench.swift_peers", "--client", url, "--model", str(model_dir),
+            "--result", str(result), "--stage", stage]
+
+
+def run_rollout(out: Path, model_dir: Path, deadline: float, result: dict[str, Any], save) -> None:
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    r: dict[str, Any] = result.setdefault("rollout", {"worked": [], "failed": {}})
+    argv = rollout_argv(model_dir, port)
+    server = Peer(argv, out / "logs/swift_rollout.log")
+    r["server"] = {"command": shlex.join(argv)}
+    try:
+        health = wait_health(url, server, min(240.0, deadline - time.monotonic() - 20))
+        r["server"]["health"] = health
+        save()
+        if not health["ok"]:
+            r["failed"]["server_start"] = health["error"]
+            return
+        r["worked"].append("server_start")
+        r["probes"] = probe_endpoints(url)
+        save()
+        res = out / "logs/rollout_client.json"
+        left = deadline - time.monotonic() - 15
+        r["client"] = run_logged(client_argv(url, model_dir, res, "all"), out / "logs/rollout_client.log",
+                                 min(200.0, left * 0.8))
+        stages = json.loads(res.read_text()) if res.is_file() else {}
+        r["client"]["stages"] = stages
+        if r["client"]["timed_out"]:
+            r["failed"]["client"] = (f"client subprocess killed after {r['client']['wall_s']}s; stages finished: "
+                                     f"{sorted(stages)}")
+        if not stages.get("generate_fresh_client", {}).get("ok"):  # the first client died or hung before it
+            res2 = out / "logs/rollout_client_retry.json"
+            r["client_retry"] = run_logged(client_argv(url, model_dir, res2, "generate"),
+                                           out / "logs/rollout_client_retry.log",
+                                           min(60.0, deadline - time.monotonic() - 12))
+            r["client_retry"]["stages"] = json.loads(res2.read_text()) if res2.is_file() else {}
+            if "generate_fresh_client" not in r["client_retry"]["stages"]:
+                r["client_retry"]["stages"]["generate_fresh_client"] = {
+                    "ok": False, "error": f"no answer (client rc {r['client_retry']['rc']}, timed out: "
+                                          f"{r['client_retry']['timed_out']}); see logs/rollout_client_retry.log"}
+        for src in (stages, r.get("client_retry", {}).get("stages", {})):
+            for name, st in src.items():
+                if isinstance(st, dict) and "ok" in st:
+                    (r["worked"].append(name) if st["ok"] else r["failed"].__setitem__(name, st.get("error")))
+    finally:
+        server.stop()
+        r["server"].update({k: v for k, v in server.record().items() if k != "command"})
+        text = server.log.read_text(errors="replace")
+        r["server"]["nccl_lines"] = nccl_lines(text)
+        r["server"]["requests"] = access_log(text)
+        if server.proc.returncode not in (0, -signal.SIGTERM, None) and "server_start" not in r["worked"]:
+            r["server"]["error"] = error_excerpt(text)
+        save()
+
+
+# -- the client subprocess of direction (a) ------------------------------------------------------------------------------
+def _within(seconds: float, fn):
+    """``fn()`` in a daemon thread; (value, error, hung) with hung=True when it did not return in ``seconds``."""
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - recorded
+            box["error"] = f"{type(exc).__name__}: {exc}"
+            box["trace"] = traceback.format_exc()[-4000:]
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        return None, f"did not return within {seconds:.0f}s (hung)", True
+    return box.get("value"), box.get("error"), False
+
+
+def client_main(url: str, model_dir: Path, result_path: Path, stage: str) -> int:
+    """Our ``ServerRolloutEngine`` against ``url``; every stage is saved to ``result_path`` as soon as it ends, and
+    the process leaves with ``os._exit`` (a half-initialised NCCL communicator must not block the exit)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.rollout.server_client import ServerEndpoint, ServerRolloutEngine
+    from trainer.rollout.types import DecodingParams, RolloutRequest
+
+    res: dict[str, Any] = {}
+
+    def save():
+        write_json(result_path, res)
+
+    def stage_run(name: str, fn, seconds: float = 90.0):
+        t0 = time.perf_counter()
+        value, err, hung = _within(seconds, fn)
+        res[name] = {"ok": err is None, "seconds": round(time.perf_counter() - t0, 3), **(value or {})}
+        if err:
+            res[name]["error"] = err
+        if hung:
+            res[name]["hung"] = True
+        save()
+        return err is None
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    reqs = []
+    for i in range(BATCH):
+        msgs = ({"role": "user", "content": f"Describe scene {i}: a red box left of {i + 2} blue spheres."},)
+        ids = tok.apply_chat_template(list(msgs), add_generation_prompt=True, tokenize=False)
+        reqs.append(RolloutRequest(f"peer-{i}", msgs, tuple(tok.encode(ids, add_special_tokens=False))))
+    params = DecodingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+    state: dict[str, Any] = {}
+
+    def connect():
+        state["engine"] = ServerRolloutEngine([ServerEndpoint(url)], timeout_s=60.0, infer_timeout_s=120.0,
+                                              transport="nccl", group_port=free_port(), max_retries=0)
+        return {"world_size_client": state["engine"].world_size}
+
+    def engine_type():
+        return {"engine_types": state["engine"].engine_types(),
+                "supports_adapter_sync": state["engine"].supports_adapter_sync()}
+
+    def generate(engine_key: str = "engine", tag: str = "first"):
+        def go():
+            out = state[engine_key].generate(reqs, params)
+            state[tag] = [r.response_token_ids for r in out]
+            lens = [len(r.response_token_ids) for r in out]
+            problems = [f"sample {r.sample_id}: {len(r.response_token_ids)} tokens" for r in out
+                        if not 1 <= len(r.response_token_ids) <= NEW_TOKENS]
+            problems += [f"sample {q.sample_id} answered as {r.sample_id}" for q, r in zip(reqs, out)
+                         if q.sample_id != r.sample_id]
+            problems += [f"sample {r.sample_id}: token id {t} outside vocab" for r in out
+                         for t in r.response_token_ids[:1] if not 0 <= t < 1 << 20]
+            if problems:
+                raise AssertionError("; ".join(problems))
+            return {"n": len(out), "response_lengths": lens, "finish_reasons": [r.finish_reason for r in out],
+                    "prompt_lengths": [len(r.prompt_token_ids) for r in out],
+                    "prompt_ids_match_local_chat_template": [r.prompt_token_ids == q.prompt_token_ids
+                                                             for q, r in zip(reqs, out)],
+                    "first_response_ids": list(out[0].response_token_ids[:16]),
+                    "same_as_first_generate": (None if tag == "first" or "first" not in state
+                                               else state[tag] == state["first"])}
+        return go
+
+    def sync():
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
+        model.to(dev)
+        g = torch.Generator(device="cpu").manual_seed(1)
+        with torch.no_grad():  # a visible change: decoding after a working sync differs from the first generate
+            for p in model.parameters():
+                p.add_((torch.randn(p.shape, generator=g) * 0.05).to(p))
+        t0 = time.perf_counter()
+        try:
+            state["engine"].sync_full(model)
+        finally:
+            state["sync_s"] = time.perf_counter() - t0
+        t = state["engine"]._transport
+        return {"transport": getattr(t, "name", None), "backend": getattr(t, "backend", None),
+                "last_push": getattr(t, "last_push", None), "quarantined": sorted(state["engine"].quarantined)}
+
+    def fresh():
+        state["engine2"] = ServerRolloutEngine([ServerEndpoint(url)], timeout_s=30.0, infer_timeout_s=120.0,
+                                               transport="inband", max_retries=0)
+        return generate("engine2", "fresh")()
+
+    try:
+        if stage == "generate":
+            stage_run("generate_fresh_client", fresh, 90.0)
+            return 0
+        if not stage_run("connect_health", connect, 75.0):
+            return 0
+        stage_run("engine_type", engine_type, 30.0)
+        stage_run("generate", generate(), 120.0)
+        synced = stage_run("sync_nccl", sync, 75.0)
+        if not synced and "engine" in state:
+            res["sync_nccl"]["quarantined_after"] = sorted(state["engine"].quarantined)
+            save()
+        if not res["sync_nccl"].get("hung"):
+            stage_run("generate_after_sync_same_client", generate("engine", "after"), 90.0)
+            stage_run("generate_fresh_client", fresh, 90.0)
+        return 0
+    finally:
+        save()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+# -- direction (b): swift rlhf GRPO against our server -------------------------------------------------------------------
+def serve_argv(model_dir: Path, port: int) -> list[str]:
+    """Our server as our launcher builds it (``trainer.launch.commands.trainer_serve_command``)."""
+    from trainer.launch.commands import ServerOptions, trainer_serve_command
+
+    return trainer_serve_command(ServerOptions(
+        engine="vllm", host=HOST, port=port, model=str(model_dir), gpu_memory_utilization=0.3, max_model_len=2048,
+        extra=["--enforce-eager", "--dtype", "bfloat16"])).argv
+
+
+def text_rows(src: Path, dst: Path) -> Path:
+    """The summary rows without images (a text model), as in ``tests/grpo/test_swift_grpo_cpu.py``."""
+    with dst.open("w", encoding="utf-8") as out:
+        for line in src.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            row.pop("images", None)
+            row["messages"][-1]["content"] = row["messages"][-1]["content"].replace("<image>", "")
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return dst
+
+
+def grpo_config(work: Path, model_dir: Path, port: int, group_port: int, *, bf16: bool = True,
+                max_steps: int = 2) -> Path:
+    """``summary_1024_attr_key_recall.yaml`` shrunk to the tiny model, one learner, server mode on ``port``."""
+    import yaml
+
+    from trainer.grpo.summary_data import write_dataset
+
+    rows = text_rows(write_dataset(work / "summary_data", num_samples=16, seed=3), work / "text.jsonl")
+    cfg = work / "peers_grpo.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "extends": str(REPO / SUMMARY_CONFIG),
+        "model": {"path": str(model_dir), "torch_dtype": "bfloat16" if bf16 else "float32"},
+        "data": {"train_jsonl": str(rows)},
+        "training": {"output_dir": str(work / "grpo_out"), "bf16": bf16, "deepspeed": None,
+                     "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": max_steps,
+                     "save_steps": 0, "gradient_checkpointing": False, "report_to": []},
+        "rlhf": {"model_type": MODEL_TYPE, "template": TEMPLATE, "use_vllm": True, "vllm_mode": "server",
+                 "vllm_server_host": [HOST], "vllm_server_port": [port], "vllm_server_group_port": [group_port],
+                 "vllm_server_timeout": 60, "num_generations": 2, "generation_batch_size": 4,
+                 "max_completion_length": NEW_TOKENS, "max_length": 1024, "dynamic_sample": False},
+        "custom": {"extra": {"rollout_server": {"vllm_data_parallel_size": 1, "vllm_tensor_parallel_size": 1,
+                                                "vllm_max_model_len": 2048, "vllm_gpu_memory_utilization": 0.3,
+                                                "vllm_limit_mm_per_prompt": None, "gpus": None,
+                                                "learner_gpus": None}}},
+    }, allow_unicode=True))
+    return cfg
+
+
+def rlhf_command(cfg_path: Path) -> tuple[list[str], dict[str, str]]:
+    """``swift rlhf`` argv + env exactly as ``python -m trainer launch learner`` builds it (one process), with
+    ``swift`` replaced by ``python -m swift.cli.main``."""
+    from trainer.config.loader import resolve_yaml
+    from trainer.config.schema import validate_config
+    from trainer.launch.commands import learner_command
+
+    config = validate_config(resolve_yaml(cfg_path), source=str(cfg_path))
+    cmd = learner_command(str(cfg_path), config, nproc=1, gpus=None)
+    assert cmd.argv[:2] == ["swift", "rlhf"], cmd.argv
+    return swift_cli("rlhf") + cmd.argv[2:], dict(cmd.env)
+
+
+def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: dict[str, Any], save) -> None:
+    port, group_port = free_port(), free_port()
+    url = f"http://{HOST}:{port}"
+    r: dict[str, Any] = result.setdefault("rlhf", {"worked": [], "failed": {}})
+    argv = serve_argv(model_dir, port)
+    server = Peer(argv, out / "logs/trainer_serve.log")
+    r["server"] = {"command": shlex.join(argv)}
+    try:
+        health = wait_health(url, server, min(200.0, deadline - time.monotonic() - 40))
+        r["server"]["health"] = health
+        save()
+        if not health["ok"]:
+            r["failed"]["server_start"] = health["error"]
+            return
+        r["worked"].append("server_start")
+        r["probes"] = probe_endpoints(url)
+        save()
+        cfg = grpo_config(work, model_dir, port, group_port)
+        argv_rlhf, env = rlhf_command(cfg)
+        env["MASTER_PORT"] = str(free_port())
+        (out / "logs/peers_grpo.yaml").write_text(cfg.read_text())
+        r["learner"] = {"env": env}
+        r["learner"].update(run_logged(argv_rlhf, out / "logs/swift_rlhf.log",
+                                       min(300.0, deadline - time.monotonic() - 15), env=peer_env(env), cwd=work))
+        text = (out / "logs/swift_rlhf.log").read_text(errors="replace")
+        r["learner"]["nccl_lines"] = nccl_lines(text)
+        r["learner"]["connected"] = "Connected to vLLM server" in text
+        logs = sorted((work / "grpo_out").glob("*/logging.jsonl"))
+        records = [json.loads(x) for x in logs[0].read_text().splitlines() if x.strip()] if logs else []
+        steps = [x.get("global_step/max_steps") for x in records if "global_step/max_steps" in x]
+        r["learner"]["steps"] = steps
+        r["learner"]["rewards"] = [{k: v for k, v in x.items() if k.startswith("reward")} for x in records
+                                   if "reward" in x][:3]
+        if r["learner"]["connected"]:
+            r["worked"].append("connect_and_init_communicator_request")
+        if steps:
+            r["worked"].append(f"grpo_steps {steps[-1]}")
+        if r["learner"]["rc"] != 0:
+            r["failed"]["swift_rlhf"] = r["learner"].get("error")
+        (out / "logs").joinpath("grpo_logging.jsonl").write_text("\n".join(json.dumps(x) for x in records))
+    except Exception as exc:  # noqa: BLE001 - our side failed building the run: recorded, not raised
+        r["failed"]["runner"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+    finally:
+        server.stop()
+        r["server"].update({k: v for k, v in server.record().items() if k != "command"})
+        text = server.log.read_text(errors="replace")
+        r["server"]["nccl_lines"] = nccl_lines(text)
+        r["server"]["requests"] = access_log(text)
+        save()
+
+
+# -- the run ---------------------------------------------------------------------------------------------------------------
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in ("torch", "transformers", "vllm", "swift", "trl"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception as exc:  # noqa: BLE001 - recorded
+            out[name] = f"unavailable ({type(exc).__name__})"
+    return out
+
+
+def findings(result: dict[str, Any]) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    a, b = result.get("rollout", {}), result.get("rlhf", {})
+    found += non_2xx(a.get("server", {}).get("requests", []), "rollout (our client -> swift rollout)", "swift rollout")
+    found += non_2xx(b.get("server", {}).get("requests", []), "rlhf (swift rlhf -> our server)", "our server")
+    if a.get("probes") and b.get("probes"):
+        found += compare_probes(a["probes"], b["probes"])
+    st = result.get("static_routes", {})
+    for route in st.get("only_swift", []):
+        found.append({"direction": "static", "kind": "route", "detail": f"swift rollout has {route}, our server not"})
+    for name, err in a.get("failed", {}).items():
+        if err and "answered HTTP" in str(err):
+            found.append({"direction": "rollout (our client -> swift rollout)", "kind": "client", "detail":
+                          f"{name}: {str(err)[:600]}"})
+    return found
+
+
+def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S) -> dict[str, Any]:
+    import torch
+
+    from trainer.bench.async_vllm import CPU_SHAPE, GPU_SHAPE
+    from trainer.bench.vllm import save_random_model_dir
+
+    t_start = time.monotonic()
+    deadline = t_start + budget_s
+    out = Path(out_dir)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    result: dict[str, Any] = {
+        "schema": "swift_peers/1", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "only": only or "both",
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu", "versions": versions(), "budget_s": budget_s,
+        "model": {"shape": GPU_SHAPE if cuda else CPU_SHAPE, "model_type": MODEL_TYPE, "template": TEMPLATE,
+                  "weights": "random", "tokenizer": "trainer.modeling.fixtures.tiny_tokenizer"},
+        "static_routes": static_routes(), "protocol_findings": [],
+        "notes": ["ms-swift's GRPO server mode has no weight sync besides NCCL: RLHFArguments._init_external_vllm "
+                  "always calls VLLMClient.init_communicator (swift/arguments/rlhf_args.py), so on one GPU the "
+                  "learner and the server's vLLM worker are two NCCL ranks on one device. The one-GPU alternative "
+                  "is vllm_mode colocate (no server), which this check does not exercise."]}
+    path = out / "swift_peers.json"
+
+    def save():
+        result["wall_s"] = round(time.monotonic() - t_start, 2)
+        result["protocol_findings"] = findings(result)
+        write_json(path, result)
+
+    save()
+    with tempfile.TemporaryDirectory(prefix="swift_peers_") as tmp:
+        work = Path(tmp)
+        t0 = time.monotonic()
+        model_dir = save_random_model_dir(work / "model", GPU_SHAPE if cuda else CPU_SHAPE,
+                                          dtype=torch.bfloat16 if cuda else torch.float32)
+        result["model"]["build_s"] = round(time.monotonic() - t0, 2)
+        save()
+        both = only is None
+        if only in (None, "rollout"):
+            end = t_start + budget_s * ROLLOUT_SHARE if both else deadline
+            try:
+                run_rollout(out, model_dir, end, result, save)
+            except Exception as exc:  # noqa: BLE001 - recorded
+                result.setdefault("rollout", {}).setdefault("failed", {})["runner"] = \
+                    f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+            save()
+        if only in (None, "rlhf"):
+            run_rlhf(out, work, model_dir, deadline, result, save)
+            save()
+    print(json.dumps({k: {"worked": v.get("worked"), "failed": sorted(v.get("failed", {}))}
+                      for k, v in result.items() if k in ("rollout", "rlhf")}, indent=2))
+    print(f"swift peers: {len(result['protocol_findings'])} protocol finding(s); {path} ({result['wall_s']} s)")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.bench.swift_peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="docs/benchmarks/swift_peers")
+    p.add_argument("--only", choices=("rollout", "rlhf"), default=None)
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="deadline for the whole run (default %(default)s)")
+    p.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: the client subprocess of 'rollout'
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stage", default="all", choices=("all", "generate"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.client:
+        return client_main(args.client, Path(args.model), Path(args.result), args.stage)
+    run(args.out, args.only, args.budget_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
