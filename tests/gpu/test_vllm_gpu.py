@@ -261,16 +261,22 @@ def sleep_check(level: int) -> dict:
         engine.close()
 
 
+def in_fresh_process(check: str, *args: str, timeout: float = 300) -> dict:
+    """Run ``check`` (a name in ``CHECKS``) with ``args`` in a new Python process; its result dict. A sleep-mode
+    engine needs a process of its own: vLLM's sleep-mode allocator (CuMemAllocator) is one per process, a second
+    sleep-mode engine in one process fails ("CuMem allocator can only be used for one instance per process", or a
+    tiny allocation failing with the GPU free; seen with vLLM 0.26), and ``InProcessVllm`` refuses to start one."""
+    proc = subprocess.run([sys.executable, __file__, check, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "VLLM_PLUGINS": ""})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("CHECK_RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(line.removeprefix("CHECK_RESULT "))
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_levels_release_memory_and_wake_identical(level):
-    """Each level in a fresh process: vLLM's sleep-mode allocator (CuMemAllocator) is one per process, and a second
-    sleep-mode engine in the same process fails to allocate (seen with vLLM 0.26); one engine per process is how the
-    trainer uses it."""
-    proc = subprocess.run([sys.executable, __file__, "sleep", str(level)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "VLLM_PLUGINS": ""})
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("SLEEP_RESULT ")), None)
-    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    record(f"sleep_level_{level}", **json.loads(line.removeprefix("SLEEP_RESULT ")))
+    """Each level in a fresh process (``in_fresh_process``)."""
+    record(f"sleep_level_{level}", **in_fresh_process("sleep", str(level)))
 
 
 def _free_port() -> int:
@@ -455,12 +461,12 @@ def _stage2_rows(summary):
     return [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
 
 
-@pytest.mark.parametrize("kind,level", [("text", 2), ("vl", 1)])
-def test_stage2_training_with_vllm_colocate(tmp_path, kind, level):
+def stage2_colocate_check(kind: str, level: int, out_dir: Path) -> dict:
+    """Six stage-2 steps with the vLLM colocate backend at ``level`` in this process; the measured values."""
     from trainer.config.schema import validate_config
     from trainer.sft.run import run_training
 
-    cfg = _stage2_config(tmp_path, kind, {"mode": "colocate", "sleep_level": level, "gpu_memory_utilization": 0.2})
+    cfg = _stage2_config(out_dir, kind, {"mode": "colocate", "sleep_level": level, "gpu_memory_utilization": 0.2})
     t0 = time.perf_counter()
     summary = run_training(validate_config(cfg))
     rows = _stage2_rows(summary)
@@ -468,9 +474,15 @@ def test_stage2_training_with_vllm_colocate(tmp_path, kind, level):
     matched = sum(r.get("rollout/matched", 0) for r in rows)
     assert matched > 0, rows
     keys = [k for k in rows[-1] if k.startswith("time/")]
-    record(f"stage2_colocate[{kind},sleep{level}]", seconds=time.perf_counter() - t0, matched=matched,
-           gt=sum(r.get("rollout/gt", 0) for r in rows), losses=[r["loss"] for r in rows],
-           **{k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys})
+    return {"seconds": time.perf_counter() - t0, "matched": matched, "gt": sum(r.get("rollout/gt", 0) for r in rows),
+            "losses": [r["loss"] for r in rows], **{k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}}
+
+
+@pytest.mark.parametrize("kind,level", [("text", 2), ("vl", 1)])
+def test_stage2_training_with_vllm_colocate(tmp_path, kind, level):
+    """Each run in a fresh process (``in_fresh_process``): both use a sleep-mode engine."""
+    record(f"stage2_colocate[{kind},sleep{level}]", **in_fresh_process("stage2", kind, str(level), str(tmp_path),
+                                                                      timeout=900))
 
 
 def test_stage2_training_server_mode_one_gpu(tmp_path):
@@ -503,5 +515,8 @@ def test_stage2_training_server_mode_one_gpu(tmp_path):
         _stop(proc)
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["sleep"]:
-    print("SLEEP_RESULT " + json.dumps(sleep_check(int(sys.argv[2]))), flush=True)
+CHECKS = {"sleep": lambda level: sleep_check(int(level)),
+          "stage2": lambda kind, level, out: stage2_colocate_check(kind, int(level), Path(out))}
+
+if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in CHECKS:
+    print("CHECK_RESULT " + json.dumps(CHECKS[sys.argv[1]](*sys.argv[2:])), flush=True)

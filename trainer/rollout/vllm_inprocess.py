@@ -15,7 +15,10 @@ Contracts:
   naming that setting when there is none;
 - images are passed to multimodal models only (each expanded image-pad run collapsed to the one placeholder vLLM
   expands itself; the prompt ids vLLM returns are checked against ours by the caller); a text-only model decodes the
-  prompt ids alone (as the HF backend does), and says so once in the log.
+  prompt ids alone (as the HF backend does), and says so once in the log;
+- one sleep-mode engine per process: vLLM's sleep-mode allocator (``CuMemAllocator``) is a per-process singleton,
+  so a second sleep-mode engine in a process that already started one raises ``VllmEngineError`` before vLLM is
+  called (``check_sleep_engine_slot``); a start failure names its cause (``explain_start_failure``).
 """
 
 from __future__ import annotations
@@ -76,6 +79,71 @@ class LoadReport:
         return self.bytes / 1e9 / max(self.check_s + self.load_s, 1e-9)
 
 
+_sleep_engines_started = 0
+
+ONE_ALLOCATOR_MARKERS = ("cumem allocator can only be used for one instance per process",)
+OUT_OF_MEMORY_MARKERS = ("out of memory", "no available memory for the cache blocks", "free memory on device")
+
+
+def sleep_engines_started() -> int:
+    """How many sleep-mode engines this process has tried to start (successful or not)."""
+    return _sleep_engines_started
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and all(e is not s for s in seen) and len(seen) < 16:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen
+
+
+def _chain_text(exc: BaseException) -> str:
+    return "\n".join(f"{type(e).__name__}: {e}" for e in _chain(exc))
+
+
+def one_allocator_message(settings: VllmSettings, sleep_engines_started_before: int) -> str:
+    """Why a second sleep-mode engine cannot start in this process, and what to do instead."""
+    s = settings
+    before = (f"this process already started {sleep_engines_started_before} sleep-mode engine(s)"
+              if sleep_engines_started_before else "memory of an earlier engine in this process is still in its pool")
+    return (f"vLLM's sleep-mode allocator (CuMemAllocator) is one per process; {before} ({s.key}.sleep_level="
+            f"{s.sleep_level}, model {s.model_dir}), and closing an engine does not free it for another. Run each "
+            "sleep-mode engine in its own process (python -m trainer train, serve and bench each start one engine "
+            f"per process; tests start a subprocess per engine) or set {s.key}.sleep_level 0")
+
+
+def explain_start_failure(exc: BaseException, settings: VllmSettings, sleep_engines_started_before: int) -> str:
+    """The ``VllmEngineError`` message for ``vllm.LLM(...)`` raising ``exc``: the one-allocator-per-process limit
+    (vLLM's CuMem check, or any failure of a sleep-mode engine after another one in this process), memory (CUDA
+    out of memory, no memory for the KV cache, too little free memory on the device), else neutral."""
+    s = settings
+    text = _chain_text(exc).lower()
+    first = f"{type(exc).__name__}: {exc}"
+    if any(m in text for m in ONE_ALLOCATOR_MARKERS) or (s.sleep_level and sleep_engines_started_before):
+        return f"vLLM could not start for {s.model_dir} ({first}). " + one_allocator_message(s, sleep_engines_started_before)
+    if any(isinstance(e, torch.OutOfMemoryError) for e in _chain(exc)) or \
+            any(m in text for m in OUT_OF_MEMORY_MARKERS):
+        return (f"vLLM ran out of GPU memory while starting for {s.model_dir} ({first}). Lower "
+                f"{s.key}.gpu_memory_utilization (now {s.gpu_memory_utilization}) or {s.key}.max_model_len (now "
+                f"{s.max_model_len}), or free the memory other processes on this GPU hold")
+    return (f"vLLM could not start for {s.model_dir} ({first}). Check the model directory and the engine settings "
+            f"({s.key}.max_model_len={s.max_model_len}, gpu_memory_utilization={s.gpu_memory_utilization}, "
+            f"tensor_parallel_size={s.tensor_parallel_size}, sleep_level={s.sleep_level}, enable_lora={s.enable_lora}"
+            f"{', engine_kwargs=' + str(sorted(s.engine_kwargs)) if s.engine_kwargs else ''}), or use "
+            "custom.extra.rollout_matching.rollout_backend: hf")
+
+
+def check_sleep_engine_slot(settings: VllmSettings, started: int | None = None) -> None:
+    """Raise ``VllmEngineError`` when ``settings`` asks for sleep mode and this process (``started`` sleep-mode
+    engines so far; default this module's count) already started one."""
+    started = _sleep_engines_started if started is None else started
+    if settings.sleep_level and started:
+        raise VllmEngineError(f"not starting a second sleep-mode vLLM engine for {settings.model_dir}: "
+                              + one_allocator_message(settings, started))
+
+
 def _load_in_worker(worker, tensors: dict[str, torch.Tensor]) -> int:
     return vllm_compat.load_checkpoint_tensors(worker, tensors)
 
@@ -93,6 +161,7 @@ class InProcessVllm:
         if s.sleep_level and not torch.cuda.is_available():
             raise ValueError(f"{s.key}.sleep_level={s.sleep_level} needs a CUDA GPU (vLLM's CPU backend cannot sleep); "
                              "set 0")
+        check_sleep_engine_slot(s)
         if s.tensor_parallel_size == 1 or s.external_launcher:
             vllm_compat.run_engine_in_process()
         kwargs: dict[str, Any] = dict(
@@ -108,14 +177,15 @@ class InProcessVllm:
         self._dir = Path(tempfile.mkdtemp(prefix="rm-vllm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         from vllm import LLM
 
+        global _sleep_engines_started
+        started_before = _sleep_engines_started
+        if s.sleep_level:
+            _sleep_engines_started += 1
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:
             shutil.rmtree(self._dir, ignore_errors=True)
-            raise VllmEngineError(
-                f"vLLM could not start for {s.model_dir} ({type(exc).__name__}: {exc}). Lower {s.key}.gpu_memory_utilization "
-                f"or {s.key}.max_model_len when memory is short, check the model directory, or use "
-                "custom.extra.rollout_matching.rollout_backend: hf") from exc
+            raise VllmEngineError(explain_start_failure(exc, s, started_before)) from exc
         self.multimodal = vllm_compat.is_multimodal(self.llm)
         self.image_token_id = vllm_compat.image_token_id(self.llm) if self.multimodal else None
         self.dtype = vllm_compat.served_dtype(self.llm)
