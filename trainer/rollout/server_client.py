@@ -42,6 +42,7 @@ import torch
 
 from trainer.rollout.server_fleet import ServerFleet, servers_for_rank  # noqa: F401 - part of this module's API
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
+from trainer.sync.http import server_http_client
 from trainer.sync.transports import InbandTransport, NcclTransport, WeightTransport, WeightTransportError
 from trainer.sync.weights import AdapterWeights, adapter_weights, full_weights
 
@@ -188,7 +189,7 @@ class ServerRolloutEngine:
         self.timeout_s = timeout_s
         self.infer_timeout_s = infer_timeout_s
         self.inline_images = inline_images
-        self.client = httpx.Client(timeout=timeout_s)
+        self.client = server_http_client(timeout_s)
         self.transport_choice = transport
         self.group_port = group_port
         self.bucket_bytes = bucket_bytes

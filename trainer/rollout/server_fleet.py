@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from trainer.sync.http import server_http_client
+
 log = logging.getLogger(__name__)
 
 KEY = "custom.extra.rollout_matching.vllm.server"
@@ -68,7 +70,7 @@ class ServerFleet:
         self._quarantined: dict[str, Probe | None] = {}
         self.readmissions: list[dict[str, Any]] = []
         self.on_quarantine: list[Callable[[str], None]] = []
-        self._client = httpx.Client(timeout=probe_timeout_s)
+        self._client = server_http_client(probe_timeout_s)
 
     # -- who serves ------------------------------------------------------------------------------------------------
     @property

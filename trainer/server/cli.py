@@ -21,6 +21,9 @@ from pathlib import Path
 from trainer.server.fatal import EXIT_ENGINE_DEAD
 
 log = logging.getLogger(__name__)
+#: seconds an idle client connection stays open: above the 2 s after which our client drops its idle connections
+#: (``trainer.sync.http``), so a request never races the server closing the connection it was sent on
+KEEPALIVE_S = 30
 
 DEAD_EXIT_GRACE_S = 30.0
 EXIT_STARTUP_FAILURE = 3
@@ -164,7 +167,8 @@ def serve(args: argparse.Namespace) -> int:
             host = args.metrics_host or args.host
             start_http_server(args.metrics_port, addr=host, registry=app.state.metrics.registry)
             log.info("Prometheus metrics on http://%s:%d/metrics", host, args.metrics_port)
-        server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)))
+        server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                                        timeout_keep_alive=KEEPALIVE_S)))
         server[0].run()
         if not server[0].started:
             return EXIT_STARTUP_FAILURE

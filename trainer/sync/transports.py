@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import httpx
 import torch
 
+from trainer.sync.http import server_http_client
 from trainer.sync.buckets import DEFAULT_BUCKET_BYTES, flatten, plan_buckets
 from trainer.sync.nccl import (  # noqa: F401 - re-exported for callers of the transport layer
     StoreGroup,
@@ -143,7 +144,7 @@ class InbandTransport:
 
     def __init__(self, timeout_s: float = 600.0, pinned_staging_max_bytes: int = PINNED_STAGING_MAX_BYTES,
                  shm_dir: str | None = None):
-        self.client = httpx.Client(timeout=timeout_s)
+        self.client = server_http_client(timeout_s)
         self.last_push: dict[str, float] = {}
         self.pinned_staging_max_bytes = pinned_staging_max_bytes
         self._staging: torch.Tensor | None = None
@@ -239,7 +240,7 @@ class NcclTransport:
         self.order = [s.base_url for s in servers]
         self.group_port = group_port
         self.timeout_s = timeout_s
-        self.client = httpx.Client(timeout=timeout_s)
+        self.client = server_http_client(timeout_s)
         self.bucket_bytes = bucket_bytes
         self.comms: dict[str, Any] = {}
         self.last_push: dict[str, Any] = {}
