@@ -122,6 +122,7 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
     rec = sp.run_logged([sys.executable, "-c", script], tmp_path / "logs" / "sleeper.log", timeout_s=3)
     assert time.monotonic() - t0 < 30
     assert rec["timed_out"] and rec["rc"] == -signal.SIGTERM and "started" in (tmp_path / "logs/sleeper.log").read_text()
+    assert rec["error"].startswith("no exit within 3s") and rec["error"].endswith("started")
     parent, child = (int(x) for x in pids.read_text().split())
     deadline = time.monotonic() + 10
     while _alive(child) and time.monotonic() < deadline:

@@ -124,12 +124,15 @@ class Peer:
                                      cwd=cwd, start_new_session=True, stdin=subprocess.DEVNULL)
         self.wall_s: float | None = None
         self.timed_out = False
+        self.log_bytes_at_kill = 0
 
     def wait(self, timeout_s: float) -> int | None:
         try:
             self.proc.wait(max(timeout_s, 0.0))
         except subprocess.TimeoutExpired:
             self.timed_out = True
+            self._fh.flush()
+            self.log_bytes_at_kill = self.log.stat().st_size
         return self.stop()
 
     def stop(self) -> int | None:
@@ -150,7 +153,11 @@ def run_logged(argv: list[str], log: Path, timeout_s: float, env: dict[str, str]
     p = Peer(argv, log, env, cwd)
     p.wait(timeout_s)
     out = p.record()
-    if out["rc"] != 0 or p.timed_out:
+    if p.timed_out:  # what it was doing when the timeout hit, not the traceback of the kill itself
+        before = log.read_bytes()[:p.log_bytes_at_kill].decode(errors="replace").splitlines()
+        out["error"] = (f"no exit within {timeout_s:.0f}s: killed (process group); its last lines before the kill:\n"
+                        + "\n".join(ln[:400] for ln in before[-25:]))
+    elif out["rc"] != 0:
         out["error"] = error_excerpt(log.read_text(errors="replace"))
     return out
 
