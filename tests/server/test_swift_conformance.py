@@ -72,3 +72,76 @@ def test_our_buckets_decode_with_swift_bucket():
                                    flattened_tensor=bucket).reconstruct_tensors()
     for name, t in named:
         assert torch.equal(theirs[name], t)
+
+
+def test_our_infer_answer_has_every_field_of_swift_rollout(swift_protocol, scripted_server, http, tmp_path):
+    """The real ``swift rollout`` (ms-swift 4.6, on the H200) answers the multi-turn fields, ``prompt_logprobs`` and
+    ``images_size`` too (docs/benchmarks/runs/h200-session7/swift_peers): our server answers the same keys, and
+    ``images_size`` is each image's (width, height)."""
+    import dataclasses
+
+    from PIL import Image
+
+    from trainer.modeling.fixtures import save_tiny_model
+
+    Image.new("RGB", (40, 24)).save(tmp_path / "a.png")
+    with scripted_server(save_tiny_model(tmp_path / "vl", "vl", seed=0)) as (url, _):
+        items = http.post(url + "/infer/", json={
+            "infer_requests": [{"messages": [{"role": "user", "content": "Scene"}]},
+                               {"messages": [{"role": "user", "content": "<image>Scene"}],
+                                "images": [str(tmp_path / "a.png")]}],
+            "request_config": {"max_tokens": 8, "return_details": True}}).json()
+    assert isinstance(items, list), items
+    choice = swift_protocol.ChatCompletionResponseChoice(index=0, message=swift_protocol.ChatMessage(
+        role="assistant", content="x"), finish_reason="stop", logprobs=None, token_ids=[1])
+    theirs = swift_protocol.RolloutOutput(response=swift_protocol.ChatCompletionResponse(
+        model="m", choices=[choice], usage=swift_protocol.UsageInfo(1, 1, 2), prompt_token_ids=[1]))
+    their_keys = set(theirs.model_dump().keys())
+    their_response_keys = {f.name for f in dataclasses.fields(swift_protocol.ChatCompletionResponse)}
+    for item in items:
+        assert set(item) == their_keys, set(item) ^ their_keys
+        assert set(item["response"]) == their_response_keys, set(item["response"]) ^ their_response_keys
+        parsed = swift_protocol.RolloutOutput.model_validate(item)
+        assert parsed.response_token_ids == [] and parsed.messages is None
+    assert items[0]["response"]["images_size"] is None and items[1]["response"]["images_size"] == [[40, 24]]
+
+
+def test_swift_client_per_tensor_adapter_sync_reaches_our_server(scripted_server, tiny_text_dir, get_free_port, http,
+                                                                 monkeypatch):
+    """ms-swift's ``VLLMClient.update_adapter_param`` (its GRPO trainer with ``enable_flattened_weight_sync false``):
+    ``POST /update_adapter_param/``, one broadcast per tensor, one barrier. The real ``swift rollout`` has the route
+    (found by the H200 peers check); ours takes it — here over gloo with swift's own client code."""
+    import contextlib
+    import types
+
+    from peft import LoraConfig
+    from swift.rlhf_trainers import vllm_client
+    from swift.rlhf_trainers.vllm_client import VLLMClient
+
+    from trainer.server.scripted import tensors_digest
+    from trainer.sync.nccl import join_group
+
+    lora = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(8, 64),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(64, 8),
+            "base_model.model.model.layers.1.mlp.up_proj.lora_A.weight": torch.randn(8, 64)}
+    # CPU shims for swift's device helpers (``torch.cpu`` has no ``device`` context; its ``synchronize`` always calls
+    # CUDA); the request, metadata, broadcast order and barrier are swift's own code
+    monkeypatch.setattr(vllm_client, "get_torch_device",
+                        lambda: types.SimpleNamespace(device=lambda _d: contextlib.nullcontext()))
+    monkeypatch.setattr(vllm_client, "synchronize", lambda *_a, **_k: None)
+    with scripted_server(tiny_text_dir) as (url, engine):
+        client = VLLMClient(base_urls=[url], connection_timeout=10)
+        port = get_free_port()
+        resp = http.post(url + "/init_communicator/",
+                         json={"host": "127.0.0.1", "port": port, "world_size": 2, "backend": "torch-gloo"})
+        assert resp.status_code == 200, resp.text
+        client.pynccl_comms = [join_group("torch", "127.0.0.1", port, 1, 2, torch.device("cpu"))]
+        client.update_adapter_param(LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "up_proj"]), lora)
+        assert http.post(url + "/process_weights_after_loading/").status_code == 200  # after the fired receive
+        update = engine.updates[-1]
+        assert update["kind"] == "adapter" and update["num_tensors"] == 3
+        assert update["digest"] == tensors_digest(lora), "the adapter arrived bit for bit"
+        assert update["peft_config"]["r"] == 8
+        bad = http.post(url + "/update_adapter_param/", json={"peft_config": {}, "lora_tensors_metadata": [
+            {"name": "a", "dtype": "torch.float32", "shape": [2, 3], "start_idx": 0, "end_idx": 6, "numel": 5}]})
+        assert bad.status_code == 422 and "numel 5 is not the 6 elements" in bad.text

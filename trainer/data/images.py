@@ -137,6 +137,27 @@ def _decode(source, name: str, unreadable: str):
         raise ImageRefError(f"image {name}: {exc}") from None
 
 
+def image_size(ref: str) -> tuple[int, int]:
+    """The displayed ``(width, height)`` of the image ``load_image(ref)`` returns, from its header alone (EXIF
+    orientation applied); ``ImageRefError`` as ``load_image``."""
+    from PIL import Image
+
+    if ref.startswith(("http://", "https://")):
+        raise ImageRefError(f"image URLs are not fetched by this server; send a local path or base64 ({ref[:60]})")
+    try:
+        is_file = not ref.startswith("data:") and Path(ref).is_file()
+    except (OSError, ValueError):
+        is_file = False
+    if is_file:
+        return read_header(ref).size
+    try:
+        data = base64.b64decode(ref.split(",", 1)[-1] if ref.startswith("data:") else ref, validate=True)
+        with Image.open(io.BytesIO(data)) as im:
+            return ImageHeader(im.size[0], im.size[1], im.mode, orientation_of(im), im.format).size
+    except (binascii.Error, ValueError, OSError, Image.DecompressionBombError) as exc:
+        raise ImageRefError(f"image {ref[:60]!r} is neither a readable file nor base64 image data") from exc
+
+
 def load_image(ref: str):
     """An RGB PIL image from a local path, a ``data:`` URI or bare base64 (no network fetches), EXIF orientation
     applied and converted by ``to_rgb``: the pixels the records' coordinates refer to."""

@@ -46,6 +46,7 @@ from trainer.server.protocol import (
     InitCommunicatorBody,
     RequestConfigIn,
     UpdateAdapterFlattenedBody,
+    UpdateAdapterParamBody,
     UpdateFlattenedParamsBody,
     UpdateNamedParamBody,
     UpdateWeightsShmBody,
@@ -186,6 +187,19 @@ class EngineRunner:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def request_image_sizes(images: list[str] | None) -> list[tuple[int, int]] | None:
+    """``(width, height)`` of each request image for ms-swift's ``images_size`` (informative: ``None`` without
+    images, or when one cannot be read by header, e.g. an engine that does not look at images)."""
+    if not images:
+        return None
+    from trainer.data.images import ImageRefError, image_size
+
+    try:
+        return [image_size(ref) for ref in images]
+    except ImageRefError:
+        return None
 
 
 def decoding_params(cfg: RequestConfigIn | None, default_max_tokens: int) -> DecodingParams:
@@ -329,8 +343,9 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         metrics.prompt_tokens.inc(sum(len(res.prompt_token_ids) for res in results))
         metrics.generated_tokens.inc(sum(len(res.response_token_ids) for res in results))
         return [rollout_output(engine.model_name, list(res.prompt_token_ids), list(res.response_token_ids),
-                               res.finish_reason, engine.decode_text(res.response_token_ids), res.extra)
-                for res in results]
+                               res.finish_reason, engine.decode_text(res.response_token_ids), res.extra,
+                               images_size=request_image_sizes(req.images))
+                for req, res in zip(body.infer_requests, results)]
 
     @app.post("/init_communicator/", dependencies=guarded)
     async def init_communicator(body: InitCommunicatorBody):
@@ -370,6 +385,16 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         record("update_adapter_flattened_param", "nccl", "adapter", num_tensors=len(metas), bytes=metas[-1]["end_idx"])
         nccl_pending["adapter"] = "nccl"
         return {"message": "Request received, updating adapter parameter"}
+
+    @app.post("/update_adapter_param/", dependencies=guarded)
+    async def update_adapter_param(body: UpdateAdapterParamBody):
+        if not engine.enable_lora:
+            raise EngineRequestError("this server does not serve LoRA adapters (start it with LoRA enabled)")
+        metas = [(m.name, m.dtype, list(m.shape)) for m in body.lora_tensors_metadata]
+        runner.fire(lambda: engine.nccl_receive_adapter_tensors(body.peft_config, metas))
+        record("update_adapter_param", "nccl", "adapter", num_tensors=len(metas))
+        nccl_pending["adapter"] = "nccl"
+        return {"message": "Request received, updating adapter parameter (non-flattened)"}
 
     @app.post("/process_weights_after_loading/", dependencies=guarded)
     async def process_weights_after_loading():

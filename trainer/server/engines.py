@@ -48,6 +48,8 @@ class ServerEngine(Protocol):
 
     def nccl_receive_adapter(self, peft_config: dict[str, Any], metadatas: list[dict[str, Any]]) -> None: ...
 
+    def nccl_receive_adapter_tensors(self, peft_config: dict[str, Any], metas: list[tuple[str, str, list[int]]]) -> None: ...
+
     def finish_weights(self) -> None: ...
 
     def nccl_close(self) -> None: ...
@@ -91,6 +93,10 @@ class LocalNcclMixin:
 
     def nccl_receive_adapter(self, peft_config: dict[str, Any], metadatas: list[dict[str, Any]]) -> None:
         tensors = {k: v.cpu() for k, v in self._rx().receive_bucket(metadatas).items()}
+        self.load_adapter(AdapterWeights(peft_config, tensors))
+
+    def nccl_receive_adapter_tensors(self, peft_config: dict[str, Any], metas: list[tuple[str, str, list[int]]]) -> None:
+        tensors = {k: v.cpu() for k, v in self._rx().receive_each(metas).items()}
         self.load_adapter(AdapterWeights(peft_config, tensors))
 
     def finish_weights(self) -> None:

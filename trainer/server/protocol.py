@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainer.sync.buckets import FlatTensorMeta
 
@@ -132,6 +132,44 @@ class UpdateAdapterFlattenedBody(_Strict):
     metadatas: list[FlatTensorMeta] = Field(min_length=1)
 
 
+class AdapterTensorMeta(_Strict):
+    """One tensor of ms-swift's non-flattened adapter update (``/update_adapter_param/``): broadcast on its own, so
+    the indices it carries are unused; ``numel`` counts elements."""
+
+    name: str = Field(min_length=1, max_length=1024)
+    dtype: str
+    shape: list[int] = Field(max_length=8)
+    start_idx: int | None = None
+    end_idx: int | None = None
+    numel: int | None = None
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        from trainer.sync.buckets import torch_dtype
+
+        torch_dtype(v)
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AdapterTensorMeta:
+        count = 1
+        for d in self.shape:
+            if d < 0:
+                raise ValueError(f"tensor {self.name!r}: shape {self.shape} has a negative dimension")
+            count *= d
+        if count > 2**40:
+            raise ValueError(f"tensor {self.name!r}: shape {self.shape} has more than 2**40 elements")
+        if self.numel is not None and self.numel != count:
+            raise ValueError(f"tensor {self.name!r}: numel {self.numel} is not the {count} elements of {self.shape}")
+        return self
+
+
+class UpdateAdapterParamBody(_Strict):
+    peft_config: dict[str, Any]
+    lora_tensors_metadata: list[AdapterTensorMeta] = Field(min_length=1)
+
+
 class UpdateWeightsShmBody(_Strict):
     """Our shared-directory in-band update (``trainer.sync.shm_staging``): the staging file's name and size."""
 
@@ -140,8 +178,11 @@ class UpdateWeightsShmBody(_Strict):
 
 
 def rollout_output(model: str, prompt_ids: list[int], response_ids: list[int], finish_reason: str, text: str,
-                   rollout_infos: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One ``RolloutOutput`` item wrapping a ``ChatCompletionResponse`` with token ids."""
+                   rollout_infos: dict[str, Any] | None = None,
+                   images_size: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """One ``RolloutOutput`` item wrapping a ``ChatCompletionResponse`` with token ids, with every field the real
+    ``swift rollout`` (ms-swift 4.6) answers: the multi-turn fields empty (one turn: the trainer reads the choice's
+    token ids), ``images_size`` the ``(width, height)`` of each request image (``None`` without images)."""
     response = {
         "model": model,
         "choices": [{
@@ -157,5 +198,8 @@ def rollout_output(model: str, prompt_ids: list[int], response_ids: list[int], f
         "object": "chat.completion",
         "created": int(time.time()),
         "prompt_token_ids": list(prompt_ids),
+        "prompt_logprobs": None,
+        "images_size": [list(s) for s in images_size] if images_size else None,
     }
-    return {"response": response, "rollout_infos": rollout_infos or {}}
+    return {"response": response, "messages": None, "response_token_ids": [], "response_loss_mask": [],
+            "rollout_infos": rollout_infos or {}, "rollout_logprobs": [], "prompt_logprobs": None}

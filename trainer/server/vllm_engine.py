@@ -165,6 +165,13 @@ class VllmServerEngine(LocalNcclMixin):
         tensors = self.vllm.collective_rpc(_worker_take_adapter)[0]
         self.load_adapter(AdapterWeights(peft_config, tensors))
 
+    def nccl_receive_adapter_tensors(self, peft_config: dict[str, Any], metas: list[tuple[str, str, list[int]]]) -> None:
+        if self._multi_worker():
+            raise EngineRequestError("per-tensor adapter updates (/update_adapter_param/) are not supported with "
+                                     "tensor parallelism; use the flattened sync (ms-swift's default, "
+                                     "enable_flattened_weight_sync true)")
+        super().nccl_receive_adapter_tensors(peft_config, metas)
+
     def finish_weights(self) -> None:
         if not self._multi_worker():
             return super().finish_weights()

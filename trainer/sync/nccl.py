@@ -207,6 +207,19 @@ class NcclReceiver:
         self.comm.group.barrier()
         return buf if buf.device == self.device else buf.to(self.device)
 
+    def receive_each(self, metas: list[tuple[str, str, list[int]]]) -> dict[str, torch.Tensor]:
+        """ms-swift's non-flattened adapter sync: one broadcast per ``(name, dtype, shape)`` in order, then a single
+        barrier for all of them (``receive`` has one per tensor)."""
+        tensors = {}
+        for name, dtype, shape in metas:
+            buf = torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=self.comm.device)
+            self.comm.broadcast(buf, src=self.src, stream=torch.cuda.current_stream() if buf.is_cuda else None)
+            tensors[name] = buf
+        if any(t.is_cuda for t in tensors.values()):
+            torch.cuda.synchronize()
+        self.comm.group.barrier()
+        return {k: v if v.device == self.device else v.to(self.device) for k, v in tensors.items()}
+
     def receive_named(self, name: str, dtype: str, shape: list[int]) -> dict[str, torch.Tensor]:
         return {name: self.receive(tuple(shape), torch_dtype(dtype))}
 
