@@ -110,13 +110,22 @@ def test_missing_base_file_named(tmp_path):
         ({"custom": {"extra": {"rollout_matching": {"vllm": {"server": {"host": ["127.0.0.1"], "port": [1, 2]}}}}}},
          "custom.extra.rollout_matching.vllm.server", "same length"),
         ({"tuner": {"train_type": "lora"}, "custom": {"extra": {"rollout_matching": {
-            "rollout_backend": "vllm", "vllm": {"max_model_len": 4096}}}}},
-         "custom.extra.rollout_matching.vllm.enable_lora", "must be true"),
+            "rollout_backend": "vllm", "vllm": {"max_model_len": 4096, "sync": {"mode": "adapter"}}}}}},
+         "custom.extra.rollout_matching.vllm.enable_lora", "must be true with sync.mode: adapter"),
     ],
 )
 def test_rejected_configs_name_their_key(patch, key, fragment):
     errs = errors_for(merged(**patch))
     assert any(k == key and fragment in msg for k, msg in errs), errs
+
+
+def test_lora_with_full_sync_needs_no_lora_kernels_in_vllm():
+    """A LoRA learner with ``sync.mode: full`` (the default) syncs merged weights: vLLM needs no ``enable_lora``
+    (its LoRA kernels slowed the 8B stage-2 rollouts on the H100, docs/benchmarks/README.md)."""
+    for mode in ("full", "auto"):
+        cfg = validate_config(merged(**{"tuner": {"train_type": "lora"}, "custom": {"extra": {"rollout_matching": {
+            "rollout_backend": "vllm", "vllm": {"max_model_len": 4096, "sync": {"mode": mode}}}}}}))
+        assert not cfg.custom.extra.rollout_matching.vllm.enable_lora
 
 
 def test_missing_rollout_matching_section_named():

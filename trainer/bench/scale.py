@@ -72,11 +72,15 @@ class ScaleRun:
     image_size: int = 1024
     min_objects: int = 40
     max_objects: int = 80
+    #: LoRA/DoRA learners: False = merged full sync into an engine without LoRA kernels (``sync.mode: full``, what
+    #: TRL does); True = adapter sync into an engine with ``enable_lora`` (``sync.mode: adapter``)
+    vllm_lora: bool = False
 
     @property
     def name(self) -> str:
         tuner = self.tuner if self.tuner == "full" else f"{self.tuner}{self.lora_rank}"
-        return f"{self.size}-{tuner}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}"
+        served = "-vllmlora" if self.vllm_lora else ""
+        return f"{self.size}-{tuner}{served}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}"
 
 
 #: the configurations of issue 30 on one 80 GB H100 (``RM_BENCH_SCALE`` picks some by name prefix, e.g. ``2b,8b-lora``)
@@ -84,6 +88,7 @@ RUNS = (
     ScaleRun("2b", "full", gpu_memory_utilization=0.3),
     ScaleRun("4b", "full", gpu_memory_utilization=0.2),
     ScaleRun("8b", "lora", sleep_level=2, gpu_memory_utilization=0.35),
+    ScaleRun("8b", "lora", sleep_level=2, gpu_memory_utilization=0.35, vllm_lora=True),
     ScaleRun("8b", "lora", sleep_level=1, gpu_memory_utilization=0.35),
     ScaleRun("8b", "dora", sleep_level=2, gpu_memory_utilization=0.35),
 )
@@ -198,8 +203,9 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
                      "gradient_checkpointing": True},
         "custom": {"extra": {"rollout_matching": rm}},
     }
-    if run.tuner != "full" and backend == "vllm":
+    if run.tuner != "full" and backend == "vllm" and run.vllm_lora:
         rm["vllm"]["enable_lora"] = True
+        rm["vllm"]["sync"] = {"mode": "adapter"}
     if run.tuner != "full":
         cfg["tuner"] = {"train_type": run.tuner, "lora_rank": run.lora_rank, "lora_alpha": 2 * run.lora_rank}
     return cfg

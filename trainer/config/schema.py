@@ -346,9 +346,12 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
             if v.mode == "server" and not v.server.base_urls():
                 errs.append(ConfigError("custom.extra.rollout_matching.vllm.server.servers",
                                         "server mode needs at least one server: servers: [{base_url: http://127.0.0.1:8000}]"))
-            if v.mode == "colocate" and cfg.tuner.train_type in ("lora", "dora") and not v.enable_lora:
+            if (v.mode == "colocate" and cfg.tuner.train_type == "lora" and v.sync.mode == "adapter"
+                    and not v.enable_lora):
                 errs.append(ConfigError("custom.extra.rollout_matching.vllm.enable_lora",
-                                        f"must be true with tuner.train_type={cfg.tuner.train_type} so adapters sync to the colocated engine"))
+                                        "must be true with sync.mode: adapter so the LoRA adapter syncs to the "
+                                        "colocated engine; or sync.mode: full (merged weights, no LoRA kernels in "
+                                        "vLLM)"))
         if v.server.async_rollouts.enabled:
             key = "custom.extra.rollout_matching.vllm.server.async_rollouts.enabled"
             if not (rm.rollout_backend == "vllm" and v.mode == "server"):
