@@ -49,7 +49,7 @@ from unittest import mock
 
 import httpx
 
-from trainer.bench.async_rollouts import fractions, run_with_timeline
+from trainer.bench.async_rollouts import fractions
 
 FaultKind = Literal["kill", "stall", "nan"]
 

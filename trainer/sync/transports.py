@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import httpx
 import torch
 
-from trainer.sync.http import server_http_client
 from trainer.sync.buckets import DEFAULT_BUCKET_BYTES, flatten, plan_buckets
+from trainer.sync.http import server_http_client
 from trainer.sync.nccl import (  # noqa: F401 - re-exported for callers of the transport layer
     StoreGroup,
     TorchStatelessCommunicator,
