@@ -1,6 +1,7 @@
 """CPU side of ``trainer.bench.swift_peers`` (the one-GPU ms-swift peers check): the command lines it builds, the
-JSON / log helpers, the timeout-and-kill helper on real subprocesses, our client subprocess against a scripted
-server, and ``swift rollout`` parsing the random model directory up to its device check (it needs a GPU past it).
+JSON / log helpers, the timeout-and-kill helper on real subprocesses, and our client subprocess against a scripted
+server. ``swift rollout`` itself needs a GPU; on the H200 it served from the same argv and model directory
+(docs/benchmarks/runs/h200-session7/swift_peers).
 The GPU run itself: ``python -m trainer.bench.swift_peers --out DIR`` (docs/VLLM_ROLLOUTS.md, "Peers check on one GPU")."""
 
 from __future__ import annotations
