@@ -16,13 +16,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_fleet_with_faults_trains_every_sample_once(tmp_path):
-    settings = cpu_settings(steps=12, one_server_steps=2)
+    settings = cpu_settings(steps=16, one_server_steps=2)
     result = run(tmp_path / "out", settings)
     fleet = result["fleet"]
-    assert fleet["stage2_steps"] == 12
+    assert fleet["stage2_steps"] == 16
     assert fleet["ledger"]["exactly_once"], fleet["ledger"]
-    assert fleet["ledger"]["samples"] == 12 * settings.batch
-    assert sum(fleet["requests_per_server"]) == 12 * settings.batch, "each sample answered once by some server"
+    assert fleet["ledger"]["samples"] == 16 * settings.batch
+    assert sum(fleet["requests_per_server"]) == 16 * settings.batch, "each sample answered once by some server"
     assert all(n > 0 for n in fleet["requests_per_server"]), fleet["requests_per_server"]
     rows = {r["fault"]: r for r in fleet["faults"]}
     assert set(rows) == {"kill", "stall", "nan"}
@@ -33,7 +33,9 @@ def test_fleet_with_faults_trains_every_sample_once(tmp_path):
     assert "/infer/ failed" in rows["kill"]["detected_as"] and rows["kill"]["requests_failed_and_rerolled"] > 0
     assert "timed out" in rows["stall"]["detected_as"] and rows["stall"]["requests_failed_and_rerolled"] > 0
     assert "422" in rows["nan"]["detected_as"] and "non-finite" in rows["nan"]["detected_as"]
-    assert rows["kill"]["healthy_again_after_s"] <= rows["kill"]["readmitted_after_s"]
+    # the new process exists before it can be re-admitted (the fleet's own /health/ probe may see it before the
+    # bench's watcher does, so health-vs-readmission order is not asserted)
+    assert rows["kill"]["restarted_after_s"] < rows["kill"]["readmitted_after_s"]
     assert fleet["final_checksums_agree"] and fleet["final_checksum_servers"] == 3
     assert result["one_server"]["ledger"]["exactly_once"]
     saved = json.loads((tmp_path / "out" / "fleet_cpu.json").read_text())

@@ -385,6 +385,8 @@ def fault_outcomes(events: Sequence[dict[str, Any]], records: Sequence[tuple[flo
                "readmitted_after_s": None if readmit is None else round(readmit - t, 3),
                "requests_failed_and_rerolled": sum(s[3] for s in failed),
                "posts_while_quarantined": len(while_out)}
+        if "restarted_t" in event:
+            row["restarted_after_s"] = round(event["restarted_t"] - t, 3)
         if "healthy_again_t" in event:
             row["healthy_again_after_s"] = round(event["healthy_again_t"] - t, 3)
         if "restart_failed" in event:
