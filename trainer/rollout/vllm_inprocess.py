@@ -90,7 +90,8 @@ def sleep_engines_started() -> int:
     return _sleep_engines_started
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes/contexts, outermost first (at most 16, cycles cut)."""
     seen: list[BaseException] = []
     e: BaseException | None = exc
     while e is not None and all(e is not s for s in seen) and len(seen) < 16:
@@ -100,7 +101,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 
 def _chain_text(exc: BaseException) -> str:
-    return "\n".join(f"{type(e).__name__}: {e}" for e in _chain(exc))
+    return "\n".join(f"{type(e).__name__}: {e}" for e in exception_chain(exc))
 
 
 def one_allocator_message(settings: VllmSettings, sleep_engines_started_before: int) -> str:
@@ -123,7 +124,7 @@ def explain_start_failure(exc: BaseException, settings: VllmSettings, sleep_engi
     first = f"{type(exc).__name__}: {exc}"
     if any(m in text for m in ONE_ALLOCATOR_MARKERS) or (s.sleep_level and sleep_engines_started_before):
         return f"vLLM could not start for {s.model_dir} ({first}). " + one_allocator_message(s, sleep_engines_started_before)
-    if any(isinstance(e, torch.OutOfMemoryError) for e in _chain(exc)) or \
+    if any(isinstance(e, torch.OutOfMemoryError) for e in exception_chain(exc)) or \
             any(m in text for m in OUT_OF_MEMORY_MARKERS):
         return (f"vLLM ran out of GPU memory while starting for {s.model_dir} ({first}). Lower "
                 f"{s.key}.gpu_memory_utilization (now {s.gpu_memory_utilization}) or {s.key}.max_model_len (now "

@@ -10,6 +10,8 @@ it fresh; the learner's fleet re-admits it with the current weights. A CUDA out-
 
 from __future__ import annotations
 
+from trainer.rollout.vllm_inprocess import exception_chain
+
 EXIT_ENGINE_DEAD = 75  # EX_TEMPFAIL (sysexits.h): restart me
 
 FATAL_CUDA_MARKERS = (
@@ -31,21 +33,11 @@ class EngineDead(Exception):
         super().__init__(reason)
         self.reason = reason
 
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    seen: list[BaseException] = []
-    e: BaseException | None = exc
-    while e is not None and all(e is not s for s in seen) and len(seen) < 16:
-        seen.append(e)
-        e = e.__cause__ or e.__context__
-    return seen
-
-
 def fatal_engine_error(exc: BaseException) -> str | None:
     """Why ``exc`` (with its causes) means the engine is dead, else ``None`` (recoverable: answer this request with
     an error and keep serving). Fatal: a ``FatalEngineError`` or vLLM's ``EngineDeadError`` anywhere in the chain,
     else a CUDA error text other than out-of-memory."""
-    chain = _chain(exc)
+    chain = exception_chain(exc)
     for e in chain:
         names = {c.__name__ for c in type(e).__mro__}
         if isinstance(e, FatalEngineError) or "EngineDeadError" in names:
