@@ -21,7 +21,10 @@ timeline (step / wait / sync); per fault, when it was injected, how the client s
 quarantined and re-admitted, the requests re-rolled, and the posts sent to it while quarantined (must be 0: a server
 that missed an update serves nothing until it holds the current weights); the ledger (every sample trained exactly
 once: 0 lost, 0 duplicated); the per-tensor weight checksums of every server at the end (all equal); and the weight
-push to N servers against the same push to one server (a short second run on server 0 alone). Writes
+push to N servers against the same push to one server (a short second run on server 0 alone). A restart slower than
+the run (a loaded CPU machine) would end the run before re-admission: the learner is held before its last
+``outcome_steps`` steps until the restarted server answers ``/health/``; the seconds held are reported
+(``learner_held_for_restart_s``, 0 when the restart was in time). Writes
 ``fleet_<gpu|cpu>.json`` and ``.png`` (one lane per server) and keeps the servers' logs under ``<out>/fleet_logs/``.
 """
 
@@ -79,6 +82,10 @@ class FleetSettings:
     faults: tuple[Fault, ...]
     server_args: tuple[str, ...] = ()
     start_timeout_s: float = 600.0
+    #: the learner is held before its last ``outcome_steps`` steps until every restarted server answers ``/health/``
+    #: (at most ``outcome_hold_s``), so a slow restart is still re-admitted and served from inside the run
+    outcome_steps: int = 3
+    outcome_hold_s: float = 300.0
 
 
 def gpu_settings(steps: int = 30, faults: bool = True) -> FleetSettings:
@@ -317,6 +324,24 @@ class FaultInjector(threading.Thread):
             print(f"bench fleet: {fault.kind} server {fault.server} after step {event['steps_done']}"
                   + (f" (mid-decode: {event['mid_decode']})" if "mid_decode" in event else ""), flush=True)
 
+    def restarts_pending(self) -> bool:
+        """True while a fault is still to be injected or a restarted server has not answered ``/health/`` yet."""
+        if len(self.events) < len(self.settings.faults):
+            return True
+        return any(e["kind"] == "kill" and "healthy_again_t" not in e and "restart_failed" not in e
+                   for e in list(self.events))
+
+    def hold_for_outcomes(self, step: int) -> float:
+        """Called by the learner before ``step``: in the last ``outcome_steps`` steps, wait (bounded) for pending
+        restarts. Returns the seconds held (0 when nothing was pending)."""
+        if step < self.settings.steps - self.settings.outcome_steps or not self.restarts_pending():
+            return 0.0
+        t = time.perf_counter()
+        print(f"bench fleet: holding the learner before step {step + 1} until the restarted server answers",
+              flush=True)
+        self.wait_for(lambda: not self.restarts_pending(), self.settings.outcome_hold_s)
+        return time.perf_counter() - t
+
     def _watch_health(self, server: ServerProcess, event: dict[str, Any]) -> None:
         with httpx.Client(timeout=2.0, trust_env=False) as client:
             while not self.stop_event.is_set():
@@ -441,8 +466,17 @@ def train(settings: FleetSettings, servers: Sequence[ServerProcess], run_dir: Pa
     timeline: list[tuple[str, float, float]] = []
     with record_posts() as posts, client_log() as log:
         injector = FaultInjector(settings, servers, timeline, posts) if inject and settings.faults else None
+        from transformers import TrainerCallback
+
         from trainer.sft import run as run_mod
         from trainer.sft.trainer import RolloutMatchingTrainer
+
+        held: list[float] = []
+
+        class HoldForOutcomes(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if injector is not None and state.global_step < steps:
+                    held.append(injector.hold_for_outcomes(state.global_step))
 
         class Timed(RolloutMatchingTrainer):
             def __init__(self, *args: Any, **kwargs: Any):
@@ -450,6 +484,7 @@ def train(settings: FleetSettings, servers: Sequence[ServerProcess], run_dir: Pa
                 if self.target_source == "rollout":
                     self.timeline = timeline
                     if injector is not None and not injector.is_alive():
+                        self.add_callback(HoldForOutcomes())
                         injector.start()
 
         from trainer.config.schema import validate_config
@@ -471,6 +506,7 @@ def train(settings: FleetSettings, servers: Sequence[ServerProcess], run_dir: Pa
     syncs = [b - a for kind, a, b in timeline if kind == "sync"]
     result.update({
         "stage2_steps": summary.stage2_steps, "run_wall_s": round(wall, 2),
+        "learner_held_for_restart_s": round(sum(held), 2),
         "sync_s": [round(s, 4) for s in syncs], "sync_s_median": statistics.median(syncs[1:] or syncs) if syncs else None,
         "requests_per_step_per_server": spread_per_step(timeline, posts.spans, urls),
         "requests_per_server": [sum(n for u, _, _, n, ok in posts.spans if u == url and ok) for url in urls],
@@ -553,7 +589,8 @@ def run(out_dir: str | Path, settings: FleetSettings | None = None, *, work_dir:
         "faults_readmitted": sum(1 for f in fl["faults"] if f["readmitted_after_s"] is not None),
         "faults": len(fl["faults"]), "posts_while_quarantined": sum(f["posts_while_quarantined"] for f in fl["faults"]),
         "final_checksums_agree": fl["final_checksums_agree"], "learner_idle_fraction": fl.get("learner_idle_fraction"),
-        "step_s_mean": fl.get("step_s_mean"), "sync_s_median_fleet": fl["sync_s_median"],
+        "step_s_mean": fl.get("step_s_mean"), "learner_held_for_restart_s": fl["learner_held_for_restart_s"],
+        "sync_s_median_fleet": fl["sync_s_median"],
         "sync_s_median_one_server": one["sync_s_median"] if one else None,
         "sync_fleet_over_one": (fl["sync_s_median"] / one["sync_s_median"]) if one and one["sync_s_median"] else None}
     result["bench_wall_s"] = round(time.perf_counter() - t_start, 1)
