@@ -10,7 +10,8 @@ One module per benchmark, all building their random-weight models with ``trainer
   (``overlap.json`` / ``.png``; CPU-runnable, not part of ``all``); ``--engine vllm``: against one real vLLM server
   sharing the GPU (``overlap_vllm_gpu.json`` / ``.png``; ``trainer.bench.async_vllm``);
 * ``vllm``: the vLLM colocate engine vs plain vLLM, colocate / in-band sync GB/s, and (``vllm-step``) a stage-2 step
-  with vLLM colocate vs the HF backend (``vllm.json`` / ``.png``; CUDA + vLLM);
+  with vLLM colocate vs the HF backend (``vllm.json`` / ``.png``; CUDA + vLLM); ``vllm-images``: the same engine
+  comparison on Qwen3-VL with 1024x1024 images (``images_bench`` in ``vllm.json``; ``trainer.bench.vllm_images``);
 * ``inband``: in-band weight push (HTTP) to a scripted server subprocess, the pre-b1c8efc path vs
   ``InbandTransport`` vs a raw copy, 64 MiB-1 GiB (``inband.json`` / ``.png``; CPU-runnable, not part of ``all``;
   ``--quick``: 1 and 4 MiB);
@@ -36,8 +37,8 @@ import argparse
 import json
 from pathlib import Path
 
-ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "async", "inband", "scale", "data", "fleet",
-        "swift-peers")
+ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "vllm-images", "async",
+        "inband", "scale", "data", "fleet", "swift-peers")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     only = getattr(args, "only", "all")
+    if only == "vllm-images":  # not part of "all": the engine vs plain vLLM on Qwen3-VL images (GPU; --quick: CPU)
+        from trainer.bench.vllm_images import run as run_vllm_images
+
+        run_vllm_images(out)
+        return 0
     if only.startswith("vllm"):  # not part of "all": they need vLLM on the GPU machine
         from trainer.bench.vllm import run as run_vllm
 
@@ -147,7 +153,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--only", choices=ONLY, default="all",
                    help="packing: packed vs padded fwd+bwd (+ offload); rollout: HF rollout batching + rollout "
                         "buffer; weight-sync: NCCL learner -> server sync (two GPUs; not part of 'all'); vllm (= vllm-engine + "
-                        "vllm-sync) / vllm-step: vLLM engine, sync, stage-2 step benchmarks (GPU + vLLM; not part of 'all'); async: "
+                        "vllm-sync) / vllm-step: vLLM engine, sync, stage-2 step benchmarks (GPU + vLLM; not part of 'all'); "
+                        "vllm-images: our engine vs plain vLLM on Qwen3-VL with 1024x1024 images (GPU; RM_BENCH_VL_SIZE=2b|4b|8b); "
+                        "async: "
                         "step timeline with/without async_rollouts (scripted servers, CPU; not part of 'all'); inband: in-band "
                         "HTTP weight push before/after b1c8efc vs a raw copy (scripted server, CPU; not part of 'all'); scale: "
                         "stage-2 steps at Qwen3-VL 2B/4B/8B, vLLM colocate, per-phase time/memory/MFU (GPU; "
