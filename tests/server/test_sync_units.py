@@ -207,3 +207,40 @@ def test_the_cached_weight_layout_does_not_keep_a_model_alive(tiny):
         del model
         gc.collect()
         assert ref() is None, "the weight-layout cache keeps the model alive"
+
+
+def test_a_module_replaced_by_one_of_the_same_kind_is_read_after_the_replacement(tiny):
+    """Same module count, same adapters: only the registration tells the cached layout is stale."""
+    plain = copy.deepcopy(tiny)
+    key = "model.layers.0.mlp.down_proj.weight"
+    full_weights(plain)
+    old = plain.model.layers[0].mlp.down_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.fill_(0.5)
+    plain.model.layers[0].mlp.down_proj = new
+    assert torch.equal(full_weights(plain)[key], torch.full_like(old.weight, 0.5))
+
+
+def test_the_module_tree_is_walked_again_only_after_a_registration(tiny, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.sync import weights
+
+    peft_model = get_peft_model(copy.deepcopy(tiny), LoraConfig(r=4, target_modules=["q_proj"],
+                                                               init_lora_weights=False))
+    first = full_weights(peft_model)
+    walks = []
+    real = weights._still_valid
+    monkeypatch.setattr(weights, "_still_valid", lambda plan, model: walks.append(1) or real(plan, model))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with torch.no_grad():
+        peft_model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.mul_(2)
+    second = full_weights(peft_model)
+    assert walks == [], "an unchanged model's tree was walked again"
+    assert not torch.equal(first[q], second[q]), "the new LoRA values were not merged"
+    torch.nn.Sequential().add_module("elsewhere", torch.nn.Identity())  # any registration in the process
+    full_weights(peft_model)
+    assert walks == [1]
+    full_weights(peft_model)
+    assert walks == [1], "the walk's verdict is kept until the next registration"

@@ -194,8 +194,13 @@ def test_the_environment_is_the_cpu_lock_and_pip_check_reads_clean():
 @pytest.mark.skipif(shutil.which("uv", path=str(Path(sys.executable).parent)) is None, reason="uv is not installed")
 @pytest.mark.parametrize("lock_name", ["cpu-test.txt", "gpu-runtime.txt"])
 def test_the_locks_are_what_make_lock_resolves(lock_name, tmp_path):
-    """Re-run `make lock`'s compile (a fresh resolution against the index as of the lock's `# index as of:` date,
-    so releases published since cannot change it): any change means the inputs moved without `make lock`."""
+    """Re-run `make lock`'s compile as of the lock's `# index as of:` date, with the lock itself as constraints:
+    the result must be the lock, package for package. A package the inputs now need and the lock lacks, one it
+    holds that nothing needs any more, or a pin the inputs exclude changes it: the inputs moved without `make lock`.
+    The constraints keep the verdict independent of the index: `--exclude-newer` alone was not enough, because the
+    index this machine reaches showed files uploaded before the lock's date only days later (charset-normalizer
+    3.5.3, uploaded 2026-11-23T02:43Z, appeared after a lock dated 15:15Z that day had picked 3.5.2), so the same
+    commit turned red. What today's index would change is `make lock-check`'s report."""
     uv = shutil.which("uv", path=str(Path(sys.executable).parent))
     makefile, lock_mk = (REPO / "Makefile").read_text(), (REPO / "mk" / "lock.mk").read_text()
     find_links = re.search(r"^TORCH_FIND_LINKS \?= (\S+)$", makefile, re.M).group(1)
@@ -203,7 +208,7 @@ def test_the_locks_are_what_make_lock_resolves(lock_name, tmp_path):
     date = re.search(r"^# index as of: (\S+)", (LOCKS / lock_name).read_text(), re.M).group(1)
     cmd = [uv, "pip", "compile", "-q", "pyproject.toml", "--python", sys.executable,
            "--no-build-isolation-package", "deepspeed", "--custom-compile-command", "make lock", "--upgrade",
-           "--exclude-newer", date, "-o", str(out_file)]
+           "--exclude-newer", date, "-c", str(LOCKS / lock_name), "-o", str(out_file)]
     if lock_name == "cpu-test.txt":
         cmd += ["locks/cpu-test.in", *[a for e in CPU_EXTRAS for a in ("--extra", e)],
                 "--find-links", find_links, "--override", "locks/overrides.txt"]

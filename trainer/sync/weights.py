@@ -69,27 +69,84 @@ class _Slot:
 
 
 @dataclass(frozen=True)
+class _LoraFactors:
+    """One adapter of one LoRA layer: its A/B modules (their ``weight`` is read at every sync), whether it is a
+    plain linear LoRA (mergeable as ``B @ A``) and whether it is DoRA."""
+
+    a: torch.nn.Module
+    b: torch.nn.Module
+    linear: bool
+    dora: bool
+
+
+@dataclass(frozen=True)
+class _LoraLayer:
+    key: str
+    module: torch.nn.Module
+    adapters: dict[str, _LoraFactors]
+
+
+@dataclass(frozen=True)
 class _Plan:
     """A model's weight layout, built once from ``state_dict`` (slow on a peft model: thousands of modules) and
     reused while the module tree and the active adapters stay the same."""
 
     signature: tuple[Any, ...]
     slots: tuple[_Slot, ...]
-    lora_layers: tuple[tuple[str, torch.nn.Module], ...]
+    lora_layers: tuple[_LoraLayer, ...]
+
+
+def _lora_layer(key: str, module: torch.nn.Module) -> _LoraLayer:
+    base_is_matrix = module.get_base_layer().weight.dim() == 2
+    fan_in_fan_out = bool(getattr(module, "fan_in_fan_out", False))
+    adapters = {}
+    for adapter, a in module.lora_A.items():
+        b = module.lora_B[adapter]
+        linear = (isinstance(a, torch.nn.Linear) and isinstance(b, torch.nn.Linear) and not fan_in_fan_out
+                  and base_is_matrix)
+        adapters[adapter] = _LoraFactors(a, b, linear, bool(module.use_dora.get(adapter, False)))
+    return _LoraLayer(key, module, adapters)
 
 
 _PLANS: weakref.WeakKeyDictionary[torch.nn.Module, _Plan] = weakref.WeakKeyDictionary()
+#: ``_REGISTRATIONS[0]`` counts submodule registrations anywhere in the process (torch's global hook); a plan
+#: checked at one count stays valid while it is unchanged, without walking the module tree again
+_REGISTRATIONS = [0]
+_CHECKED_AT: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 
 
-def _signature(model: torch.nn.Module) -> tuple[Any, ...]:
-    adapters = tuple(model.active_adapters) if is_peft_model(model) else ()
-    return (sum(1 for _ in model.modules()), adapters)
+def _count_registration(module, name, submodule):
+    _REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
+def _adapters(model: torch.nn.Module) -> tuple[str, ...]:
+    return tuple(model.active_adapters) if is_peft_model(model) else ()
+
+
+def _still_valid(plan: _Plan, model: torch.nn.Module) -> bool:
+    """One walk of the module tree: the same number of modules, every planned module still in it (a module
+    replaced by another of the same kind keeps the count), every slot holding a tensor."""
+    live = {id(m) for m in model.modules()}
+    return (plan.signature == (len(live), _adapters(model)) and all(id(s.module) in live for s in plan.slots)
+            and all(id(layer.module) in live for layer in plan.lora_layers)
+            and all(s.tensor() is not None for s in plan.slots))
 
 
 def _plan(model: torch.nn.Module) -> _Plan:
-    signature = _signature(model)
+    """The cached plan while the module tree and the active adapters are unchanged. Walking a peft model's tree to
+    tell (thousands of modules) cost as much as the rest of a sync's host work, so it is walked again only after a
+    submodule was registered somewhere in the process (adding or replacing a module; peft's adapter changes do) or
+    a slot lost its tensor."""
     plan = _PLANS.get(model)
-    if plan is not None and plan.signature == signature and all(s.tensor() is not None for s in plan.slots):
+    if (plan is not None and _CHECKED_AT.get(model) == _REGISTRATIONS[0] and plan.signature[1] == _adapters(model)
+            and all(s.tensor() is not None for s in plan.slots)):
+        return plan
+    at = _REGISTRATIONS[0]
+    if plan is not None and _still_valid(plan, model):
+        _CHECKED_AT[model] = at
         return plan
     from peft.tuners.lora import LoraLayer
 
@@ -103,10 +160,12 @@ def _plan(model: torch.nn.Module) -> _Plan:
             continue  # extra state (no tensor of the model's own)
         key = _checkpoint_name(name).replace(".modules_to_save.default.", ".")
         slots.append(_Slot(key, module, attr, attr in module._parameters))
-    lora = tuple((_checkpoint_name(f"{n}.weight"), m) for n, m in model.named_modules() if isinstance(m, LoraLayer))
-    plan = _Plan(signature, tuple(slots), lora)
+    lora = tuple(_lora_layer(_checkpoint_name(f"{n}.weight"), m) for n, m in model.named_modules()
+                 if isinstance(m, LoraLayer))
+    plan = _Plan((sum(1 for _ in model.modules()), _adapters(model)), tuple(slots), lora)
     if all(s.module is not model for s in slots):  # a slot holding the model itself would keep the weak key alive
         _PLANS[model] = plan
+        _CHECKED_AT[model] = at
     return plan
 
 
@@ -114,24 +173,24 @@ def _lora_deltas(plan: _Plan) -> dict[str, list[Any]]:
     """``{checkpoint weight name: merge terms}`` for every LoRA-wrapped layer of the active adapters. A term is
     ``(B, A, scaling)`` for a plain linear LoRA (merged with a matrix product) or peft's delta tensor otherwise."""
     deltas: dict[str, list[Any]] = {}
-    for key, module in plan.lora_layers:
+    for layer in plan.lora_layers:
+        module = layer.module
         if module.merged:
             continue
         terms: list[Any] = []
         for adapter in module.active_adapters:
-            if adapter not in module.lora_A:
+            factors = layer.adapters.get(adapter)
+            if factors is None:
                 continue
-            if module.use_dora.get(adapter, False):
+            if factors.dora:
                 raise _DoraNeedsMerge()
-            a, b = module.lora_A[adapter], module.lora_B[adapter]
-            plain = (isinstance(a, torch.nn.Linear) and isinstance(b, torch.nn.Linear) and a.weight.dtype == b.weight.dtype
-                     and not getattr(module, "fan_in_fan_out", False) and module.get_base_layer().weight.dim() == 2)
-            if plain:
-                terms.append((b.weight.detach(), a.weight.detach(), float(module.scaling[adapter])))
+            a, b = factors.a._parameters["weight"], factors.b._parameters["weight"]
+            if factors.linear and a.dtype == b.dtype:
+                terms.append((b.detach(), a.detach(), float(module.scaling[adapter])))
             else:
                 terms.append(module.get_delta_weight(adapter))
         if terms:
-            deltas[key] = terms
+            deltas[layer.key] = terms
     return deltas
 
 
