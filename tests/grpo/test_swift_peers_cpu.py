@@ -173,3 +173,33 @@ def test_client_subprocess_against_a_scripted_server(tmp_path, tiny_model_dir):
     assert gen["ok"] and gen["n"] == sp.BATCH and all(1 <= n <= sp.NEW_TOKENS for n in gen["response_lengths"]), gen
     assert not stages["sync_nccl"]["ok"] and stages["sync_nccl"]["error"], stages["sync_nccl"]
     assert stages["generate_fresh_client"]["ok"], stages
+
+
+def test_a_peer_that_exits_before_health_is_recorded_as_a_failed_start(tmp_path):
+    saves = []
+    peer = sp.Peer([sys.executable, "-c", "raise SystemExit('no GPU here')"], tmp_path / "logs" / "dead.log")
+    r = {"server": {}, "worked": [], "failed": {}}
+    try:
+        ok = sp.started_and_probed("http://127.0.0.1:9", peer, 60.0, r, lambda: saves.append(1))
+    finally:
+        peer.stop()
+    assert not ok and r["worked"] == [] and "probes" not in r
+    assert "exited with code 1" in r["failed"]["server_start"] and "no GPU here" in r["failed"]["server_start"]
+    assert saves == [1], "the failed start is saved before returning"
+
+
+def test_a_peer_that_serves_is_probed(tmp_path, tiny_model_dir):
+    from trainer.bench.fleet import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "trainer", "serve", "--engine", "scripted", "--model", str(tiny_model_dir),
+            "--host", "127.0.0.1", "--port", str(port)]
+    peer = sp.Peer(argv, tmp_path / "logs" / "serve.log")
+    r = {"server": {}, "worked": [], "failed": {}}
+    try:
+        ok = sp.started_and_probed(url, peer, 300.0, r, lambda: None)
+    finally:
+        peer.stop()
+    assert ok, r
+    assert r["worked"] == ["server_start"] and r["server"]["health"]["ok"] and r["probes"]

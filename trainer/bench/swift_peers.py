@@ -330,6 +330,21 @@ def client_argv(url: str, model_dir: Path, result: Path, stage: str) -> list[str
             "--result", str(result), "--stage", stage]
 
 
+def started_and_probed(url: str, server: Peer, wait_s: float, r: dict[str, Any], save) -> bool:
+    """Wait (at most ``wait_s``) for the peer's ``/health/``, then probe its endpoints; recorded in ``r`` (saved
+    after each). False when it never came up (``r["failed"]["server_start"]`` says why)."""
+    health = wait_health(url, server, wait_s)
+    r["server"]["health"] = health
+    save()
+    if not health["ok"]:
+        r["failed"]["server_start"] = health["error"]
+        return False
+    r["worked"].append("server_start")
+    r["probes"] = probe_endpoints(url)
+    save()
+    return True
+
+
 def run_rollout(out: Path, model_dir: Path, deadline: float, result: dict[str, Any], save) -> None:
     port = free_port()
     url = f"http://{HOST}:{port}"
@@ -338,15 +353,8 @@ def run_rollout(out: Path, model_dir: Path, deadline: float, result: dict[str, A
     server = Peer(argv, out / "logs/swift_rollout.log")
     r["server"] = {"command": shlex.join(argv)}
     try:
-        health = wait_health(url, server, min(240.0, deadline - time.monotonic() - 20))
-        r["server"]["health"] = health
-        save()
-        if not health["ok"]:
-            r["failed"]["server_start"] = health["error"]
+        if not started_and_probed(url, server, min(240.0, deadline - time.monotonic() - 20), r, save):
             return
-        r["worked"].append("server_start")
-        r["probes"] = probe_endpoints(url)
-        save()
         res = out / "logs/rollout_client.json"
         left = deadline - time.monotonic() - 15
         r["client"] = run_logged(client_argv(url, model_dir, res, "all"), out / "logs/rollout_client.log",
@@ -581,15 +589,8 @@ def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: di
     server = Peer(argv, out / "logs/trainer_serve.log")
     r["server"] = {"command": shlex.join(argv)}
     try:
-        health = wait_health(url, server, min(200.0, deadline - time.monotonic() - 40))
-        r["server"]["health"] = health
-        save()
-        if not health["ok"]:
-            r["failed"]["server_start"] = health["error"]
+        if not started_and_probed(url, server, min(200.0, deadline - time.monotonic() - 40), r, save):
             return
-        r["worked"].append("server_start")
-        r["probes"] = probe_endpoints(url)
-        save()
         cfg = grpo_config(work, model_dir, port, group_port)
         argv_rlhf, env = rlhf_command(cfg)
         env["MASTER_PORT"] = str(free_port())
