@@ -26,7 +26,7 @@ from trainer.sft import trainer as trainer_module
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.sft.trainer import STEP_PHASES, RolloutMatchingTrainer, SampleDataset
 
-SYNC_S, GENERATE_S, TARGET_S = 400.0, 300.0, 1500.0  # virtual seconds
+SYNC_S, GENERATE_S, TARGET_S, ENCODE_S = 400.0, 300.0, 1500.0, 70.0  # virtual seconds
 
 
 class VirtualTime:
@@ -61,6 +61,10 @@ class SlowEngine:
 
 
 class SlowPipeline(Stage2Pipeline):
+    def requests(self, *args, **kwargs):
+        CLOCK.spend(ENCODE_S)
+        return super().requests(*args, **kwargs)
+
     def targets(self, *args, **kwargs):
         CLOCK.spend(TARGET_S)
         return super().targets(*args, **kwargs)
@@ -94,6 +98,10 @@ def test_step_phases_are_disjoint_and_sum_to_the_step(tmp_path, monkeypatch):
     assert t["weight_sync"] >= SYNC_S and t["target"] >= TARGET_S and t["rollout"] >= GENERATE_S
     assert logged["time/generate_s"] >= GENERATE_S and logged["time/generate_s"] <= t["rollout"]
     assert t["rollout"] - logged["time/generate_s"] < TARGET_S, "the target phase is not inside rollout"
+    # encoding (chat template + image processor) is its own sub-phase of rollout, apart from generate
+    assert ENCODE_S <= logged["time/encode_s"] < ENCODE_S + GENERATE_S
+    assert logged["time/encode_s"] + logged["time/generate_s"] <= t["rollout"]
+    assert logged["time/generate_s"] < GENERATE_S + ENCODE_S, "encoding counted inside generate"
     assert t["weight_sync"] < SYNC_S + GENERATE_S and t["target"] < TARGET_S + SYNC_S, "a phase leaked into another"
     assert t["backward"] > 0
     assert logged["time/parse_s"] + logged["time/match_s"] + logged["time/build_target_s"] <= t["target"]

@@ -39,8 +39,9 @@ from trainer.telemetry import Counters, JsonlWriter, PhaseTimers, gpu_memory_sna
 
 ROLLOUT_STATE = "rollout_state.pt"
 #: the disjoint phases of ``training_step`` (``time/<phase>_s``); they sum to ``time/step_s``. ``backward`` is what the
-#: step spent outside the others (the backward pass and HF's bookkeeping). Sub-phases, also logged: ``generate``
-#: (inside ``rollout``), ``parse`` / ``match`` / ``build_target`` (inside ``target``).
+#: step spent outside the others (the backward pass and HF's bookkeeping). Sub-phases, also logged: ``generate`` and
+#: ``encode`` (the chat template and the image processor on the learner's CPU, inside ``rollout``), ``parse`` /
+#: ``match`` / ``build_target`` (inside ``target``).
 STEP_PHASES = ("weight_sync", "rollout", "target", "forward", "backward")
 LEDGER = "ledger.jsonl"
 logger = logging.getLogger(__name__)
@@ -151,10 +152,11 @@ class RolloutMatchingTrainer(Trainer):
             with self.timers.phase("rollout"):
                 # encode before waiting on the decode in flight, so that right after the push the next micro-batch
                 # is posted at once; this batch's requests were encoded when it was issued (encoding is pure)
-                requests = self._encoded_requests(samples)
-                if upcoming is not None:
-                    next_requests = self._encoded_requests(upcoming[1])
-                    self._encoded = ([s.sample_id for s in upcoming[1]], next_requests)
+                with self.timers.phase("encode"):
+                    requests = self._encoded_requests(samples)
+                    if upcoming is not None:
+                        next_requests = self._encoded_requests(upcoming[1])
+                        self._encoded = ([s.sample_id for s in upcoming[1]], next_requests)
             with self.timers.phase("rollout"), self.timers.phase("generate"), self._timeline("wait"):
                 prefetched = self.prefetcher.take([s.sample_id for s in samples], self.rollout_params(), step)
         if self.weight_sync is not None:
@@ -163,7 +165,8 @@ class RolloutMatchingTrainer(Trainer):
                     self.counters.add({"weight_syncs": 1})
         with self.timers.phase("rollout"):
             if requests is None:
-                requests, _ = self.pipeline.requests(samples)
+                with self.timers.phase("encode"):
+                    requests, _ = self.pipeline.requests(samples)
             if prefetched is not None:
                 results, version = prefetched
             else:
