@@ -151,11 +151,11 @@ class InbandTransport:
         self.shm = ShmStaging(shm_dir) if shm_dir else None
 
     def _allocator(self, tensors: dict[str, torch.Tensor]):
+        """The shared directory's staging file with ``shm_dir``; else a pinned staging buffer, kept and reused across
+        pushes, when the update lives on a GPU and fits ``pinned_staging_max_bytes`` (one asynchronous device-to-host
+        copy per tensor instead of pageable copies); ``None`` (a fresh ``bytearray``) otherwise."""
         if self.shm is not None:
             return self.shm.allocate
-        """A pinned staging buffer, kept and reused across pushes, when the update lives on a GPU and fits
-        ``pinned_staging_max_bytes`` (one asynchronous device-to-host copy per tensor instead of pageable copies);
-        ``None`` (a fresh ``bytearray``) otherwise."""
         if not any(t.is_cuda for t in tensors.values()):
             return None
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + 2**20
