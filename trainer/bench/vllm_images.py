@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainer.bench.vllm import timed_runs
+
 
 @dataclass(frozen=True)
 class ImageWorkload:
@@ -85,19 +87,6 @@ def plain_prompts(requests, image_token_id: int) -> list[dict[str, Any]]:
              "images": list(r.images)} for r in requests]
 
 
-def timed_runs(once, repeats: int) -> dict[str, Any]:
-    """``once()`` -> new tokens, ``repeats`` times; the median run's tokens/s is the figure."""
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        toks = once()
-        runs.append((toks / (time.perf_counter() - t0), toks))
-    rates = sorted(r for r, _ in runs)
-    median = rates[len(rates) // 2]
-    return {"new_tokens": runs[0][1], "tokens_per_s": median, "tokens_per_s_runs": [r for r, _ in runs],
-            "seconds": runs[0][1] / median}
-
-
 def _plain_main(spec_path: str, out: str) -> None:
     """The plain side (its own process): ``vllm.LLM`` with default settings plus the shared ``engine_kwargs``."""
     from PIL import Image
@@ -110,19 +99,18 @@ def _plain_main(spec_path: str, out: str) -> None:
               dtype=spec["dtype"], seed=0, **engine_kwargs(w))
     sp = SamplingParams(n=1, max_tokens=w.new_tokens, temperature=0.0, detokenize=False)
     res: dict[str, Any] = {}
+    def inputs(prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{"prompt_token_ids": p["prompt_token_ids"],
+                 "multi_modal_data": {"image": [Image.open(f).convert("RGB") for f in p["images"]]}} for p in prompts]
+
     for n, prompts in spec["prompts"].items():
-        def inputs(prompts=prompts):
-            return [{"prompt_token_ids": p["prompt_token_ids"],
-                     "multi_modal_data": {"image": [Image.open(f).convert("RGB") for f in p["images"]]}}
-                    for p in prompts]
+        llm.generate(inputs(prompts[:4]), sp, use_tqdm=False)
 
-        llm.generate(inputs()[:4], sp, use_tqdm=False)
-
-        def once(inputs=inputs):
+        def once(prompts=prompts):
             llm.reset_prefix_cache()
-            return sum(len(o.outputs[0].token_ids) for o in llm.generate(inputs(), sp, use_tqdm=False))
+            return sum(len(o.outputs[0].token_ids) for o in llm.generate(inputs(prompts), sp, use_tqdm=False))
 
-        res[n] = timed_runs(once, w.repeats)
+        res[n] = timed_runs(len(prompts), once, w.repeats)
     Path(out).write_text(json.dumps(res))
 
 
@@ -146,7 +134,7 @@ def ours(model_dir: Path, requests: dict[str, list], w: ImageWorkload, dtype: st
                 engine.reset_prefix_cache()
                 return sum(len(r.response_token_ids) for r in engine.generate(reqs, params))
 
-            res[n] = timed_runs(once, w.repeats)
+            res[n] = timed_runs(len(reqs), once, w.repeats)
     finally:
         engine.close()
     return res
