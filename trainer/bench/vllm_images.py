@@ -99,6 +99,7 @@ def _plain_main(spec_path: str, out: str) -> None:
               dtype=spec["dtype"], seed=0, **engine_kwargs(w))
     sp = SamplingParams(n=1, max_tokens=w.new_tokens, temperature=0.0, detokenize=False)
     res: dict[str, Any] = {}
+
     def inputs(prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{"prompt_token_ids": p["prompt_token_ids"],
                  "multi_modal_data": {"image": [Image.open(f).convert("RGB") for f in p["images"]]}} for p in prompts]
