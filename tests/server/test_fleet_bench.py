@@ -78,3 +78,29 @@ def test_poison_check_puts_one_nan_in_a_copy():
     bad, name = poison_first_floating(tensors)
     assert name == "b" and torch.isnan(bad["b"][0]) and not torch.isnan(tensors["b"]).any()
     assert bad["a"] is tensors["a"] and bad["c"] is tensors["c"]
+
+
+def test_the_learner_is_held_only_in_the_tail_and_only_for_faults_already_due():
+    from dataclasses import replace
+
+    from trainer.bench.fleet import Fault, FaultInjector
+
+    settings = replace(cpu_settings(steps=10), outcome_hold_s=0.2)  # faults after steps 1, 4, 7
+    inj = FaultInjector(settings, [], [], None)
+    assert not inj.restarts_pending(0) and inj.restarts_pending(1), "the kill due after step 1 is not injected yet"
+    kill = {"kind": "kill", "server": 1}
+    inj.events.append(kill)
+    assert inj.restarts_pending(3), "the restarted server has not answered yet"
+    kill["healthy_again_t"] = 1.0
+    assert not inj.restarts_pending(3) and inj.restarts_pending(4)
+    inj.events += [{"kind": "stall"}, {"kind": "nan"}]
+    assert not inj.restarts_pending(9)
+    assert inj.hold_for_outcomes(2) == 0.0
+    kill.pop("healthy_again_t")
+    assert inj.hold_for_outcomes(5) == 0.0, "before the tail (last outcome_steps steps) nobody waits"
+    assert inj.hold_for_outcomes(8) >= 0.2, "in the tail it waits (here up to outcome_hold_s)"
+    kill["restart_failed"] = "exit 1"
+    assert inj.hold_for_outcomes(8) == 0.0, "a restart that failed is an outcome too"
+    # a short run whose faults come after its last step: never held
+    late = FaultInjector(replace(settings, steps=5, faults=(Fault("kill", 0, 6),)), [], [], None)
+    assert late.hold_for_outcomes(3) == 0.0

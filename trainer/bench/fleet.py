@@ -324,22 +324,24 @@ class FaultInjector(threading.Thread):
             print(f"bench fleet: {fault.kind} server {fault.server} after step {event['steps_done']}"
                   + (f" (mid-decode: {event['mid_decode']})" if "mid_decode" in event else ""), flush=True)
 
-    def restarts_pending(self) -> bool:
-        """True while a fault is still to be injected or a restarted server has not answered ``/health/`` yet."""
-        if len(self.events) < len(self.settings.faults):
+    def restarts_pending(self, step: int) -> bool:
+        """True while a fault due by ``step`` is still being injected, or a restarted server has not answered
+        ``/health/`` (nor exited) yet. Faults scheduled after ``step`` do not count: holding for them would wait for
+        steps that cannot come."""
+        events = list(self.events)
+        if sum(1 for f in self.settings.faults if f.at_step <= step) > len(events):
             return True
-        return any(e["kind"] == "kill" and "healthy_again_t" not in e and "restart_failed" not in e
-                   for e in list(self.events))
+        return any(e["kind"] == "kill" and "healthy_again_t" not in e and "restart_failed" not in e for e in events)
 
     def hold_for_outcomes(self, step: int) -> float:
         """Called by the learner before ``step``: in the last ``outcome_steps`` steps, wait (bounded) for pending
         restarts. Returns the seconds held (0 when nothing was pending)."""
-        if step < self.settings.steps - self.settings.outcome_steps or not self.restarts_pending():
+        if step < self.settings.steps - self.settings.outcome_steps or not self.restarts_pending(step):
             return 0.0
         t = time.perf_counter()
         print(f"bench fleet: holding the learner before step {step + 1} until the restarted server answers",
               flush=True)
-        self.wait_for(lambda: not self.restarts_pending(), self.settings.outcome_hold_s)
+        self.wait_for(lambda: not self.restarts_pending(step), self.settings.outcome_hold_s)
         return time.perf_counter() - t
 
     def _watch_health(self, server: ServerProcess, event: dict[str, Any]) -> None:
