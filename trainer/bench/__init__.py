@@ -24,6 +24,9 @@ One module per benchmark, all building their random-weight models with ``trainer
 * ``swift-peers``: ms-swift peers on one GPU, our client against the real ``swift rollout`` and ``swift rlhf``
   (GRPO, server mode) against our server, protocol findings and every log (``swift_peers.json`` + ``logs/``; GPU;
   ``trainer.bench.swift_peers``, also ``python -m trainer.bench.swift_peers --out DIR [--only rollout|rlhf]``);
+* ``sync-host``: the host-side work of a weight sync (``full_weights`` + ``check_update``) per tensor count, plain
+  and LoRA-merged, tiny widths so the per-tensor overhead shows (``sync_host.json`` / ``.png``; CPU;
+  ``trainer.bench.sync_host``);
 * ``scale``: whole stage-2 steps at Qwen3-VL 2B / 4B / 8B (random weights, 1024x1024 images, 40-80 objects), vLLM
   colocate, per-phase seconds, peak memory and MFU (``scale.json`` / ``.png``; GPU; ``trainer.bench.scale``).
 
@@ -38,10 +41,15 @@ import json
 from pathlib import Path
 
 ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "vllm-images", "async",
-        "inband", "scale", "data", "fleet", "swift-peers")
+        "inband", "scale", "data", "fleet", "swift-peers", "sync-host")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "only", "all") == "sync-host":  # CPU: host-side work of a weight sync per tensor count
+        from trainer.bench.sync_host import run as run_sync_host
+
+        run_sync_host(Path(args.out), quick=args.quick)
+        return 0
     if getattr(args, "only", "all") == "data":  # CPU: 1M-record start-up, eager list vs line-offset index
         from trainer.bench.data import run as run_data
 
@@ -162,7 +170,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "RM_BENCH_SCALE=2b,8b-lora picks configurations; --quick: tiny VL on CPU; not part of 'all'); "
                         "data: dataset start-up and peak RSS at 1M records, eager list vs line-offset index (CPU; "
                         "--quick: 2,000 records; not part of 'all'); fleet: six vLLM server processes + the learner on one GPU "
-                        "with faults (--engine scripted or a CPU: three scripted servers; not part of 'all')")
+                        "with faults (--engine scripted or a CPU: three scripted servers; not part of 'all'); sync-host: host-side "
+                        "work of a weight sync per tensor count (CPU; not part of 'all')")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--decode-s", type=float, default=None,
                    help="async: seconds per /infer/ call of the scripted servers (default: the measured train time "
