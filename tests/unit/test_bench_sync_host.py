@@ -11,7 +11,11 @@ from trainer.bench.sync_host import run
 
 
 def test_quick_run_measures_plain_and_lora_merged_per_layer_count(tmp_path):
+    import torch
+
+    threads = torch.get_num_threads()
     result = run(tmp_path, quick=True)
+    assert torch.get_num_threads() == threads, "the bench left its one-thread setting on the caller's process"
     saved = json.loads((tmp_path / "sync_host_quick.json").read_text())
     assert saved == json.loads(json.dumps(result))
     rows = {(r["layers"], r["variant"]): r for r in saved["results"]}

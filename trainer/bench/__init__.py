@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     only = getattr(args, "only", "all")
-    if only == "vllm-images":  # not part of "all": the engine vs plain vLLM on Qwen3-VL images (GPU; --quick: CPU)
+    if only == "vllm-images":  # not part of "all": the engine vs plain vLLM on Qwen3-VL images (GPU only)
         from trainer.bench.vllm_images import run as run_vllm_images
 
         run_vllm_images(out)

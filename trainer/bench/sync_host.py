@@ -68,18 +68,22 @@ def measure(model: torch.nn.Module, repeats: int) -> dict[str, Any]:
 
 def run(out: Path, quick: bool = False) -> dict[str, Any]:
     layers, repeats = ((4, 8), 3) if quick else (LAYERS, REPEATS)
-    torch.set_num_threads(1)
     result: dict[str, Any] = {
         "machine": {"cpu_cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
         "repeats": repeats, "quick": quick, "results": []}
-    for n_layers in layers:
-        for lora in (False, True):
-            rec = {"layers": n_layers, "variant": "lora-merged" if lora else "plain",
-                   **measure(tiny_qwen3(n_layers, lora), repeats)}
-            result["results"].append(rec)
-            print(f"bench sync-host: {rec['variant']:12s} {rec['tensors']:5d} tensors  full_weights "
-                  f"{rec['full_weights_ms']:7.2f} ms ({rec['full_weights_us_per_tensor']:5.1f} us/tensor, first "
-                  f"{rec['full_weights_first_ms']:.0f} ms)  check_update {rec['check_update_ms']:6.2f} ms", flush=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread, so the figure is per-tensor overhead, not how many cores share a kernel
+    try:
+        for n_layers in layers:
+            for lora in (False, True):
+                result["results"].append({"layers": n_layers, "variant": "lora-merged" if lora else "plain",
+                                          **measure(tiny_qwen3(n_layers, lora), repeats)})
+    finally:
+        torch.set_num_threads(threads)
+    for rec in result["results"]:
+        print(f"bench sync-host: {rec['variant']:12s} {rec['tensors']:5d} tensors  full_weights "
+              f"{rec['full_weights_ms']:7.2f} ms ({rec['full_weights_us_per_tensor']:5.1f} us/tensor, first "
+              f"{rec['full_weights_first_ms']:.0f} ms)  check_update {rec['check_update_ms']:6.2f} ms", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     name = "sync_host_quick" if quick else "sync_host"
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))

@@ -3,16 +3,16 @@
 The text figure (``engine_over_raw_vllm`` in ``vllm.json``) says nothing about images: the path that matters for
 detection decodes prompts of ~1k visual tokens whose images are read and preprocessed on every call. Here both sides
 get the same work: a random-weight Qwen3-VL of a published size (``trainer.bench.scale``; ``RM_BENCH_VL_SIZE``,
-default ``2b``), ``N`` synthetic 1024x1024 detection records (40-80 objects) encoded by the product's prompt encoder,
-``NEW_TOKENS`` greedy new tokens each (random weights: every rollout runs to the cap), vLLM's multimodal processor
+default ``2b``), N synthetic 1024x1024 detection records (40-80 objects) encoded by the product's prompt encoder,
+1,024 greedy new tokens each (random weights: every rollout runs to the cap), vLLM's multimodal processor
 cache off (``mm_processor_cache_gb=0``: a training run never sees an image twice) and the prefix cache reset before
 every run, so image loading and preprocessing are inside every timed call on both sides.
 
 * plain: ``vllm.LLM.generate`` in its own process, as a user calls it: the token prompt (one image placeholder per
-  image, as vLLM expects) with ``multi_modal_data`` images opened from the same PNG files inside the timed call;
+  image, as vLLM expects) with ``multi_modal_data`` images read from the same PNG files inside the timed call;
 * ours: ``VllmColocateEngine.generate`` on the ``RolloutRequest`` s the stage-2 trainer builds (sleep level 0).
 
-Each side runs every workload ``REPEATS`` times after a warm-up call; the median run's new tokens/s is the figure and
+Each side runs every workload ``repeats`` times after a warm-up call; the median run's new tokens/s is the figure and
 ``engine_over_raw_vllm`` is ours / plain. GPU only: vLLM's Qwen3-VL imports torchvision, which the CPU environment
 cannot have (locks/overrides.txt); the prompt building is tested on the CPU with the tiny Qwen3-VL.
 """
@@ -42,7 +42,6 @@ class ImageWorkload:
     max_model_len: int
     gpu_memory_utilization: float
     repeats: int
-    engine_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 def gpu_workload(size: str = "2b") -> ImageWorkload:
@@ -53,13 +52,11 @@ def gpu_workload(size: str = "2b") -> ImageWorkload:
 def tiny_workload() -> ImageWorkload:
     """The tiny Qwen3-VL (tests of the prompt building; vLLM's CPU backend cannot load Qwen3-VL: no torchvision)."""
     return ImageWorkload(size="tiny", requests=(4,), new_tokens=16, image_size=128, min_objects=2, max_objects=4,
-                         max_model_len=1024, gpu_memory_utilization=0.5, repeats=1,
-                         engine_kwargs=(("enforce_eager", True), ("kv_cache_memory_bytes", 64 * 2**20)))
+                         max_model_len=1024, gpu_memory_utilization=0.5, repeats=1)
 
 
-def engine_kwargs(w: ImageWorkload) -> dict[str, Any]:
-    """vLLM arguments both sides share (beyond model, length, utilisation, dtype, seed)."""
-    return {"mm_processor_cache_gb": 0, "limit_mm_per_prompt": {"image": 1}, **dict(w.engine_kwargs)}
+#: vLLM arguments both sides share (beyond model, length, utilisation, dtype, seed)
+ENGINE_KWARGS: dict[str, Any] = {"mm_processor_cache_gb": 0, "limit_mm_per_prompt": {"image": 1}}
 
 
 def build_prompts(model_dir: Path, data_dir: Path, n: int, w: ImageWorkload):
@@ -88,21 +85,22 @@ def plain_prompts(requests, image_token_id: int) -> list[dict[str, Any]]:
 
 
 def _plain_main(spec_path: str, out: str) -> None:
-    """The plain side (its own process): ``vllm.LLM`` with default settings plus the shared ``engine_kwargs``."""
-    from PIL import Image
+    """The plain side (its own process): ``vllm.LLM`` with default settings plus ``ENGINE_KWARGS``; images read
+    with the loader our engine uses, so both sides do the same reading work."""
     from vllm import LLM, SamplingParams
 
+    from trainer.data.images import load_image
+
     spec = json.loads(Path(spec_path).read_text())
-    w = ImageWorkload(**{**spec["workload"], "requests": tuple(spec["workload"]["requests"]),
-                         "engine_kwargs": tuple(tuple(kv) for kv in spec["workload"]["engine_kwargs"])})
+    w = ImageWorkload(**{**spec["workload"], "requests": tuple(spec["workload"]["requests"])})
     llm = LLM(model=spec["model_dir"], max_model_len=w.max_model_len, gpu_memory_utilization=w.gpu_memory_utilization,
-              dtype=spec["dtype"], seed=0, **engine_kwargs(w))
+              dtype=spec["dtype"], seed=0, **ENGINE_KWARGS)
     sp = SamplingParams(n=1, max_tokens=w.new_tokens, temperature=0.0, detokenize=False)
     res: dict[str, Any] = {}
 
     def inputs(prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{"prompt_token_ids": p["prompt_token_ids"],
-                 "multi_modal_data": {"image": [Image.open(f).convert("RGB") for f in p["images"]]}} for p in prompts]
+                 "multi_modal_data": {"image": [load_image(f) for f in p["images"]]}} for p in prompts]
 
     for n, prompts in spec["prompts"].items():
         llm.generate(inputs(prompts[:4]), sp, use_tqdm=False)
@@ -122,7 +120,7 @@ def ours(model_dir: Path, requests: dict[str, list], w: ImageWorkload, dtype: st
 
     engine = VllmColocateEngine(model_dir, [], max_model_len=w.max_model_len,
                                 gpu_memory_utilization=w.gpu_memory_utilization, dtype=dtype,
-                                engine_kwargs=engine_kwargs(w))
+                                engine_kwargs=dict(ENGINE_KWARGS))
     params = DecodingParams(max_new_tokens=w.new_tokens)
     res: dict[str, Any] = {}
     try:
