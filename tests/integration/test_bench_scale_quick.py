@@ -11,6 +11,7 @@ from trainer.bench import scale
 
 def test_scale_quick_writes_a_step_split_that_adds_up(tmp_path, monkeypatch):
     monkeypatch.setenv("RM_BENCH_WORK", str(tmp_path / "work"))
+    monkeypatch.setenv("RM_BENCH_SCALE_PROFILE", "1")
     result = scale.run(tmp_path / "out", quick=True)
     saved = json.loads((tmp_path / "out" / "scale_quick.json").read_text())
     assert saved == json.loads(json.dumps(result))
@@ -20,6 +21,9 @@ def test_scale_quick_writes_a_step_split_that_adds_up(tmp_path, monkeypatch):
     assert abs(sum(rec["split"].values()) - 1.0) < 0.02, rec["split"]
     assert rec["train_tokens_per_s"] > 0 and rec["rollout_tokens_per_s"] > 0
     assert (tmp_path / "out" / "scale_quick.png").stat().st_size > 10_000
+    # RM_BENCH_SCALE_PROFILE=1: step 1's forward + backward under torch.profiler (operators on the CPU)
+    prof = rec["profile"]
+    assert prof["step"] == 1 and prof["device"] == "cpu" and prof["by_category_s"].get("matmul", 0) > 0, prof
 
 
 def test_flops_count_grows_with_size_and_the_published_shapes_have_their_sizes():

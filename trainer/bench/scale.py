@@ -75,12 +75,18 @@ class ScaleRun:
     #: LoRA/DoRA learners: False = merged full sync into an engine without LoRA kernels (``sync.mode: full``, what
     #: TRL does); True = adapter sync into an engine with ``enable_lora`` (``sync.mode: adapter``)
     vllm_lora: bool = False
+    #: ``training.compile_decoder_layers`` for the teacher-forced step (``RM_BENCH_SCALE_COMPILE=1``)
+    compile_layers: bool = False
+    #: the stage-2 step whose forward + backward runs under torch.profiler (``RM_BENCH_SCALE_PROFILE=N``; 0: none);
+    #: the profiled step is left out of the per-step means
+    profile_step: int = 0
 
     @property
     def name(self) -> str:
         tuner = self.tuner if self.tuner == "full" else f"{self.tuner}{self.lora_rank}"
         served = "-vllmlora" if self.vllm_lora else ""
-        return f"{self.size}-{tuner}{served}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}"
+        compiled = "-compiled" if self.compile_layers else ""
+        return f"{self.size}-{tuner}{served}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}{compiled}"
 
 
 #: the configurations of issue 30 on one 80 GB H100 (``RM_BENCH_SCALE`` picks some by name prefix, e.g. ``2b,8b-lora``)
@@ -203,6 +209,10 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
                      "gradient_checkpointing": True},
         "custom": {"extra": {"rollout_matching": rm}},
     }
+    if run.compile_layers:
+        cfg["training"]["compile_decoder_layers"] = True
+    if run.profile_step:
+        cfg["training"]["profile_steps"] = [run.profile_step]
     if run.tuner != "full" and backend == "vllm" and run.vllm_lora:
         rm["vllm"]["enable_lora"] = True
         rm["vllm"]["sync"] = {"mode": "adapter"}
@@ -251,8 +261,12 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
             torch.cuda.empty_cache()
         return rec
     rec["wall_s"] = time.perf_counter() - t0
+    profiled = out_dir / "stage2" / "profile" / f"step{run.profile_step}.json"
+    if run.profile_step and profiled.is_file():
+        rec["profile"] = json.loads(profiled.read_text())
     rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
-    timed = rows[1:] or rows  # the first step pays CUDA-graph capture, compilation and first allocations
+    # the first step pays CUDA-graph capture, compilation and first allocations; a profiled step pays the profiler
+    timed = [r for i, r in enumerate(rows) if i > 0 and i + 1 != run.profile_step] or rows
     avg = {k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in sorted({k for r in timed for k in r})
            if isinstance(timed[0].get(k), (int, float))}
     peaks = {k: max(r.get(k, 0.0) for r in rows) for k in sorted({k for r in rows for k in r})
@@ -391,11 +405,20 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     except ImportError:
         pass
     steps = int(os.environ.get("RM_BENCH_SCALE_STEPS", "0"))
+    profile_step = int(os.environ.get("RM_BENCH_SCALE_PROFILE", "0"))
+    compile_layers = os.environ.get("RM_BENCH_SCALE_COMPILE", "0") == "1"
     for cfg in [QUICK] if quick else selected(os.environ.get("RM_BENCH_SCALE")):
         cfg = replace(cfg, steps=steps) if steps else cfg
+        cfg = replace(cfg, profile_step=profile_step, compile_layers=compile_layers or cfg.compile_layers)
+        if cfg.profile_step > cfg.steps:
+            raise SystemExit(f"RM_BENCH_SCALE_PROFILE={cfg.profile_step} is past the run's {cfg.steps} steps")
         print(f"bench scale: {cfg.name} ...", flush=True)
         rec = run_one(cfg, work, device) if device == "cpu" else run_isolated(cfg, work)
         print(json.dumps({k: rec.get(k) for k in ("name", "step_s", "split", "peak_gib", "mfu", "error")}), flush=True)
+        if "profile" in rec:
+            p = rec["profile"]
+            print(json.dumps({"profile_busy_fraction": p["busy_fraction"], "by_category_s": p["by_category_s"],
+                              "top": [(k["name"][:70], round(k["seconds"], 4)) for k in p["top"][:12]]}), flush=True)
         print(json.dumps({"trl_over_ours": rec.get("trl", {}).get("trl_over_ours"),
                           "trl_error": rec.get("trl", {}).get("error", "")[-1500:]}), flush=True)
         result["runs"] = [r for r in result["runs"] if r.get("name") != rec["name"]] + [rec]

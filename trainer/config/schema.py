@@ -126,6 +126,12 @@ class TrainingConfig(Section):
     packing_buffer: int = Field(256, ge=1)
     packing_min_fill_ratio: float = Field(0.65, ge=0.0, le=1.0)
     packing_drop_last: bool = True
+    profile_steps: list[int] = Field(
+        default_factory=list, description="stage-2 optimizer steps (1-based) whose first forward + backward is profiled "
+        "with torch.profiler: <output_dir>/stage2/profile/step<N>.json (seconds per kernel category, GPU busy "
+        "fraction, top kernels) and step<N>_kernels.txt")
+    profile_trace: bool = Field(False, description="also write a gzipped Chrome trace per profiled step "
+                                                   "(step<N>.trace.json.gz; tens of MB at 8B)")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve the learner's Prometheus metrics "
                                      "(step timers, rollout counts, quarantines) on this port; null: off")
     metrics_host: str = Field("127.0.0.1", description="bind address of metrics_port (environment variables such "
@@ -315,6 +321,13 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
         why = problem(t.deepspeed)
         if why:
             errs.append(ConfigError("training.deepspeed", why))
+    bad_steps = [n for n in t.profile_steps if n < 1 or (t.max_steps > 0 and n > t.max_steps)]
+    if bad_steps:
+        errs.append(ConfigError("training.profile_steps", f"{bad_steps} outside 1..max_steps ({t.max_steps}): list "
+                                "stage-2 optimizer steps, counted from 1"))
+    if t.profile_trace and not t.profile_steps:
+        errs.append(ConfigError("training.profile_trace", "has no effect without training.profile_steps; list the "
+                                "steps to profile or drop profile_trace"))
     if t.eval_steps and not cfg.data.has_eval_split:
         errs.append(ConfigError("training.eval_steps", "needs an eval split: set data.eval_jsonl or "
                                 "data.synthetic.eval_num_samples (or set eval_steps: 0)"))

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
 from trainer.packing.varlen_attention import choose_packed_attention, packed_attention
+from trainer.profiling import profile_region
 from trainer.rollout.base import RolloutEngine
 from trainer.rollout.types import DecodingParams
 from trainer.sft.forward import forward_loss
@@ -85,7 +87,8 @@ class RolloutMatchingTrainer(Trainer):
                  image_token_id: int | None = None, packing: PackingBuffer | None = None,
                  rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None,
                  offload: tuple[bool, bool] | None = None, weight_sync: Any = None, supervised_logits: bool = True,
-                 eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None, **kwargs: Any):
+                 eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None,
+                 profile_steps: Sequence[int] = (), profile_trace: bool = False, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -107,6 +110,9 @@ class RolloutMatchingTrainer(Trainer):
         self.supervised_logits = supervised_logits
         self.eager_rollouts = eager_rollouts
         self._layout_stack: contextlib.ExitStack | None = None
+        #: ``training.profile_steps``: optimizer steps whose first forward + backward runs under torch.profiler
+        self.profile_steps = set(profile_steps)
+        self.profile_trace = profile_trace
         self._resume_skip = 0
         self._steps_per_epoch = 1
         self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None)
@@ -291,6 +297,11 @@ class RolloutMatchingTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         unwrapped = self.accelerator.unwrap_model(model)
+        step = self.state.global_step + 1
+        if step in self.profile_steps and self._layout_stack is not None and self.is_world_process_zero():
+            self.profile_steps.discard(step)  # the step's first micro-batch; the profile ends after its backward
+            self._layout_stack.enter_context(
+                profile_region(Path(self.args.output_dir) / "profile", step, self.profile_trace))
         layout = contextlib.nullcontext()
         if self.packed_attn is not None and "position_ids" in inputs:
             layout = packed_attention(unwrapped, self.packed_attn, inputs.get("packed_cu_seq_lens"),

@@ -1,0 +1,88 @@
+"""``training.profile_steps``: the pure summary of a kernel profile, and the trainer profiling exactly the listed
+step's forward + backward (on the CPU: operator self times)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import TrainingArguments
+
+from trainer.config.errors import ConfigErrors
+from trainer.config.schema import validate_config
+from trainer.data.records import load_jsonl
+from trainer.data.synthetic import generate
+from trainer.losses.objective import LossWeights
+from trainer.modeling.coord_vocab import stop_token_ids
+from trainer.modeling.fixtures import build_tiny_model, tiny_tokenizer
+from trainer.modeling.prompts import PromptEncoder
+from trainer.profiling import KernelTime, categorize, summarize
+from trainer.rollout.hf import HFRolloutEngine
+from trainer.rollout.types import DecodingParams
+from trainer.sft.stage2 import Stage2Pipeline
+from trainer.sft.trainer import RolloutMatchingTrainer, SampleDataset
+
+
+@pytest.mark.parametrize("name,category", [
+    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "loss"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+    ("void at::native::multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor>", "optimizer"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("void at::native::reduce_kernel<512, 1, ReduceOp<float, func_wrapper_t<float, MeanOps>>>", "reduction"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm"),
+    ("aten::mm", "matmul"),
+    ("some_unknown_kernel", "other"),
+])
+def test_categorize_names_the_kernel_family(name, category):
+    assert categorize(name) == category
+
+
+def test_summary_categories_sum_to_busy_time_and_rank_the_top_kernels():
+    kernels = [KernelTime("nvjet_gemm_a", 3.0, 100), KernelTime("flash_fwd_kernel", 1.0, 36),
+               KernelTime("vectorized_elementwise_kernel", 0.5, 900), KernelTime("Memcpy HtoD", 0.5, 4)]
+    s = summarize(kernels, wall_s=10.0, step=2, device="cuda", top_n=2)
+    assert s.busy_s == pytest.approx(5.0)
+    assert s.busy_fraction == pytest.approx(0.5)
+    assert sum(s.by_category_s.values()) == pytest.approx(s.busy_s)
+    assert list(s.by_category_s) == ["matmul", "attention", "elementwise", "copy"]
+    assert [k["name"] for k in s.top] == ["nvjet_gemm_a", "flash_fwd_kernel"]
+    assert s.top[0]["share"] == pytest.approx(0.6)
+
+
+def test_the_listed_step_is_profiled_once_and_no_other(tmp_path):
+    tok = tiny_tokenizer()
+    model, _ = build_tiny_model("text", seed=0)
+    samples = load_jsonl(generate(tmp_path / "data", 6, seed=0, max_objects=2))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
+                             learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[],
+                             remove_unused_columns=False, disable_tqdm=True, use_cpu=True)
+    engine = HFRolloutEngine(model, tok.pad_token_id, sorted(stop_token_ids(tok)), 2)
+    trainer = RolloutMatchingTrainer(model=model, args=args, train_dataset=SampleDataset(samples),
+                                     pipeline=Stage2Pipeline(PromptEncoder(tok)), engine=engine,
+                                     decoding=DecodingParams(max_new_tokens=8), loss_weights=LossWeights(),
+                                     target_source="rollout", processing_class=tok, profile_steps=[2],
+                                     profile_trace=True)
+    trainer.train()
+    prof = tmp_path / "out" / "profile"
+    assert sorted(p.name for p in prof.iterdir()) == ["step2.json", "step2.trace.json.gz", "step2_kernels.txt"]
+    summary = json.loads((prof / "step2.json").read_text())
+    assert summary["step"] == 2 and summary["device"] == "cpu" and summary["wall_s"] > 0
+    assert sum(summary["by_category_s"].values()) == pytest.approx(summary["busy_s"])
+    assert summary["by_category_s"].get("matmul", 0) > 0, summary["by_category_s"]
+    assert "aten::mm" in (prof / "step2_kernels.txt").read_text()
+
+
+def test_profile_steps_are_validated():
+    base = {"model": {"tiny": "text"}, "data": {"synthetic": {"num_samples": 4}},
+            "training": {"max_steps": 3, "profile_steps": [0, 4]},
+            "custom": {"trainer_variant": "rollout_matching_sft",
+                       "extra": {"rollout_matching": {"rollout_backend": "hf"}}}}
+    with pytest.raises(ConfigErrors, match=r"training\.profile_steps.*\[0, 4\]"):
+        validate_config(base)
+    assert validate_config({**base, "training": {"max_steps": 3, "profile_steps": [1, 3]}}).training.profile_steps \
+        == [1, 3]
+    with pytest.raises(ConfigErrors, match=r"training\.profile_trace"):
+        validate_config({**base, "training": {"max_steps": 3, "profile_trace": True}})

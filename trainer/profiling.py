@@ -1,0 +1,132 @@
+"""Kernel-level profile of one training step's forward + backward (``training.profile_steps``).
+
+``categorize`` and ``summarize`` are pure: kernel (or, on the CPU, operator) names and their self times in, the
+seconds per category, the busy fraction of the profiled wall time and the top kernels out. ``profile_region`` is
+the edge: it runs ``torch.profiler`` around a region and writes ``step<N>.json`` (the summary) and
+``step<N>_kernels.txt`` (the profiler's own table) under a directory, plus a gzipped Chrome trace on request.
+
+Invariants: every profiled kernel lands in exactly one category, so the categories sum to the device-busy time;
+``busy_fraction`` = device-busy seconds / wall seconds of the region (below 1: the device waited on the host).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+#: (category, lower-case substrings of a kernel or operator name), checked in this order
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "attention", "varlen", "sdpa", "attn")),
+    ("optimizer", ("multi_tensor_apply", "adam", "_foreach", "fused_sgd")),
+    ("loss", ("cross_entropy", "log_softmax", "logsoftmax", "softmax", "nll_loss")),
+    ("norm", ("rms", "norm", "rsqrt")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
+                "aten::linear", "splitk", "sm90_", "sm80_", "ampere_", "hopper_")),
+    ("copy", ("memcpy", "memset", "copy", "catarray", "aten::cat", "aten::to", "index", "scatter", "gather")),
+    ("reduction", ("reduce", "aten::sum", "aten::mean")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "aten::mul", "aten::add", "aten::silu", "aten::pow",
+                     "aten::rsqrt", "aten::neg", "aten::div", "silu", "triton_")),
+)
+
+
+def categorize(name: str) -> str:
+    """The category of a kernel or operator name (``other`` when none matches)."""
+    low = name.lower()
+    for category, needles in CATEGORIES:
+        if any(n in low for n in needles):
+            return category
+    return "other"
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    name: str
+    seconds: float
+    calls: int
+
+
+@dataclass
+class ProfileSummary:
+    """What one profiled region spent, by category and by kernel."""
+
+    step: int
+    wall_s: float
+    device: str  # "cuda" (kernel times) or "cpu" (operator self times)
+    busy_s: float
+    busy_fraction: float
+    by_category_s: dict[str, float]
+    top: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def summarize(kernels: Sequence[KernelTime], wall_s: float, step: int, device: str, top_n: int = 25) -> ProfileSummary:
+    """Seconds per category (summing to the busy time), the busy fraction and the ``top_n`` kernels by time."""
+    by_cat: dict[str, float] = {}
+    for k in kernels:
+        by_cat[categorize(k.name)] = by_cat.get(categorize(k.name), 0.0) + k.seconds
+    busy = sum(k.seconds for k in kernels)
+    ranked = sorted(kernels, key=lambda k: k.seconds, reverse=True)[:top_n]
+    top = [{"name": k.name[:160], "category": categorize(k.name), "seconds": k.seconds, "calls": k.calls,
+            "share": k.seconds / busy if busy else 0.0} for k in ranked]
+    return ProfileSummary(step=step, wall_s=wall_s, device=device, busy_s=busy,
+                          busy_fraction=busy / wall_s if wall_s > 0 else 0.0,
+                          by_category_s=dict(sorted(by_cat.items(), key=lambda kv: -kv[1])), top=top)
+
+
+def _kernel_times(prof, cuda: bool) -> list[KernelTime]:
+    from torch.autograd import DeviceType
+
+    out = []
+    for ev in prof.key_averages():
+        if cuda:
+            if ev.device_type != DeviceType.CUDA:
+                continue
+            us = getattr(ev, "self_device_time_total", None)
+            if us is None:
+                us = ev.self_cuda_time_total
+        else:
+            if not ev.key.startswith("aten::"):
+                continue
+            us = ev.self_cpu_time_total
+        if us > 0:
+            out.append(KernelTime(ev.key, us / 1e6, int(ev.count)))
+    return out
+
+
+@contextmanager
+def profile_region(out_dir: Path, step: int, trace: bool = False) -> Iterator[None]:
+    """Profile the enclosed region (CUDA kernels when a GPU is present, else CPU operators) and write
+    ``out_dir/step<step>.json``, ``step<step>_kernels.txt`` and, with ``trace``, ``step<step>.trace.json.gz``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities) as prof:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    summary = summarize(_kernel_times(prof, cuda), wall, step, "cuda" if cuda else "cpu")
+    (out_dir / f"step{step}.json").write_text(json.dumps(summary.to_json(), indent=2))
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    (out_dir / f"step{step}_kernels.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60,
+                                                                               max_name_column_width=90))
+    if trace:
+        raw = out_dir / f"step{step}.trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
