@@ -26,6 +26,7 @@ from trainer.data.records import Sample
 from trainer.losses.objective import LossWeights
 from trainer.matching.targets import TrainTarget
 from trainer.memory.offload import offload_for_rollout
+from trainer.modeling.adapter_casts import adapter_layers, uncast_adapter_inputs
 from trainer.modeling.compile import eager_rollouts
 from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer
@@ -113,6 +114,7 @@ class RolloutMatchingTrainer(Trainer):
         #: ``training.profile_steps``: optimizer steps whose first forward + backward runs under torch.profiler
         self.profile_steps = set(profile_steps)
         self.profile_trace = profile_trace
+        self._adapter_layers: list[torch.nn.Module] | None = None  # peft tuner layers, found at the first forward
         self._resume_skip = 0
         self._steps_per_epoch = 1
         self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None)
@@ -298,6 +300,12 @@ class RolloutMatchingTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         unwrapped = self.accelerator.unwrap_model(model)
         step = self.state.global_step + 1
+        if self._layout_stack is not None and self.accelerator.native_amp:
+            # the forward runs under bf16/fp16 autocast: peft's float32 input casts are pure copies there
+            if self._adapter_layers is None:
+                self._adapter_layers = adapter_layers(unwrapped)
+            if self._adapter_layers:
+                self._layout_stack.enter_context(uncast_adapter_inputs(self._adapter_layers))
         if step in self.profile_steps and self._layout_stack is not None and self.is_world_process_zero():
             self.profile_steps.discard(step)  # the step's first micro-batch; the profile ends after its backward
             self._layout_stack.enter_context(
