@@ -37,9 +37,14 @@ def _causal_kwargs(fn) -> dict:
     return {"window_size": (-1, 0)}
 
 
+@torch.compiler.disable
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, **kwargs):
-    """transformers attention interface: query/key/value [1, H, L, D] → ([1, L, H, D], None)."""
+    """transformers attention interface: query/key/value [1, H, L, D] → ([1, L, H, D], None).
+
+    Never traced by ``torch.compile`` (``training.compile_decoder_layers``): the segment layout (the side channel's
+    ``max_len``, a Python int that changes with every pack) would otherwise be guarded on and recompile the compiled
+    layers at every step; the layer compiles around the attention call instead."""
     from torch.nn.attention.varlen import varlen_attn
 
     cu = kwargs.get("cu_seq_lens_q")
