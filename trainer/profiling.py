@@ -2,8 +2,9 @@
 
 ``categorize`` and ``summarize`` are pure: kernel (or, on the CPU, operator) names and their self times in, the
 seconds per category, the busy fraction of the profiled wall time and the top kernels out. ``profile_region`` is
-the edge: it runs ``torch.profiler`` around a region and writes ``step<N>.json`` (the summary) and
-``step<N>_kernels.txt`` (the profiler's own table) under a directory, plus a gzipped Chrome trace on request.
+the edge: it runs ``torch.profiler`` around a region (``train``: a step's forward + backward; ``weight_sync``: the
+push of the learner's weights into the rollout engine) and writes ``step<N>_<region>.json`` (the summary) and
+``step<N>_<region>_kernels.txt`` (the profiler's own table) under a directory, plus a gzipped Chrome trace on request.
 
 Invariants: every profiled kernel lands in exactly one category, so the categories sum to the device-busy time;
 ``busy_fraction`` = device-busy seconds / wall seconds of the region (below 1: the device waited on the host).
@@ -56,6 +57,7 @@ class ProfileSummary:
     """What one profiled region spent, by category and by kernel."""
 
     step: int
+    region: str
     wall_s: float
     device: str  # "cuda" (kernel times) or "cpu" (operator self times)
     busy_s: float
@@ -67,7 +69,8 @@ class ProfileSummary:
         return asdict(self)
 
 
-def summarize(kernels: Sequence[KernelTime], wall_s: float, step: int, device: str, top_n: int = 25) -> ProfileSummary:
+def summarize(kernels: Sequence[KernelTime], wall_s: float, step: int, device: str, top_n: int = 25,
+              region: str = "train") -> ProfileSummary:
     """Seconds per category (summing to the busy time), the busy fraction and the ``top_n`` kernels by time."""
     by_cat: dict[str, float] = {}
     for k in kernels:
@@ -76,7 +79,7 @@ def summarize(kernels: Sequence[KernelTime], wall_s: float, step: int, device: s
     ranked = sorted(kernels, key=lambda k: k.seconds, reverse=True)[:top_n]
     top = [{"name": k.name[:160], "category": categorize(k.name), "seconds": k.seconds, "calls": k.calls,
             "share": k.seconds / busy if busy else 0.0} for k in ranked]
-    return ProfileSummary(step=step, wall_s=wall_s, device=device, busy_s=busy,
+    return ProfileSummary(step=step, region=region, wall_s=wall_s, device=device, busy_s=busy,
                           busy_fraction=busy / wall_s if wall_s > 0 else 0.0,
                           by_category_s=dict(sorted(by_cat.items(), key=lambda kv: -kv[1])), top=top)
 
@@ -102,9 +105,9 @@ def _kernel_times(prof, cuda: bool) -> list[KernelTime]:
 
 
 @contextmanager
-def profile_region(out_dir: Path, step: int, trace: bool = False) -> Iterator[None]:
+def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = "train") -> Iterator[None]:
     """Profile the enclosed region (CUDA kernels when a GPU is present, else CPU operators) and write
-    ``out_dir/step<step>.json``, ``step<step>_kernels.txt`` and, with ``trace``, ``step<step>.trace.json.gz``."""
+    ``out_dir/step<step>_<region>.json``, ``..._kernels.txt`` and, with ``trace``, ``....trace.json.gz``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -119,13 +122,14 @@ def profile_region(out_dir: Path, step: int, trace: bool = False) -> Iterator[No
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    summary = summarize(_kernel_times(prof, cuda), wall, step, "cuda" if cuda else "cpu")
-    (out_dir / f"step{step}.json").write_text(json.dumps(summary.to_json(), indent=2))
+    summary = summarize(_kernel_times(prof, cuda), wall, step, "cuda" if cuda else "cpu", region=region)
+    stem = f"step{step}_{region}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(summary.to_json(), indent=2))
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-    (out_dir / f"step{step}_kernels.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60,
+    (out_dir / f"{stem}_kernels.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60,
                                                                                max_name_column_width=90))
     if trace:
-        raw = out_dir / f"step{step}.trace.json"
+        raw = out_dir / f"{stem}.trace.json"
         prof.export_chrome_trace(str(raw))
         with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
             shutil.copyfileobj(src, dst)

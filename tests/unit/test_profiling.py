@@ -21,6 +21,8 @@ from trainer.rollout.hf import HFRolloutEngine
 from trainer.rollout.types import DecodingParams
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.sft.trainer import RolloutMatchingTrainer, SampleDataset
+from trainer.sync.policy import SyncDecision, WeightSync
+from trainer.sync.weights import full_weights
 
 
 @pytest.mark.parametrize("name,category", [
@@ -52,9 +54,35 @@ def test_summary_categories_sum_to_busy_time_and_rank_the_top_kernels():
     assert s.top[0]["share"] == pytest.approx(0.6)
 
 
+class CopyIntoShadow:
+    """A sync target that does a real full sync on the CPU: the product's ``full_weights`` copied into a second
+    model's parameters."""
+
+    syncs_on_every_rank = True
+
+    def __init__(self, shadow):
+        self.shadow = dict(shadow.state_dict())
+        self.synced = 0
+
+    def supports_adapter_sync(self):
+        return False
+
+    def begin_sync(self):
+        pass
+
+    def end_sync(self):
+        pass
+
+    def sync_full(self, model, merge_adapter=True):
+        for name, tensor in full_weights(model).items():
+            self.shadow[name].copy_(tensor)
+        self.synced += 1
+
+
 def test_the_listed_step_is_profiled_once_and_no_other(tmp_path):
     tok = tiny_tokenizer()
     model, _ = build_tiny_model("text", seed=0)
+    target = CopyIntoShadow(build_tiny_model("text", seed=1)[0])
     samples = load_jsonl(generate(tmp_path / "data", 6, seed=0, max_objects=2))
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
                              learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[],
@@ -64,15 +92,22 @@ def test_the_listed_step_is_profiled_once_and_no_other(tmp_path):
                                      pipeline=Stage2Pipeline(PromptEncoder(tok)), engine=engine,
                                      decoding=DecodingParams(max_new_tokens=8), loss_weights=LossWeights(),
                                      target_source="rollout", processing_class=tok, profile_steps=[2],
-                                     profile_trace=True)
+                                     profile_trace=True, weight_sync=WeightSync(target, SyncDecision("full", "test")))
     trainer.train()
+    assert target.synced == 3
     prof = tmp_path / "out" / "profile"
-    assert sorted(p.name for p in prof.iterdir()) == ["step2.json", "step2.trace.json.gz", "step2_kernels.txt"]
-    summary = json.loads((prof / "step2.json").read_text())
-    assert summary["step"] == 2 and summary["device"] == "cpu" and summary["wall_s"] > 0
-    assert sum(summary["by_category_s"].values()) == pytest.approx(summary["busy_s"])
+    assert sorted(p.name for p in prof.iterdir()) == [
+        "step2_train.json", "step2_train.trace.json.gz", "step2_train_kernels.txt",
+        "step2_weight_sync.json", "step2_weight_sync.trace.json.gz", "step2_weight_sync_kernels.txt"]
+    summary = json.loads((prof / "step2_train.json").read_text())
+    assert summary["step"] == 2 and summary["region"] == "train" and summary["device"] == "cpu"
+    assert summary["wall_s"] > 0 and sum(summary["by_category_s"].values()) == pytest.approx(summary["busy_s"])
     assert summary["by_category_s"].get("matmul", 0) > 0, summary["by_category_s"]
-    assert "aten::mm" in (prof / "step2_kernels.txt").read_text()
+    assert "aten::mm" in (prof / "step2_train_kernels.txt").read_text()
+    sync = json.loads((prof / "step2_weight_sync.json").read_text())
+    assert sync["region"] == "weight_sync" and sync["by_category_s"].get("copy", 0) > 0, sync
+    assert "matmul" not in sync["by_category_s"], "the sync region caught the training forward"
+    assert "aten::copy_" in (prof / "step2_weight_sync_kernels.txt").read_text()
 
 
 def test_profile_steps_are_validated():

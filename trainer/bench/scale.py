@@ -261,9 +261,11 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
             torch.cuda.empty_cache()
         return rec
     rec["wall_s"] = time.perf_counter() - t0
-    profiled = out_dir / "stage2" / "profile" / f"step{run.profile_step}.json"
-    if run.profile_step and profiled.is_file():
-        rec["profile"] = json.loads(profiled.read_text())
+    profiled = out_dir / "stage2" / "profile"
+    if run.profile_step and (profiled / f"step{run.profile_step}_train.json").is_file():
+        rec["profile"] = json.loads((profiled / f"step{run.profile_step}_train.json").read_text())
+    if run.profile_step and (profiled / f"step{run.profile_step}_weight_sync.json").is_file():
+        rec["profile_weight_sync"] = json.loads((profiled / f"step{run.profile_step}_weight_sync.json").read_text())
     rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
     # the first step pays CUDA-graph capture, compilation and first allocations; a profiled step pays the profiler
     timed = [r for i, r in enumerate(rows) if i > 0 and i + 1 != run.profile_step] or rows
@@ -418,6 +420,11 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
         if "profile" in rec:
             p = rec["profile"]
             print(json.dumps({"profile_busy_fraction": p["busy_fraction"], "by_category_s": p["by_category_s"],
+                              "top": [(k["name"][:70], round(k["seconds"], 4)) for k in p["top"][:12]]}), flush=True)
+        if "profile_weight_sync" in rec:
+            p = rec["profile_weight_sync"]
+            print(json.dumps({"sync_profile_wall_s": p["wall_s"], "busy_fraction": p["busy_fraction"],
+                              "by_category_s": p["by_category_s"],
                               "top": [(k["name"][:70], round(k["seconds"], 4)) for k in p["top"][:12]]}), flush=True)
         print(json.dumps({"trl_over_ours": rec.get("trl", {}).get("trl_over_ours"),
                           "trl_error": rec.get("trl", {}).get("error", "")[-1500:]}), flush=True)

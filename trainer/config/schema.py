@@ -127,11 +127,11 @@ class TrainingConfig(Section):
     packing_min_fill_ratio: float = Field(0.65, ge=0.0, le=1.0)
     packing_drop_last: bool = True
     profile_steps: list[int] = Field(
-        default_factory=list, description="stage-2 optimizer steps (1-based) whose first forward + backward is profiled "
-        "with torch.profiler: <output_dir>/stage2/profile/step<N>.json (seconds per kernel category, GPU busy "
-        "fraction, top kernels) and step<N>_kernels.txt")
+        default_factory=list, description="stage-2 optimizer steps (1-based) whose weight sync and first forward + "
+        "backward are profiled with torch.profiler: <output_dir>/stage2/profile/step<N>_{weight_sync,train}.json "
+        "(seconds per kernel category, GPU busy fraction, top kernels) and step<N>_<region>_kernels.txt")
     profile_trace: bool = Field(False, description="also write a gzipped Chrome trace per profiled step "
-                                                   "(step<N>.trace.json.gz; tens of MB at 8B)")
+                                                   "(step<N>_<region>.trace.json.gz; tens of MB at 8B)")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve the learner's Prometheus metrics "
                                      "(step timers, rollout counts, quarantines) on this port; null: off")
     metrics_host: str = Field("127.0.0.1", description="bind address of metrics_port (environment variables such "

@@ -111,9 +111,11 @@ class RolloutMatchingTrainer(Trainer):
         self.supervised_logits = supervised_logits
         self.eager_rollouts = eager_rollouts
         self._layout_stack: contextlib.ExitStack | None = None
-        #: ``training.profile_steps``: optimizer steps whose first forward + backward runs under torch.profiler
+        #: ``training.profile_steps``: optimizer steps whose weight sync and first forward + backward run under
+        #: torch.profiler
         self.profile_steps = set(profile_steps)
         self.profile_trace = profile_trace
+        self._sync_profiled: set[int] = set()
         self._adapter_layers: list[torch.nn.Module] | None = None  # peft tuner layers, found at the first forward
         self._resume_skip = 0
         self._steps_per_epoch = 1
@@ -168,7 +170,12 @@ class RolloutMatchingTrainer(Trainer):
             with self.timers.phase("rollout"), self.timers.phase("generate"), self._timeline("wait"):
                 prefetched = self.prefetcher.take([s.sample_id for s in samples], self.rollout_params(), step)
         if self.weight_sync is not None:
-            with self.timers.phase("weight_sync"), self._timeline("sync"):
+            profiled = contextlib.nullcontext()
+            if step + 1 in self.profile_steps and step + 1 not in self._sync_profiled and self.is_world_process_zero():
+                self._sync_profiled.add(step + 1)
+                profiled = profile_region(Path(self.args.output_dir) / "profile", step + 1, self.profile_trace,
+                                          region="weight_sync")
+            with self.timers.phase("weight_sync"), self._timeline("sync"), profiled:
                 if self.weight_sync.ensure_fresh(self.accelerator.unwrap_model(self.model), step):
                     self.counters.add({"weight_syncs": 1})
         with self.timers.phase("rollout"):
