@@ -71,7 +71,10 @@ class VllmSyncConfig(Section):
     learner/engine dtype mismatch is a config error at start-up (rollout servers decide this with
     ``serve --allow-dtype-cast``). ``shm_dir`` (inband only): a directory the learner and every rollout server see
     (one host: a tmpfs such as /dev/shm); the update is written there once and each server, started with the same
-    ``serve --shm-dir``, reads it instead of receiving it over HTTP."""
+    ``serve --shm-dir``, reads it instead of receiving it over HTTP. ``resend_frozen`` (server mode, full sync):
+    false (default) sends the weights training cannot change (frozen vision tower, norms, a LoRA model's
+    un-adapted weights) to a server only at its first sync and at every re-admission, then only the changing ones;
+    true sends every weight at every sync."""
 
     mode: Literal["full", "adapter", "auto"] = "full"
     fallback_to_full: bool = True
@@ -81,6 +84,7 @@ class VllmSyncConfig(Section):
     bucket_mb: int = Field(512, ge=1)
     allow_dtype_cast: bool = False
     shm_dir: str | None = None
+    resend_frozen: bool = False
 
     @model_validator(mode="after")
     def _backend_needs_nccl(self) -> VllmSyncConfig:

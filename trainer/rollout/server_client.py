@@ -44,7 +44,7 @@ from trainer.rollout.server_fleet import ServerFleet, servers_for_rank  # noqa: 
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 from trainer.sync.http import server_http_client
 from trainer.sync.transports import InbandTransport, NcclTransport, WeightTransport, WeightTransportError
-from trainer.sync.weights import AdapterWeights, adapter_weights, full_weights
+from trainer.sync.weights import AdapterWeights, adapter_weights, changing_keys, full_weights
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,8 @@ class ServerRolloutEngine:
                  transport: str = "auto", group_port: int = 51216, bucket_bytes: int = 512 * 2**20,
                  inline_images: bool = False, wait: bool = True, max_retries: int = 1,
                  readmit_after_s: float | None = None, readmit_max_interval_s: float = 300.0,
-                 clock: Any = time.monotonic, nccl_backend: str = "auto", shm_dir: str | None = None):
+                 clock: Any = time.monotonic, nccl_backend: str = "auto", shm_dir: str | None = None,
+                 resend_frozen: bool = False):
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
@@ -198,6 +199,12 @@ class ServerRolloutEngine:
         self.max_retries = max_retries
         self.nccl_backend = nccl_backend
         self.shm_dir = shm_dir
+        #: merged full syncs send the frozen weights (vision tower, norms, frozen base) to a server once: at its
+        #: first full sync and again at every re-admission; ``resend_frozen`` sends them at every sync
+        self.resend_frozen = resend_frozen
+        self._has_frozen: set[str] = set()
+        #: ``{"keys": n, "bytes": n, "full_to": [...], "changing_to": [...]}`` of the latest ``sync_full``
+        self.last_full_push: dict[str, Any] = {}
         self.version_lock = WeightVersionLock()
         self._sync_held = False
         self._background: ThreadPoolExecutor | None = None
@@ -417,10 +424,37 @@ class ServerRolloutEngine:
                                        + "; ".join(f"{u}: {e}" for u, e in failed.items()), failed)
 
     def sync_full(self, model: torch.nn.Module, merge_adapter: bool = True) -> None:
+        """Every weight to a server that lacks the frozen ones (its first full sync since it was admitted), only
+        ``changing_keys`` to the others (unless ``resend_frozen``); a base sync (``merge_adapter`` false) is always
+        whole. Servers due for re-admission get every weight."""
         tensors = full_weights(model, merge_adapter=merge_adapter)
+        changing = None
+        if merge_adapter and not self.resend_frozen:
+            keys = changing_keys(model, merge_adapter=True)
+            changing = {k: v for k, v in tensors.items() if k in keys}
         with self._exclusive():
-            self._push(lambda t, targets: t.push_full(tensors, targets), "full weight push")
-            self._readmit_due("full" if merge_adapter else "base", full=tensors)
+            healthy = self.fleet.healthy()
+            self._has_frozen &= {s.base_url for s in healthy}
+            whole = [s for s in healthy if changing is None or s.base_url not in self._has_frozen]
+            partial = [s for s in healthy if changing is not None and s.base_url in self._has_frozen]
+            failed: dict[str, str] = {}
+            if whole:
+                failed.update(self.transport().push_full(tensors, whole))
+            if partial:
+                failed.update(self.transport().push_full(changing, partial))
+            for url, err in failed.items():
+                self.fleet.quarantine(url, f"full weight push failed: {err}")
+            if healthy and len(failed) >= len(healthy):
+                raise WeightTransportError("full weight push failed on every rollout server: "
+                                           + "; ".join(f"{u}: {e}" for u, e in failed.items()), failed)
+            self._has_frozen |= {s.base_url for s in whole} - set(failed)
+            sent = changing if partial and not whole else tensors
+            self.last_full_push = {"keys": len(sent), "bytes": sum(t.numel() * t.element_size() for t in sent.values()),
+                                   "whole_to": [s.base_url for s in whole],
+                                   "changing_to": [s.base_url for s in partial],
+                                   "changing_keys": len(changing) if changing is not None else len(tensors)}
+            readmitted = self._readmit_due("full" if merge_adapter else "base", full=tensors)
+            self._has_frozen |= set(readmitted)
 
     def sync_adapter(self, model: torch.nn.Module) -> None:
         adapter = adapter_weights(model)
@@ -501,7 +535,7 @@ def engine_from_config(rm, loaded, model) -> ServerRolloutEngine:
     engine = ServerRolloutEngine(
         endpoints_from_config(v.server), timeout_s=v.server.timeout_s, infer_timeout_s=v.server.infer_timeout_s,
         transport=sync.transport, nccl_backend=sync.nccl_backend, group_port=sync.group_port, shm_dir=sync.shm_dir,
-        bucket_bytes=sync.bucket_mb * 2**20,
+        bucket_bytes=sync.bucket_mb * 2**20, resend_frozen=sync.resend_frozen,
         max_retries=v.server.max_retries, readmit_after_s=v.server.readmit_after_s,
         readmit_max_interval_s=v.server.readmit_max_interval_s)
     log.info("rollout servers %s (this rank: %s), sync.mode %s, fallback_to_full %s, rollout seed %s",

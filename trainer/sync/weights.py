@@ -3,6 +3,9 @@
 - ``full_weights(model)``: every base weight a rollout engine loads, LoRA deltas merged out of place (the
   training model is not modified), names as in the HF checkpoint (``model.layers.0.self_attn.q_proj.weight``),
   ``lm_head.weight`` present even when tied (vLLM's in-place reload only refreshes the LM head when it is sent).
+- ``changing_keys(model)``: the keys of ``full_weights`` that training can change (trainable parameters and the
+  weights an adapter merges into); the others stay what the rollout servers loaded, so a server that has them
+  need not receive them again.
 - ``adapter_weights(peft_model)``: the active LoRA adapter as peft saves it (config dict + tensors).
 - ``safetensors_bytes`` / ``tensors_from_safetensors``: the in-band wire format; ``write_adapter_dir``: the
   on-disk adapter layout vLLM's ``LoRARequest`` loads.
@@ -272,6 +275,23 @@ def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, merge
         if embed is not None:
             out["lm_head.weight"] = out[embed]
     return out
+
+
+def changing_keys(model: torch.nn.Module, merge_adapter: bool = True) -> frozenset[str]:
+    """Keys of ``full_weights(model, merge_adapter=...)`` whose values training can change: trainable parameters;
+    with ``merge_adapter``, every weight (and, with ``lora_bias``, bias) an adapter merges into; the tied
+    ``lm_head.weight`` of a trainable embedding. Every other key is frozen: it keeps the value the learner loaded.
+    Buffers count as frozen (no optimizer writes them)."""
+    plan = _plan(model)
+    keys = {s.key for s in plan.slots if s.is_param and s.tensor().requires_grad}
+    if merge_adapter and is_peft_model(model):
+        for layer in plan.lora_layers:
+            keys.add(layer.key)
+            if any(getattr(layer.module, "lora_bias", {}).values()):
+                keys.add(layer.key.removesuffix("weight") + "bias")
+    if _ties_embeddings(model) and any(k.endswith("embed_tokens.weight") for k in keys):
+        keys.add("lm_head.weight")
+    return frozenset(keys)
 
 
 def _jsonable(value: Any) -> Any:
