@@ -47,7 +47,7 @@ def step(model, seed: int) -> None:
     """What an optimizer step changes on a LoRA learner: the adapter factors only."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
@@ -137,3 +137,27 @@ def test_changing_keys_of_a_full_fine_tune_with_a_frozen_vision_tower():
     assert {k for k in everything if ".visual." in f".{k}"}, "the tiny VL has a vision tower"
     if getattr(model.config, "tie_word_embeddings", False) and any(k.endswith("embed_tokens.weight") for k in keys):
         assert "lm_head.weight" in keys
+
+
+def test_a_weight_frozen_after_it_was_pushed_as_changing_goes_whole_once(two_servers, lora_learner):
+    """A parameter frozen mid-run may have changed since the servers last got it: every server gets every weight
+    once more, then the smaller changing set."""
+    (url_a, eng_a), _ = two_servers
+    client = ServerRolloutEngine([ServerEndpoint(url_a)], timeout_s=30, transport="inband")
+    try:
+        embed = lora_learner.get_input_embeddings().weight
+        embed.requires_grad_(True)
+        client.sync_full(lora_learner)
+        client.sync_full(lora_learner)
+        with_embed = len(changing_keys(lora_learner))
+        assert last_update(url_a)["num_tensors"] == with_embed
+        with torch.no_grad():
+            embed.add_(0.1)  # the last optimizer step that touches it, after the last sync
+        embed.requires_grad_(False)
+        client.sync_full(lora_learner)
+        assert last_update(url_a)["num_tensors"] == len(full_weights(lora_learner))
+        assert serves_learner(eng_a, lora_learner)
+        client.sync_full(lora_learner)
+        assert last_update(url_a)["num_tensors"] == len(changing_keys(lora_learner)) < with_embed
+    finally:
+        client.close()

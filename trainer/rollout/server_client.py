@@ -203,6 +203,7 @@ class ServerRolloutEngine:
         #: first full sync and again at every re-admission; ``resend_frozen`` sends them at every sync
         self.resend_frozen = resend_frozen
         self._has_frozen: set[str] = set()
+        self._frozen_keys: frozenset[str] | None = None  # what the servers in ``_has_frozen`` hold for good
         #: ``{"keys": n, "bytes": n, "full_to": [...], "changing_to": [...]}`` of the latest ``sync_full``
         self.last_full_push: dict[str, Any] = {}
         self.version_lock = WeightVersionLock()
@@ -432,6 +433,10 @@ class ServerRolloutEngine:
         if merge_adapter and not self.resend_frozen:
             keys = changing_keys(model, merge_adapter=True)
             changing = {k: v for k, v in tensors.items() if k in keys}
+            frozen = frozenset(tensors) - keys
+            if self._frozen_keys is None or not frozen <= self._frozen_keys:
+                self._has_frozen.clear()  # a key frozen now was pushed as changing (or never): every server needs it
+            self._frozen_keys = frozen
         with self._exclusive():
             healthy = self.fleet.healthy()
             self._has_frozen &= {s.base_url for s in healthy}
