@@ -7,6 +7,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,16 @@ class PhaseTimers:
         finally:
             self.seconds[name] += time.perf_counter() - start
 
+    @contextmanager
+    def bound(self) -> Iterator[PhaseTimers]:
+        """Make these the timers ``telemetry.phase`` records into, for the enclosed block (this thread / context
+        only: work handed to other threads is not timed into the step)."""
+        token = _BOUND.set(self)
+        try:
+            yield self
+        finally:
+            _BOUND.reset(token)
+
     def pop(self) -> dict[str, float]:
         out = dict(self.seconds)
         self.seconds.clear()
@@ -90,6 +101,25 @@ class PhaseTimers:
         out = dict(self.peak_bytes)
         self.peak_bytes.clear()
         return out
+
+
+_BOUND: ContextVar[PhaseTimers | None] = ContextVar("rollout_matching_phase_timers", default=None)
+
+
+@contextmanager
+def phase(name: str, device_work: bool = False) -> Iterator[None]:
+    """A sub-phase of whatever step the calling code runs in: recorded as ``time/<name>_s`` (and its peak memory as
+    ``mem/<name>_peak_gib``) by the timers bound with ``PhaseTimers.bound``; nothing at all when none are bound
+    (engines used outside the trainer). ``device_work``: the block launches GPU kernels whose time belongs to it,
+    so the device is synchronized before the phase closes (only while timers are bound)."""
+    timers = _BOUND.get()
+    if timers is None:
+        yield
+        return
+    with timers.phase(name):
+        yield
+        if device_work and torch.cuda.is_available():
+            torch.cuda.synchronize()
 
 
 class Counters:

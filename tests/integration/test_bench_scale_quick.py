@@ -33,3 +33,17 @@ def test_flops_count_grows_with_size_and_the_published_shapes_have_their_sizes()
     assert f[0] < f[1] < f[2]
     blocks = scale.param_counts("8b")["text_blocks"]
     assert scale.fwd_bwd_flops("8b", 20_000, 8, 4096) > 6 * blocks * 20_000
+
+
+def test_the_sync_breakdown_accounts_for_the_whole_sync_and_adds_sleep_and_wake():
+    avg = {"time/weight_sync_s": 0.30, "time/sync_learner_check_s": 0.01, "time/sync_collect_s": 0.12,
+           "time/sync_check_s": 0.02, "time/sync_wake_s": 0.05, "time/sync_load_s": 0.06, "time/sleep_s": 0.04,
+           "time/wake_s": 0.03, "time/generate_s": 9.0}
+    out = scale.sync_breakdown(avg)
+    parts = out["sync_parts_s"]
+    assert list(parts) == [*scale.SYNC_PARTS, "unaccounted"]
+    assert abs(sum(parts.values()) - 0.30) < 1e-9 and abs(parts["unaccounted"] - 0.04) < 1e-9
+    assert abs(out["sleep_wake_sync_s"] - 0.37) < 1e-9
+    no_sleep = scale.sync_breakdown({k: v for k, v in avg.items() if k not in ("time/sleep_s", "time/wake_s")})
+    assert "sleep_wake_sync_s" not in no_sleep
+    assert scale.sync_breakdown({"time/generate_s": 1.0}) == {}, "the HF backend has no sync to break down"

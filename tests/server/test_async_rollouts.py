@@ -78,6 +78,10 @@ def test_overlap_cuts_learner_idle_and_keeps_the_ledger(assets):
     assert all(r["decode_step"] == r["step"] for r in plain_ledger)
     assert [m["rollout/staleness_max"] for m in overlap_metrics] == [0.0] + [1.0] * 5
     assert sum(m.get("rollout/prefetch_used", 0) for m in overlap_metrics) == 5
+    for m in runs[False][2] + overlap_metrics:  # the push's parts are sub-phases of the step's weight_sync
+        parts = {p: m[f"time/sync_{p}_s"] for p in ("learner_check", "wait_decodes", "collect", "push")}
+        assert parts["collect"] > 0 and parts["push"] > 0, parts
+        assert sum(parts.values()) <= m["time/weight_sync_s"], (parts, m["time/weight_sync_s"])
     # the events, not their durations (how much idle time overlap saves is the benchmark's: bench --only async):
     # without overlap every decode runs while the learner waits for it; with it, the prefetched decodes (5, one
     # per step after the first) are posted before the step trains, and start while it does

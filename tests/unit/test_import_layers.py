@@ -5,7 +5,8 @@ into a package-level graph (``trainer.config``, ``trainer.sync``, …; a top-lev
 ``trainer/telemetry.py`` is its own node). The intended layering, lowest first; a package may import only from
 strictly lower layers (never sideways, never up):
 
-0. foundation — ``trainer`` (the root package), ``trainer.extras``, ``trainer.telemetry``: no trainer imports
+0. foundation — ``trainer`` (the root package), ``trainer.extras``, ``trainer.telemetry``, ``trainer.profiling``: no
+   trainer imports
 1. ``trainer.config`` — loader, errors and the typed schema of *every* section (deploy, grpo, vllm, deepspeed
    presets included); the only place that knows config key paths
 2. ``trainer.data``, ``trainer.sync``, ``trainer.buffering``, ``trainer.memory`` — records/synthetic data, weight-update transports,
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "trainer"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("trainer", "trainer.extras", "trainer.telemetry"),
+    ("trainer", "trainer.extras", "trainer.telemetry", "trainer.profiling"),
     ("trainer.config",),
     ("trainer.data", "trainer.sync", "trainer.buffering", "trainer.memory"),
     ("trainer.matching", "trainer.losses"),

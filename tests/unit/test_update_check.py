@@ -194,3 +194,52 @@ def test_first_non_finite_mixed_dtypes_huge_finite_values_and_mapping_order():
     tensors["e"] = torch.tensor([float("nan")])
     assert first_non_finite(tensors) == "d"
     assert first_non_finite({"e": tensors["e"], "d": tensors["d"]}) == "e"
+
+
+def test_learner_check_reads_frozen_parameters_until_found_finite_and_again_when_they_change(monkeypatch):
+    from trainer.sync import update_check
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    model[0].requires_grad_(False)  # a frozen base (vision tower, LoRA base weights)
+    read: list[set[str]] = []
+    real = update_check.first_non_finite
+    monkeypatch.setattr(update_check, "first_non_finite", lambda t: read.append(set(t)) or real(t))
+    check_learner_weights(model, 1)
+    check_learner_weights(model, 2)
+    assert read == [{"0.weight", "0.bias", "1.weight", "1.bias"}, {"1.weight", "1.bias"}], read
+
+    with torch.no_grad():  # written in place (its version counter moves): read again, and the NaN is found
+        model[0].bias[0] = float("nan")
+    with pytest.raises(NonFiniteWeightsError) as info:
+        check_learner_weights(model, 3)
+    assert info.value.tensor == "0.bias"
+    with pytest.raises(NonFiniteWeightsError):  # a failed check remembers nothing: still refused
+        check_learner_weights(model, 4)
+
+    with torch.no_grad():
+        model[0].bias.zero_()
+    check_learner_weights(model, 5)
+    model[0].weight = torch.nn.Parameter(torch.full((3, 3), float("inf")), requires_grad=False)  # replaced
+    with pytest.raises(NonFiniteWeightsError) as info:
+        check_learner_weights(model, 6)
+    assert info.value.tensor == "0.weight"
+
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3))  # the memory is per model
+    other.requires_grad_(False)
+    read.clear()
+    check_learner_weights(other, 1)
+    assert read == [{"0.weight", "0.bias"}]
+
+
+def test_a_frozen_parameter_unfrozen_later_is_read_at_every_call(monkeypatch):
+    from trainer.sync import update_check
+
+    model = torch.nn.Linear(3, 3).requires_grad_(False)
+    check_learner_weights(model, 1)
+    model.weight.requires_grad_(True)
+    read: list[set[str]] = []
+    real = update_check.first_non_finite
+    monkeypatch.setattr(update_check, "first_non_finite", lambda t: read.append(set(t)) or real(t))
+    check_learner_weights(model, 2)
+    check_learner_weights(model, 3)
+    assert read == [{"weight"}, {"weight"}]

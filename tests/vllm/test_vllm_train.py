@@ -6,6 +6,8 @@ the H100 that reproduce here.
 - Every stage-2 step syncs the learner's weights into the in-process engine (no file), and the engine decodes with
   them: after training, the engine's greedy outputs equal the HF model's with the trained weights.
 - A bad update (NaN) is refused before anything changes: the engine keeps decoding as before.
+- The step's ``weight_sync`` is split into the learner's check, the collection of the weights, the update check and
+  the load (``time/sync_*_s``), which fit inside it.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ def test_colocate_training_on_a_text_model_with_image_records(tmp_path, monkeypa
         assert len(rows) == 3 and all(r["rollout/samples"] == 4 for r in rows)
         assert sum(r.get("sync/weight_syncs", 0) for r in rows) == 3, "one in-process sync per optimizer step"
         assert not engine.vllm.multimodal and engine.vllm.last_load is not None
+        for r in rows:  # the sync's parts are sub-phases of weight_sync (no sleep mode on a CPU: no wake, no sleep)
+            parts = {p: r[f"time/sync_{p}_s"] for p in ("learner_check", "collect", "check", "load")}
+            assert all(v > 0 for v in parts.values()), parts
+            assert sum(parts.values()) <= r["time/weight_sync_s"], (parts, r["time/weight_sync_s"])
+            assert not {"time/sync_wake_s", "time/sleep_s", "time/wake_s"} & set(r)
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

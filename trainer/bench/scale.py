@@ -10,7 +10,8 @@ parse, so every rollout runs to ``decoding.max_new_tokens`` (the worst case of a
 from the ground truth, as stage 2 does for an unparseable rollout.
 
 Per configuration: seconds per phase (``time/<phase>_s``), peak GPU memory per phase (``mem/<phase>_peak_gib``),
-rollout tokens/s, trained tokens/s, and fwd+bwd MFU counting the language model's matmuls and causal attention at 6
+the weight sync split into its parts (``sync_parts_s``: learner check, collect + LoRA merge, update check, wake,
+load) and the sleep + wake + sync price per step (``sleep_wake_sync_s``), rollout tokens/s, trained tokens/s, and fwd+bwd MFU counting the language model's matmuls and causal attention at 6
 FLOPs per parameter-token (gradient-checkpointing recompute not counted) and the frozen vision tower's forward at 2
 (lm_head excluded: a conservative figure). A configuration that runs out of memory is recorded with the phase it
 was in and the setting that makes it fit. ``--quick``: the tiny Qwen3-VL on the CPU with the HF backend, so CI runs
@@ -289,8 +290,28 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
         split={k[len("time/"):-2]: avg.get(k, 0.0) / step_s for k in
                ("time/weight_sync_s", "time/rollout_s", "time/target_s", "time/forward_s", "time/backward_s")}
         if step_s else {},
+        **sync_breakdown(avg),
     )
     return rec
+
+
+#: the sub-phases of a colocate ``weight_sync`` (``telemetry.phase``), in the order they run
+SYNC_PARTS = ("sync_learner_check", "sync_collect", "sync_check", "sync_wake", "sync_load")
+
+
+def sync_breakdown(avg: dict[str, float]) -> dict[str, Any]:
+    """From a step's mean ``time/*_s``: ``sync_parts_s`` (each sub-phase of the weight sync, plus ``unaccounted``:
+    the sync's wall time outside them), and ``sleep_wake_sync_s`` = the engine's sleep after decoding + its wake
+    before decoding + the weight sync (which wakes the weights): the whole price of sharing the GPU with a
+    sleep-mode engine per step (issue 30's 0.15 s target at 8B, level 2)."""
+    sync = avg.get("time/weight_sync_s", 0.0)
+    parts = {p: avg[f"time/{p}_s"] for p in SYNC_PARTS if f"time/{p}_s" in avg}
+    if not sync:
+        return {}
+    out: dict[str, Any] = {"sync_parts_s": {**parts, "unaccounted": max(0.0, sync - sum(parts.values()))}}
+    if "time/sleep_s" in avg:
+        out["sleep_wake_sync_s"] = avg["time/sleep_s"] + avg.get("time/wake_s", 0.0) + sync
+    return out
 
 
 def run_isolated(run: ScaleRun, work: Path) -> dict[str, Any]:
@@ -417,6 +438,7 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
         print(f"bench scale: {cfg.name} ...", flush=True)
         rec = run_one(cfg, work, device) if device == "cpu" else run_isolated(cfg, work)
         print(json.dumps({k: rec.get(k) for k in ("name", "step_s", "split", "peak_gib", "mfu", "error")}), flush=True)
+        print(json.dumps({k: rec.get(k) for k in ("sync_parts_s", "sleep_wake_sync_s")}), flush=True)
         if "profile" in rec:
             p = rec["profile"]
             print(json.dumps({"profile_busy_fraction": p["busy_fraction"], "by_category_s": p["by_category_s"],

@@ -45,6 +45,7 @@ from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 from trainer.sync.http import server_http_client
 from trainer.sync.transports import InbandTransport, NcclTransport, WeightTransport, WeightTransportError
 from trainer.sync.weights import AdapterWeights, adapter_weights, changing_keys, full_weights
+from trainer.telemetry import phase
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +386,8 @@ class ServerRolloutEngine:
         """Every rank, before a sync: wait for this rank's ``/infer/`` calls in flight (and hold new ones back until
         ``end_sync``), then pool the ranks' quarantines on rank 0 (it pushes to none of them)."""
         if not self._sync_held:
-            self.version_lock.acquire_write()
+            with phase("sync_wait_decodes"):
+                self.version_lock.acquire_write()
             self._sync_held = True
         self.fleet.pool_on_rank0()
 
@@ -428,7 +430,8 @@ class ServerRolloutEngine:
         """Every weight to a server that lacks the frozen ones (its first full sync since it was admitted), only
         ``changing_keys`` to the others (unless ``resend_frozen``); a base sync (``merge_adapter`` false) is always
         whole. Servers due for re-admission get every weight."""
-        tensors = full_weights(model, merge_adapter=merge_adapter)
+        with phase("sync_collect", device_work=True):
+            tensors = full_weights(model, merge_adapter=merge_adapter)
         changing = None
         if merge_adapter and not self.resend_frozen:
             keys = changing_keys(model, merge_adapter=True)
@@ -437,7 +440,7 @@ class ServerRolloutEngine:
             if self._frozen_keys is None or not frozen <= self._frozen_keys:
                 self._has_frozen.clear()  # a key frozen now was pushed as changing (or never): every server needs it
             self._frozen_keys = frozen
-        with self._exclusive():
+        with self._exclusive(), phase("sync_push"):  # the lock is begin_sync's (waited for there) inside a sync
             healthy = self.fleet.healthy()
             self._has_frozen &= {s.base_url for s in healthy}
             whole = [s for s in healthy if changing is None or s.base_url not in self._has_frozen]

@@ -29,6 +29,7 @@ from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 from trainer.rollout.vllm_compat import Decoded
 from trainer.rollout.vllm_inprocess import InProcessVllm, VllmEngineError, VllmSettings
 from trainer.sync.weights import adapter_weights, full_weights
+from trainer.telemetry import phase
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,9 @@ class VllmColocateEngine:
     def sync_full(self, model: torch.nn.Module, merge_adapter: bool = True) -> None:
         """Load the model's weights (LoRA merged unless ``merge_adapter`` is false) into the engine, in process."""
         self.vllm.weights_source = lambda: full_weights(model, merge_adapter=merge_adapter)
-        report = self.vllm.load_weights(self.vllm.weights_source())
+        with phase("sync_collect", device_work=True):
+            tensors = self.vllm.weights_source()
+        report = self.vllm.load_weights(tensors)
         self.timings = {"sync_check_s": report.check_s, "sync_load_s": report.load_s,
                         "sync_gb_per_s": report.gb_per_s, "sync_bytes": report.bytes}
         if merge_adapter:

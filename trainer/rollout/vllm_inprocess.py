@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from trainer.rollout import vllm_compat
+from trainer.telemetry import phase
 
 log = logging.getLogger(__name__)
 
@@ -220,18 +221,20 @@ class InProcessVllm:
 
     def load_weights(self, tensors: dict[str, torch.Tensor], *, checked: bool = False) -> LoadReport:
         """Check (unless ``checked``) and load HF-named ``tensors`` into the served model (see module docstring)."""
-        check_s = 0.0 if checked else self.check_update(tensors)
+        with phase("sync_check"):
+            check_s = 0.0 if checked else self.check_update(tensors)
         if self.dtype != next(iter(tensors.values())).dtype:
             tensors = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-        self.wake(("weights",))
+        self.wake(("weights",), phase_name="sync_wake")
         t0 = time.perf_counter()
-        if vllm_compat.engine_in_process():
-            self.llm.collective_rpc(_load_in_worker, args=(tensors,))
-        else:
-            cpu = {k: v.detach().to("cpu") for k, v in tensors.items()}
-            self.llm.collective_rpc(_load_in_worker, args=(cpu,))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        with phase("sync_load"):
+            if vllm_compat.engine_in_process():
+                self.llm.collective_rpc(_load_in_worker, args=(tensors,))
+            else:
+                cpu = {k: v.detach().to("cpu") for k, v in tensors.items()}
+                self.llm.collective_rpc(_load_in_worker, args=(cpu,))
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
         load_s = time.perf_counter() - t0
         self._weights_valid = True
         self._prefix_stale = True
@@ -254,7 +257,7 @@ class InProcessVllm:
         d.mkdir(exist_ok=True)
         save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(d / "adapter_model.safetensors"))
         (d / "adapter_config.json").write_text(json.dumps(peft_config))
-        self.wake(("weights",))
+        self.wake(("weights",), phase_name="sync_wake")
         self.lora_request = vllm_compat.add_lora(self.llm, LORA_NAME, LORA_ID, str(d))
         self._prefix_stale = True
 
@@ -266,15 +269,18 @@ class InProcessVllm:
     def sleep(self) -> None:
         level = self.settings.sleep_level
         if level and not self._asleep:
-            self.llm.sleep(level=level)
+            with phase("sleep"):
+                self.llm.sleep(level=level)
             self._asleep = {"weights", "kv_cache"}
             if level == 2:
                 self._weights_valid = False
 
-    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache"), phase_name: str = "wake") -> None:
+        """Wake what of ``tags`` sleeps (timed as the step's ``phase_name`` sub-phase when something does)."""
         todo = [t for t in tags if t in self._asleep]
         if todo:
-            self.llm.wake_up(tags=todo)
+            with phase(phase_name):
+                self.llm.wake_up(tags=todo)
             self._asleep -= set(todo)
 
     @property

@@ -44,7 +44,12 @@ ROLLOUT_STATE = "rollout_state.pt"
 #: the disjoint phases of ``training_step`` (``time/<phase>_s``); they sum to ``time/step_s``. ``backward`` is what the
 #: step spent outside the others (the backward pass and HF's bookkeeping). Sub-phases, also logged: ``generate`` and
 #: ``encode`` (the chat template and the image processor on the learner's CPU, inside ``rollout``), ``parse`` /
-#: ``match`` / ``build_target`` (inside ``target``).
+#: ``match`` / ``build_target`` (inside ``target``); from the rollout engine and the weight sync (``telemetry.phase``):
+#: ``sync_learner_check`` (the learner's own finite check), ``sync_collect`` (the weights gathered, LoRA merged),
+#: ``sync_check`` (the receiver's update check), ``sync_wake`` (the sleeping engine's weights woken), ``sync_load``
+#: (the copy into the engine), ``sync_wait_decodes`` (rollout servers: decodes in flight finishing) and
+#: ``sync_push`` (rollout servers) inside ``weight_sync``; ``sleep`` and ``wake``
+#: (a sleep-mode colocate engine around its decode) inside ``generate``.
 STEP_PHASES = ("weight_sync", "rollout", "target", "forward", "backward")
 LEDGER = "ledger.jsonl"
 logger = logging.getLogger(__name__)
@@ -152,9 +157,15 @@ class RolloutMatchingTrainer(Trainer):
         return DecodingParams(d.max_new_tokens, d.temperature, d.top_p, d.top_k, d.repetition_penalty, seed)
 
     def make_targets(self, samples: Sequence[Sample]) -> list[TrainTarget]:
+        """The step's training targets; the engine and the weight sync record their sub-phases (``sync_collect``,
+        ``sync_check``, ``sync_wake``, ``sync_load``, ``sleep``, ...) into this step's timers."""
         if self.target_source == "ground_truth":
             with self.timers.phase("target"):
                 return self.pipeline.ground_truth_targets(samples)
+        with self.timers.bound():
+            return self._rollout_targets(samples)
+
+    def _rollout_targets(self, samples: Sequence[Sample]) -> list[TrainTarget]:
         step = self.state.global_step
         prefetched = requests = next_requests = None
         if self.prefetcher is not None:

@@ -21,6 +21,7 @@ import torch
 
 from trainer.sync.update_check import check_learner_weights
 from trainer.sync.weights import adapter_kind
+from trainer.telemetry import phase
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,8 @@ class WeightSync:
         """Sync unless already synced at ``global_step``; returns whether this call synced."""
         if self.last_step == global_step:
             return False
-        check_learner_weights(model, global_step, last_synced_step=self.last_step)  # NaN/inf never leave the learner
+        with phase("sync_learner_check"):  # NaN/inf never leave the learner
+            check_learner_weights(model, global_step, last_synced_step=self.last_step)
         rank, _ = _dist_info()
         first = self.last_step is None
         self.target.begin_sync()
