@@ -55,16 +55,25 @@ def train(config: Path, *extra: str, kill_after_checkpoint: int | None = None) -
         finish(start(config, *extra))
         return
     cmd, env = _command(config, *extra)
+    # the learner stops itself right after checkpoint N is complete (SIGSTOP), then is killed there: no race with
+    # the steps after it, however long this process is starved for
+    cmd[1:3] = [str(REPO / "tests" / "integration" / "stop_after_checkpoint.py"), str(kill_after_checkpoint)]
     out_dir = Path(yaml.safe_load(config.read_text())["training"]["output_dir"]) / "stage2"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = out_dir / f"checkpoint-{kill_after_checkpoint}" / "rank0-rollout_state.pt"
     deadline = time.monotonic() + 900  # bounds a hang only
-    while not target.exists():
+    while not (target.exists() and stopped(proc.pid)):
         assert proc.poll() is None, "learner exited before the checkpoint the test kills after"
-        assert time.monotonic() < deadline, f"{target} never appeared (waited 900 s)"
+        assert time.monotonic() < deadline, f"{target} never appeared or the learner never stopped (waited 900 s)"
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def stopped(pid: int) -> bool:
+    """The process is stopped by a signal (state ``T`` in /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
 def ledger(config: Path) -> list[tuple[int, str, int]]:
