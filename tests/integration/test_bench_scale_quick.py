@@ -47,3 +47,17 @@ def test_the_sync_breakdown_accounts_for_the_whole_sync_and_adds_sleep_and_wake(
     no_sleep = scale.sync_breakdown({k: v for k, v in avg.items() if k not in ("time/sleep_s", "time/wake_s")})
     assert "sleep_wake_sync_s" not in no_sleep
     assert scale.sync_breakdown({"time/generate_s": 1.0}) == {}, "the HF backend has no sync to break down"
+
+
+def test_utilisations_multiply_the_selected_runs_and_bad_values_are_refused():
+    import pytest
+
+    runs = scale.selected("2b,8b-lora64-sleep2-util0.35")
+    assert [r.name for r in runs] == ["2b-full-sleep2-util0.3", "8b-lora64-sleep2-util0.35"]
+    assert scale.with_utilisations(runs, None) == runs
+    names = [r.name for r in scale.with_utilisations(runs, "0.25, 0.45")]
+    assert names == ["2b-full-sleep2-util0.25", "2b-full-sleep2-util0.45", "8b-lora64-sleep2-util0.25",
+                     "8b-lora64-sleep2-util0.45"]
+    for bad in ("0.3,1.2", "half", ","):
+        with pytest.raises(SystemExit, match="RM_BENCH_SCALE_UTILS"):
+            scale.with_utilisations(runs, bad)

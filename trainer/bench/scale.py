@@ -410,6 +410,21 @@ def selected(names: str | None) -> list[ScaleRun]:
     return runs
 
 
+def with_utilisations(runs: list[ScaleRun], utils: str | None) -> list[ScaleRun]:
+    """Each run once per ``gpu_memory_utilization`` of the comma-separated ``utils`` (``RM_BENCH_SCALE_UTILS``, for
+    the memory table: model x tuner x sleep level x utilisation), in that order; ``runs`` as they are without."""
+    if not utils:
+        return runs
+    try:
+        values = [float(u) for u in utils.split(",") if u.strip()]
+    except ValueError:
+        raise SystemExit(f"RM_BENCH_SCALE_UTILS={utils!r}: comma-separated fractions of the GPU, e.g. 0.25,0.45") from None
+    bad = [u for u in values if not 0.0 < u < 1.0]
+    if bad or not values:
+        raise SystemExit(f"RM_BENCH_SCALE_UTILS={utils!r}: every value must be a fraction in (0, 1), got {bad or utils}")
+    return [replace(r, gpu_memory_utilization=u) for r in runs for u in values]
+
+
 def run(out: Path, quick: bool = False) -> dict[str, Any]:
     """Run the configurations into ``out/scale.json`` (merged by name into an existing file) and ``scale.png``;
     the JSON is written after each configuration."""
@@ -430,7 +445,9 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     steps = int(os.environ.get("RM_BENCH_SCALE_STEPS", "0"))
     profile_step = int(os.environ.get("RM_BENCH_SCALE_PROFILE", "0"))
     compile_layers = os.environ.get("RM_BENCH_SCALE_COMPILE", "0") == "1"
-    for cfg in [QUICK] if quick else selected(os.environ.get("RM_BENCH_SCALE")):
+    runs = [QUICK] if quick else with_utilisations(selected(os.environ.get("RM_BENCH_SCALE")),
+                                                   os.environ.get("RM_BENCH_SCALE_UTILS"))
+    for cfg in runs:
         cfg = replace(cfg, steps=steps) if steps else cfg
         cfg = replace(cfg, profile_step=profile_step, compile_layers=compile_layers or cfg.compile_layers)
         if cfg.profile_step > cfg.steps:
