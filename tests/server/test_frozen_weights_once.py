@@ -96,10 +96,74 @@ def test_frozen_weights_go_once_per_admission_and_the_servers_serve_the_learner(
         assert last_update(url_a)["num_tensors"] == len(changing)
         assert last_update(url_b)["num_tensors"] == len(everything), "a re-admitted server got only the changes"
         assert serves_learner(eng_a, lora_learner) and serves_learner(eng_b, lora_learner)
-        step(lora_learner, 4)
+        step(lora_learner, 4)  # the re-admitted server's identity is read at its next sync, which is whole again
+        client.sync_full(lora_learner)
+        assert [last_update(u)["num_tensors"] for u in (url_a, url_b)] == [len(changing), len(everything)]
+        step(lora_learner, 5)
         client.sync_full(lora_learner)
         assert [last_update(u)["num_tensors"] for u in (url_a, url_b)] == [len(changing)] * 2
         assert serves_learner(eng_a, lora_learner) and serves_learner(eng_b, lora_learner)
+    finally:
+        client.close()
+
+
+def test_a_server_restarted_between_syncs_without_any_failure_gets_every_weight_again(tiny_text_dir, serve,
+                                                                                      get_free_port, lora_learner):
+    """The learner saw no failed request (nothing was sent to the server while it was down), but the process that
+    answers now is a new one, with its checkpoint's weights: the next push to it is whole."""
+    from trainer.server.app import create_app
+    from trainer.server.hf_engine import HFServerEngine
+
+    everything, changing = full_weights(lora_learner), changing_keys(lora_learner)
+    engine, port = HFServerEngine(tiny_text_dir), get_free_port()
+    client = None
+    try:
+        with serve(create_app(engine), port) as url:
+            client = ServerRolloutEngine([ServerEndpoint(url)], timeout_s=30, transport="inband")
+            for seed in (1, 2):
+                step(lora_learner, seed)
+                client.sync_full(lora_learner)
+            assert last_update(url)["num_tensors"] == len(changing)
+            first_boot = httpx.get(url + "/rm/identity/", timeout=30).json()["boot_id"]
+        engine = HFServerEngine(tiny_text_dir)  # a fresh process: the checkpoint's weights, a new identity
+        with serve(create_app(engine), port) as again:
+            assert again == url and httpx.get(url + "/rm/identity/", timeout=30).json()["boot_id"] != first_boot
+            assert not serves_learner(engine, lora_learner)
+            step(lora_learner, 3)
+            client.sync_full(lora_learner)
+            assert url not in client.quarantined and client.last_full_push["whole_to"] == [url]
+            assert last_update(url)["num_tensors"] == len(everything)
+            assert serves_learner(engine, lora_learner), "the restarted server kept its checkpoint's frozen weights"
+            step(lora_learner, 4)
+            client.sync_full(lora_learner)
+            assert last_update(url)["num_tensors"] == len(changing) and serves_learner(engine, lora_learner)
+    finally:
+        if client is not None:
+            client.close()
+
+
+def test_a_server_without_an_identity_endpoint_is_trusted_by_its_failures(two_servers, lora_learner, monkeypatch):
+    """``swift rollout`` has no ``/rm/identity/``: it reads as ``None`` (its restarts break the NCCL group, and the
+    failed push quarantines it), so frozen-once still applies to it."""
+    from trainer.rollout import server_fleet
+
+    (url_a, eng_a), _ = two_servers
+    real_get = httpx.Client.get
+
+    def no_identity(self, url, *args, **kwargs):
+        if str(url).endswith("/rm/identity/"):
+            return httpx.Response(404, request=httpx.Request("GET", url))
+        return real_get(self, url, *args, **kwargs)
+
+    monkeypatch.setattr(server_fleet.httpx.Client, "get", no_identity)
+    client = ServerRolloutEngine([ServerEndpoint(url_a)], timeout_s=30, transport="inband")
+    try:
+        assert client.fleet.boot_ids([url_a]) == {url_a: None}
+        for seed in (1, 2):
+            step(lora_learner, seed)
+            client.sync_full(lora_learner)
+        assert last_update(url_a)["num_tensors"] == len(changing_keys(lora_learner))
+        assert serves_learner(eng_a, lora_learner)
     finally:
         client.close()
 

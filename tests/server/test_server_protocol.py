@@ -94,7 +94,8 @@ def test_api_key_guards_everything_but_health(scripted_server, http):
     with scripted_server(api_key="s3cret") as (url, _):
         assert http.get(url + "/health/").status_code == 200
         for method, path in (("get", "/get_world_size/"), ("post", "/get_engine_type/"), ("post", "/infer/"),
-                             ("post", "/reset_prefix_cache/"), ("post", "/rm/update_weights_inband/?kind=full")):
+                             ("post", "/reset_prefix_cache/"), ("post", "/rm/update_weights_inband/?kind=full"),
+                             ("get", "/rm/identity/")):
             r = getattr(http, method)(url + path)
             assert r.status_code == 401, path
             r = getattr(http, method)(url + path, headers={"Authorization": "Bearer wrong"})
@@ -160,3 +161,14 @@ def test_cli_serves_scripted_engine(get_free_port, http, tmp_path, trainer_serve
     missing = subprocess.run([sys.executable, "-m", "trainer", "serve", "--engine", "vllm", "--port", str(port)],
                              capture_output=True, text=True, timeout=600)  # bounds a hang only
     assert missing.returncode != 0 and "needs --model" in missing.stderr
+
+
+def test_identity_is_one_per_server_process(scripted_server, http):
+    """``/rm/identity/``'s ``boot_id``: the same for every call to one server, another for the next one started
+    (what a learner compares to tell a restarted server from the process it pushed to)."""
+    with scripted_server() as (url, _):
+        first = http.get(url + "/rm/identity/").json()["boot_id"]
+        assert http.get(url + "/rm/identity/").json()["boot_id"] == first
+        assert http.get(url + "/rm/info/").json()["boot_id"] == first
+    with scripted_server() as (url, _):
+        assert http.get(url + "/rm/identity/").json()["boot_id"] not in (first, None, "")

@@ -205,6 +205,7 @@ class ServerRolloutEngine:
         self.resend_frozen = resend_frozen
         self._has_frozen: set[str] = set()
         self._frozen_keys: frozenset[str] | None = None  # what the servers in ``_has_frozen`` hold for good
+        self._frozen_boot: dict[str, str | None] = {}  # url -> boot_id read before its latest whole push
         #: ``{"keys": n, "bytes": n, "full_to": [...], "changing_to": [...]}`` of the latest ``sync_full``
         self.last_full_push: dict[str, Any] = {}
         self.version_lock = WeightVersionLock()
@@ -427,9 +428,12 @@ class ServerRolloutEngine:
                                        + "; ".join(f"{u}: {e}" for u, e in failed.items()), failed)
 
     def sync_full(self, model: torch.nn.Module, merge_adapter: bool = True) -> None:
-        """Every weight to a server that lacks the frozen ones (its first full sync since it was admitted), only
-        ``changing_keys`` to the others (unless ``resend_frozen``); a base sync (``merge_adapter`` false) is always
-        whole. Servers due for re-admission get every weight."""
+        """Every weight to a server that may lack the frozen ones, only ``changing_keys`` to the others (unless
+        ``resend_frozen``); a base sync (``merge_adapter`` false) is always whole. A server holds the frozen weights
+        once a whole push to it succeeded, for as long as it answers with the ``boot_id`` read just before that push
+        (``ServerFleet.boot_ids``): a restarted process loaded its checkpoint's weights again, even when no request
+        failed in between. A re-admitted server gets every weight, and again at its next sync (where its identity is
+        read)."""
         with phase("sync_collect", device_work=True):
             tensors = full_weights(model, merge_adapter=merge_adapter)
         changing = None
@@ -437,32 +441,41 @@ class ServerRolloutEngine:
             keys = changing_keys(model, merge_adapter=True)
             changing = {k: v for k, v in tensors.items() if k in keys}
             frozen = frozenset(tensors) - keys
+            if not frozen:  # everything trains (a full fine-tune): every push is whole
+                changing = None
             if self._frozen_keys is None or not frozen <= self._frozen_keys:
                 self._has_frozen.clear()  # a key frozen now was pushed as changing (or never): every server needs it
             self._frozen_keys = frozen
-        with self._exclusive(), phase("sync_push"):  # the lock is begin_sync's (waited for there) inside a sync
+        with self._exclusive():  # the lock is begin_sync's (waited for there) inside a sync
             healthy = self.fleet.healthy()
-            self._has_frozen &= {s.base_url for s in healthy}
+            boots: dict[str, str | None] = {}
+            if changing is not None:
+                with phase("sync_identity"):
+                    boots = self.fleet.boot_ids([s.base_url for s in healthy])
+            self._has_frozen = {u for u in self._has_frozen if u in boots and boots[u] == self._frozen_boot.get(u)}
             whole = [s for s in healthy if changing is None or s.base_url not in self._has_frozen]
             partial = [s for s in healthy if changing is not None and s.base_url in self._has_frozen]
             failed: dict[str, str] = {}
-            if whole:
-                failed.update(self.transport().push_full(tensors, whole))
-            if partial:
-                failed.update(self.transport().push_full(changing, partial))
+            with phase("sync_push"):
+                if whole:
+                    failed.update(self.transport().push_full(tensors, whole))
+                if partial:
+                    failed.update(self.transport().push_full(changing, partial))
             for url, err in failed.items():
                 self.fleet.quarantine(url, f"full weight push failed: {err}")
             if healthy and len(failed) >= len(healthy):
                 raise WeightTransportError("full weight push failed on every rollout server: "
                                            + "; ".join(f"{u}: {e}" for u, e in failed.items()), failed)
-            self._has_frozen |= {s.base_url for s in whole} - set(failed)
+            for url in ({s.base_url for s in whole} - set(failed)) & set(boots):
+                self._has_frozen.add(url)
+                self._frozen_boot[url] = boots[url]
             sent = changing if partial and not whole else tensors
             self.last_full_push = {"keys": len(sent), "bytes": sum(t.numel() * t.element_size() for t in sent.values()),
                                    "whole_to": [s.base_url for s in whole],
                                    "changing_to": [s.base_url for s in partial],
                                    "changing_keys": len(changing) if changing is not None else len(tensors)}
-            readmitted = self._readmit_due("full" if merge_adapter else "base", full=tensors)
-            self._has_frozen |= set(readmitted)
+            with phase("sync_push"):
+                self._readmit_due("full" if merge_adapter else "base", full=tensors)
 
     def sync_adapter(self, model: torch.nn.Module) -> None:
         adapter = adapter_weights(model)

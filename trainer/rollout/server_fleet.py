@@ -6,6 +6,10 @@ failure, then with the wait doubling up to ``readmit_max_interval_s``. One that 
 rollout client, with the weights built for that sync) and *re-admitted* only once that succeeded; a failed re-sync
 backs off like a failed probe. Without ``readmit_after_s`` a failed server stays out for the run.
 
+Process identity: our servers answer ``/rm/identity/`` with a ``boot_id`` drawn at start-up, so a server restarted
+between two syncs without any request failing in between (nothing was sent to it meanwhile) is told from the process
+the learner pushed to before (``boot_ids``). A server without that endpoint (``swift rollout``) reads as ``None``.
+
 Several learner ranks: each rank sees its own failures; at every sync the ranks pool them on rank 0
 (``pool_on_rank0``, which must be called by every rank), rank 0 pushes, probes and re-admits, and every rank then
 adopts rank 0's set (``adopt_rank0``).
@@ -147,6 +151,25 @@ class ServerFleet:
                 log.info("quarantined rollout server %s still down; next probe in %.0fs", url, probe.wait)
         return answering
 
+    def boot_ids(self, urls: Sequence[str]) -> dict[str, str | None]:
+        """The ``boot_id`` of each of ``urls`` now (``/rm/identity/``; None for a server without that endpoint),
+        asked concurrently; a server that does not answer is left out."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(url: str) -> tuple[str, str | None] | None:
+            try:
+                resp = self._client.get(url + "/rm/identity/", headers=self.endpoint(url).headers())
+            except httpx.HTTPError:
+                return None
+            if resp.status_code == 404:
+                return url, None
+            return (url, _boot_id(resp)) if resp.status_code == 200 else None
+
+        if not urls:
+            return {}
+        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+            return dict(r for r in pool.map(one, urls) if r is not None)
+
     # -- several learner ranks -------------------------------------------------------------------------------------
     def adopt(self, urls: Sequence[str] | set[str] | frozenset[str]) -> list[str]:
         """Take a quarantine set decided elsewhere: new members are quarantined, missing ones re-admitted; returns
@@ -187,3 +210,11 @@ class ServerFleet:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _boot_id(resp: httpx.Response) -> str | None:
+    try:
+        value = resp.json().get("boot_id")
+    except (ValueError, AttributeError):
+        return None
+    return str(value) if value is not None else None

@@ -29,6 +29,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -240,6 +241,7 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
     ``app.state.runner.dead`` is the reason then."""
     runner = EngineRunner(on_engine_death)
     updates: list[dict[str, Any]] = []
+    boot_id = uuid.uuid4().hex  # this server process (app), so a learner can tell a restarted server from it
     metrics = ServerMetrics(engine.kind, engine.model_name)
     metrics.set_version(getattr(engine, "weights_version", None))
     nccl_pending: dict[str, str] = {}  # kind -> NCCL updates received, accepted once weights are processed
@@ -462,12 +464,18 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
             return await apply_update("rm/update_weights_shm", "inband-shm", kind, tensors, meta, body.bytes,
                                       decode_s=round(time.perf_counter() - t0, 4))
 
+    @app.get("/rm/identity/", dependencies=guarded)
+    async def identity():
+        """This server process: ``boot_id`` is drawn at start-up, so a learner tells a restarted server (which loaded
+        its weights from the checkpoint again) from the one it pushed to before."""
+        return {"boot_id": boot_id}
+
     @app.get("/rm/info/", dependencies=guarded)
     async def info():
         return {"engine": engine.kind, "model": engine.model_name, "world_size": engine.world_size,
                 "enable_lora": engine.enable_lora, "weights_version": getattr(engine, "weights_version", None),
                 "updates": updates[-100:], "inband_path": INBAND_PATH, "nccl_backends": nccl_backends(),
-                "shm_dir": shm_dir}
+                "shm_dir": shm_dir, "boot_id": boot_id}
 
     @app.get("/rm/weights_checksum/", dependencies=guarded)
     async def weights_checksum():
