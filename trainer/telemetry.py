@@ -42,6 +42,8 @@ class PhaseTimers:
         self.peak_bytes: dict[str, int] = {}
         self.overall_peak = 0
         self._open: list[list[Any]] = []
+        #: the innermost phase a ``torch.OutOfMemoryError`` left (None: none did since it was last cleared)
+        self.out_of_memory_in: str | None = None
 
     def _boundary(self) -> int:
         seen = self.memory.peak()
@@ -79,6 +81,10 @@ class PhaseTimers:
         try:
             with self.track_peak(name):
                 yield
+        except torch.OutOfMemoryError:
+            if self.out_of_memory_in is None:  # the innermost phase it passed through
+                self.out_of_memory_in = name
+            raise
         finally:
             self.seconds[name] += time.perf_counter() - start
 

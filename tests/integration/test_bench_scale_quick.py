@@ -61,3 +61,17 @@ def test_utilisations_multiply_the_selected_runs_and_bad_values_are_refused():
     for bad in ("0.3,1.2", "half", ","):
         with pytest.raises(SystemExit, match="RM_BENCH_SCALE_UTILS"):
             scale.with_utilisations(runs, bad)
+
+
+def test_a_configuration_that_runs_out_of_memory_is_recorded_with_its_phase_and_advice(tmp_path, monkeypatch):
+    import torch
+
+    from trainer.sft import trainer as trainer_module
+
+    def forward_that_runs_out(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(trainer_module, "forward_loss", forward_that_runs_out)
+    rec = scale.run_one(scale.QUICK, tmp_path / "work", "cpu")
+    assert rec["oom_phase"] == "forward" and "ran out of GPU memory in forward" in rec["error"], rec.get("error")
+    assert rec["advice"] and rec["advice"][0].startswith("training.packing_length (now "), rec["advice"]

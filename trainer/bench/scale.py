@@ -222,19 +222,9 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
     return cfg
 
 
-def oom_advice(run: ScaleRun, phase: str) -> str:
-    if phase in ("rollout", "generate"):
-        return (f"vLLM could not wake into what the learner left: lower rollout_matching.vllm.gpu_memory_utilization "
-                f"(was {run.gpu_memory_utilization}) or rollout_generate_batch_size, or offload the training state "
-                "during rollouts (rollout_matching.offload)")
-    if run.tuner == "full":
-        return ("the full fine-tune's weights + grads + AdamW states do not fit beside vLLM: use tuner.train_type "
-                "lora, or training.deepspeed zero2_offload / zero3_offload")
-    return "lower training.packing_length (fewer tokens per forward) or rollout_generate_batch_size"
-
-
 def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
     from trainer.config.schema import validate_config
+    from trainer.memory.oom import TrainingOutOfMemory, advice, memory_settings
     from trainer.sft.run import run_training
     from trainer.telemetry import read_jsonl
 
@@ -253,10 +243,13 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
         tb = traceback.format_exc()
         rows = list(read_jsonl(out_dir / "metrics.jsonl")) if (out_dir / "metrics.jsonl").is_file() else []
         rec.update(error=f"{type(exc).__name__}: {str(exc)[:600]}", traceback=tb[-4000:], steps_logged=len(rows))
-        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
-            phase = next((ph for ph in ("generate", "rollout", "weight_sync", "_forward", "backward")
-                          if ph in tb), "optimizer")
-            rec.update(oom_phase=phase.strip("_"), advice=oom_advice(run, phase))
+        if isinstance(exc, TrainingOutOfMemory):  # the trainer named the phase and what to change
+            rec.update(oom_phase=exc.phase, advice=exc.advice)
+        elif isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            phase = next((ph for ph in ("generate", "rollout", "weight_sync", "forward", "backward") if ph in tb),
+                         "engine start")  # outside a step (model load, vLLM start): the vLLM share is the lever
+            rec.update(oom_phase=phase, advice=advice(phase if phase != "engine start" else "generate",
+                                                      memory_settings(validate_config(cfg))))
         gc.collect()
         if device != "cpu":
             torch.cuda.empty_cache()

@@ -16,6 +16,7 @@ from trainer.data.records import JsonlDataset, LoadReport, index_jsonl
 from trainer.data.synthetic import generate
 from trainer.extras import require
 from trainer.losses.objective import LossWeights
+from trainer.memory.oom import memory_settings
 from trainer.modeling.compile import compile_decoder_layers
 from trainer.modeling.loading import LoadedModel, apply_tuner, load_model
 from trainer.modeling.prompts import PromptEncoder
@@ -178,7 +179,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
                                                  learning_rate=s1.learning_rate, batch_size=s1.batch_size,
                                                  report_to=report, logging_steps=s1.logging_steps),
             engine=None, target_source="ground_truth", callbacks=stage1_callbacks,
-            **common)
+            memory_settings=memory_settings(cfg, stage1=True), **common)
         warm.train()
     t = cfg.training
     packing = PackingBuffer(t.packing_length, t.packing_buffer, t.packing_min_fill_ratio) if t.packing else None
@@ -196,7 +197,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             eager_rollouts=cfg.training.compile_decoder_layers and rm.rollout_backend == "hf" and not rm.hf.compile,
             async_rollouts=((True, rm.vllm.server.async_rollouts.max_staleness_steps)
                             if rm.vllm.server.async_rollouts.enabled else None),
-            profile_steps=t.profile_steps, profile_trace=t.profile_trace,
+            profile_steps=t.profile_steps, profile_trace=t.profile_trace, memory_settings=memory_settings(cfg),
             **common)
         result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:

@@ -26,6 +26,8 @@ from trainer.data.records import Sample
 from trainer.losses.objective import LossWeights
 from trainer.matching.targets import TrainTarget
 from trainer.memory.offload import offload_for_rollout
+from trainer.memory.oom import MemorySettings, TrainingOutOfMemory
+from trainer.memory.oom import explain as explain_out_of_memory
 from trainer.modeling.adapter_casts import adapter_layers, uncast_adapter_inputs
 from trainer.modeling.compile import eager_rollouts
 from trainer.packing.batching import pad_targets
@@ -94,7 +96,8 @@ class RolloutMatchingTrainer(Trainer):
                  rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None,
                  offload: tuple[bool, bool] | None = None, weight_sync: Any = None, supervised_logits: bool = True,
                  eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None,
-                 profile_steps: Sequence[int] = (), profile_trace: bool = False, **kwargs: Any):
+                 profile_steps: Sequence[int] = (), profile_trace: bool = False,
+                 memory_settings: MemorySettings | None = None, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -118,6 +121,8 @@ class RolloutMatchingTrainer(Trainer):
         self._layout_stack: contextlib.ExitStack | None = None
         #: ``training.profile_steps``: optimizer steps whose weight sync and first forward + backward run under
         #: torch.profiler
+        #: what an out-of-memory error in a step advises (``trainer.memory.oom``)
+        self.memory_settings = memory_settings if memory_settings is not None else MemorySettings()
         self.profile_steps = set(profile_steps)
         self.profile_trace = profile_trace
         self._sync_profiled: set[int] = set()
@@ -421,6 +426,8 @@ class RolloutMatchingTrainer(Trainer):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except NonFiniteWeightsError as exc:  # stop the run, naming the last good checkpoint
             raise exc.with_checkpoint(self.latest_complete_checkpoint()) from None
+        except TrainingOutOfMemory as exc:
+            raise exc.with_checkpoint(self.latest_complete_checkpoint()) from exc.__cause__
         finally:
             if self.prefetcher is not None:  # a batch read ahead past max_steps is never trained
                 self.prefetcher.discard()
@@ -451,10 +458,19 @@ class RolloutMatchingTrainer(Trainer):
             # the packed attention layout entered by compute_loss stays on through backward: activation
             # checkpointing recomputes the forward there and must see the same segment-isolating attention
             self._layout_stack = stack
+            self.timers.out_of_memory_in = None
             try:
                 with self.timers.track_peak("step"):
                     loss = super().training_step(model, inputs, num_items_in_batch)
                     self.timers.record_peak("backward")  # since the forward ended: backward + optimizer bookkeeping
+            except torch.OutOfMemoryError as exc:
+                if isinstance(exc, TrainingOutOfMemory):
+                    raise
+                device_gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+                              if torch.cuda.is_available() else None)
+                raise explain_out_of_memory(
+                    exc, self.timers.out_of_memory_in, self.state.global_step + 1, self.memory_settings,
+                    {k: v / 2**30 for k, v in self.timers.peak_bytes.items()}, device_gib) from exc
             finally:
                 self._layout_stack = None
         spent = time.perf_counter() - start

@@ -1,0 +1,71 @@
+"""A real training run (tiny model, HF rollouts) that runs out of GPU memory: the ``torch.OutOfMemoryError`` that
+torch raises inside a phase is what the run injects (there is no GPU here to exhaust), and the run stops with a
+``TrainingOutOfMemory`` naming the phase, the step, the settings to change with their values, and the checkpoint to
+resume from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.config.schema import validate_config
+from trainer.memory.oom import TrainingOutOfMemory
+from trainer.sft import trainer as trainer_module
+from trainer.sft.run import run_training
+
+RM = "custom.extra.rollout_matching"
+TORCH_MESSAGE = "CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
+
+
+def config(tmp_path: Path) -> dict:
+    return {
+        "model": {"tiny": "text"},
+        "data": {"synthetic": {"num_samples": 8, "seed": 3, "min_objects": 1, "max_objects": 2, "image_size": 64}},
+        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 4, "per_device_train_batch_size": 2,
+                     "learning_rate": 2e-3, "logging_steps": 1, "seed": 0, "disable_tqdm": True,
+                     "report_to": ["jsonl"], "save_steps": 1, "packing": True, "packing_length": 512},
+        "custom": {"extra": {"rollout_matching": {
+            "rollout_backend": "hf", "rollout_generate_batch_size": 2,
+            "decoding": {"max_new_tokens": 16}, "matching": {"mask_resolution": 64}}}},
+    }
+
+
+def test_out_of_memory_in_the_forward_names_the_packing_length_and_the_checkpoint(tmp_path, monkeypatch):
+    calls = []
+    real = trainer_module.forward_loss
+
+    def forward_that_runs_out(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second optimizer step's forward
+            raise torch.OutOfMemoryError(TORCH_MESSAGE)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "forward_loss", forward_that_runs_out)
+    with pytest.raises(TrainingOutOfMemory) as info:
+        run_training(validate_config(config(tmp_path)))
+    err = info.value
+    assert (err.phase, err.step) == ("forward", 2)
+    text = str(err)
+    assert text.startswith(f"training step 2 ran out of GPU memory in forward: {TORCH_MESSAGE}")
+    assert "training.packing_length (now 512)" in text and "training.gradient_checkpointing: true (now false)" in text
+    assert text.endswith(f"resume from {tmp_path / 'run' / 'stage2' / 'checkpoint-1'} with the change "
+                         "(--resume-from-checkpoint latest).")
+    assert isinstance(err.__cause__, torch.OutOfMemoryError) and not isinstance(err.__cause__, TrainingOutOfMemory)
+
+
+def test_out_of_memory_while_decoding_names_the_rollout_batch(tmp_path, monkeypatch):
+    from trainer.rollout.hf import HFRolloutEngine
+
+    def generate_that_runs_out(self, requests, params):
+        raise torch.OutOfMemoryError(TORCH_MESSAGE)
+
+    monkeypatch.setattr(HFRolloutEngine, "generate", generate_that_runs_out)
+    with pytest.raises(TrainingOutOfMemory) as info:
+        run_training(validate_config(config(tmp_path)))
+    err = info.value
+    assert (err.phase, err.step) == ("generate", 1)
+    assert err.advice == [f"{RM}.rollout_generate_batch_size (now 2) or {RM}.decoding.max_new_tokens (now 16): HF "
+                          "generate keeps a KV cache for every sequence of a batch"]
+    assert "no checkpoint was written before this step" in str(err)
