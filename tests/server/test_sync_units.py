@@ -131,15 +131,35 @@ def test_dora_full_sync_uses_peft_merge(tiny):
         torch.testing.assert_close(v, before[k], rtol=0, atol=1e-6)
 
 
-def test_merged_lora_of_a_bf16_model_with_fp32_adapters_rounds_once_like_peft(tiny):
+def _bf16_lora(tiny, b_scale: float = 1.0):
+    """A bf16 model with float32 LoRA factors (peft's default) that use float32's precision, as optimizer steps
+    leave them (peft initializes them in the base's dtype: bf16 values in float32 tensors)."""
     from peft import LoraConfig, get_peft_model
 
-    base = copy.deepcopy(tiny).to(torch.bfloat16)
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                 init_lora_weights=False))
+    model = get_peft_model(copy.deepcopy(tiny).to(torch.bfloat16),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(1 + 0.01 * torch.randn(p.shape, generator=gen)).mul_(b_scale if "lora_B" in name else 1.0)
+    return model
+
+
+def _lora_parts(model) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
+    """checkpoint weight name -> (base weight, B, A, scaling) of every plain LoRA layer"""
+    from peft.tuners.lora import LoraLayer
+
+    return {n.removeprefix("base_model.model.") + ".weight": (m.get_base_layer().weight, m.lora_B["default"].weight,
+                                                              m.lora_A["default"].weight, m.scaling["default"])
+            for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def test_merged_lora_of_a_bf16_model_with_fp32_adapters_rounds_once_like_peft(tiny):
+    peft_model = _bf16_lora(tiny)
     q = "model.layers.0.self_attn.q_proj"
     assert peft_model.get_submodule(f"base_model.model.{q}").lora_A["default"].weight.dtype == torch.float32
-    merged = full_weights(peft_model)
+    merged = full_weights(peft_model, merge_precision="float32")
     reference = copy.deepcopy(peft_model).merge_and_unload().state_dict()
     assert merged[f"{q}.weight"].dtype == torch.bfloat16
     for k, v in reference.items():  # equal up to one bf16 rounding step (GEMM summation order)
@@ -148,17 +168,56 @@ def test_merged_lora_of_a_bf16_model_with_fp32_adapters_rounds_once_like_peft(ti
     assert mismatched <= 0.001 * sum(v.numel() for v in reference.values()), mismatched
 
 
-def test_batched_merge_in_chunks_matches_the_per_layer_merge(tiny, monkeypatch):
-    from peft import LoraConfig, get_peft_model
+def test_merge_in_the_weight_dtype_is_one_gemm_onto_the_weight_with_factors_rounded_to_it(tiny):
+    peft_model = _bf16_lora(tiny)
+    merged = full_weights(peft_model)
+    assert all(torch.equal(v, merged[k]) for k, v in full_weights(peft_model, merge_precision="weight_dtype").items())
+    exact = full_weights(peft_model, merge_precision="float32")
+    parts = _lora_parts(peft_model)
+    assert len(parts) > 10
+    total = mismatched = 0
+    for key, (w, b, a, scaling) in parts.items():
+        # what it computes: W + s * bf16(B) @ bf16(A), exactly, rounded once to bf16 (GEMM summation order aside)
+        want = (w.double() + scaling * (b.bfloat16().double() @ a.bfloat16().double())).to(torch.bfloat16)
+        mismatched += int((merged[key] != want).sum())
+        total += want.numel()
+        # and from the float32 merge by one rounding step of the result plus what rounding the factors moves
+        bound = 2**-6 * (w.double().abs() + scaling * (b.double().abs() @ a.double().abs())) + 1e-12
+        assert bool(((merged[key].double() - exact[key].double()).abs() <= bound).all()), key
+    assert mismatched <= 0.001 * total, (mismatched, total)
+    assert sum(int((merged[k] != exact[k]).sum()) for k in parts) > 0, "the float32 and weight-dtype merges were equal"
+    for key in set(merged) - set(parts):  # unadapted weights are passed through untouched
+        assert torch.equal(merged[key], exact[key])
 
+
+def test_merge_precisions_differ_in_few_elements_for_adapter_updates_smaller_than_the_weights(tiny):
+    """B scaled so that the LoRA update is ~1 % of the weight, as in fine-tuning: the two merges then disagree in a
+    few percent of elements, by one rounding step."""
+    peft_model = _bf16_lora(tiny, b_scale=0.01)
+    parts = _lora_parts(peft_model)
+    with torch.no_grad():
+        ratio = sum(float((s * (b @ a)).abs().mean() / w.float().abs().mean())
+                    for w, b, a, s in parts.values()) / len(parts)
+    assert 0.001 < ratio < 0.05, ratio
+    fast, exact = full_weights(peft_model), full_weights(peft_model, merge_precision="float32")
+    differ = sum(int((fast[k] != exact[k]).sum()) for k in parts) / sum(fast[k].numel() for k in parts)
+    print(f"update / weight {ratio:.4f}; elements where the merges differ: {differ:.4f}")
+    assert 0 < differ < 0.05, differ
+
+
+def test_unknown_merge_precision_is_refused(tiny):
+    with pytest.raises(ValueError, match="merge precision 'fp8'"):
+        full_weights(_bf16_lora(tiny), merge_precision="fp8")
+
+
+def test_batched_float32_merge_in_chunks_matches_the_per_layer_merge(tiny, monkeypatch):
     from trainer.sync import weights
 
-    peft_model = get_peft_model(copy.deepcopy(tiny).to(torch.bfloat16),
-                                LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
-    whole = full_weights(peft_model)
+    peft_model = _bf16_lora(tiny)
+    whole = full_weights(peft_model, merge_precision="float32")
     q = next(k for k in whole if k.endswith("q_proj.weight"))
     monkeypatch.setattr(weights, "MERGE_CHUNK_ELEMENTS", 2 * whole[q].numel())  # chunks of 2 q_proj, single others
-    chunked = full_weights(peft_model)
+    chunked = full_weights(peft_model, merge_precision="float32")
     reference = copy.deepcopy(peft_model).merge_and_unload().state_dict()
     for k, v in reference.items():
         torch.testing.assert_close(chunked[k], whole[k], rtol=2**-7, atol=1e-6)

@@ -27,6 +27,9 @@ One module per benchmark, all building their random-weight models with ``trainer
 * ``sync-host``: the host-side work of a weight sync (``full_weights`` + ``check_update``) per tensor count, plain
   and LoRA-merged, tiny widths so the per-tensor overhead shows (``sync_host.json`` / ``.png``; CPU;
   ``trainer.bench.sync_host``);
+* ``lora-merge``: the LoRA merge of a full sync at a Qwen3-VL size, ``sync.merge_precision`` weight_dtype vs float32
+  vs a plain copy, side by side, and how far the two merges differ (``lora_merge.json`` / ``.png``; GPU, or the CPU;
+  ``--quick``: a tiny decoder on the CPU; ``trainer.bench.lora_merge``);
 * ``scale``: whole stage-2 steps at Qwen3-VL 2B / 4B / 8B (random weights, 1024x1024 images, 40-80 objects), vLLM
   colocate, per-phase seconds, peak memory and MFU (``scale.json`` / ``.png``; GPU; ``trainer.bench.scale``).
 
@@ -41,7 +44,8 @@ import json
 from pathlib import Path
 
 ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "vllm-images", "async",
-        "inband", "scale", "data", "fleet", "swift-peers", "sync-host")
+        "inband", "scale", "data", "fleet", "swift-peers", "sync-host",
+        "lora-merge")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +53,11 @@ def run(args: argparse.Namespace) -> int:
         from trainer.bench.sync_host import run as run_sync_host
 
         run_sync_host(Path(args.out), quick=args.quick)
+        return 0
+    if getattr(args, "only", "all") == "lora-merge":  # GPU (or CPU): the sync's LoRA merge per merge_precision
+        from trainer.bench.lora_merge import run as run_lora_merge
+
+        run_lora_merge(Path(args.out), quick=args.quick)
         return 0
     if getattr(args, "only", "all") == "data":  # CPU: 1M-record start-up, eager list vs line-offset index
         from trainer.bench.data import run as run_data
@@ -171,7 +180,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "data: dataset start-up and peak RSS at 1M records, eager list vs line-offset index (CPU; "
                         "--quick: 2,000 records; not part of 'all'); fleet: six vLLM server processes + the learner on one GPU "
                         "with faults (--engine scripted or a CPU: three scripted servers; not part of 'all'); sync-host: host-side "
-                        "work of a weight sync per tensor count (CPU; not part of 'all')")
+                        "work of a weight sync per tensor count (CPU; not part of 'all'); lora-merge: the sync's LoRA merge per "
+                        "sync.merge_precision at Qwen3-VL RM_BENCH_MERGE_SIZE=2b|4b|8b (GPU, or the CPU; not part of 'all')")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--decode-s", type=float, default=None,
                    help="async: seconds per /infer/ call of the scripted servers (default: the measured train time "

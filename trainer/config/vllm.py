@@ -74,7 +74,12 @@ class VllmSyncConfig(Section):
     ``serve --shm-dir``, reads it instead of receiving it over HTTP. ``resend_frozen`` (server mode, full sync):
     false (default) sends the weights training cannot change (frozen vision tower, norms, a LoRA model's
     un-adapted weights) to a server only at its first sync and at every re-admission, then only the changing ones;
-    true sends every weight at every sync."""
+    true sends every weight at every sync. ``merge_precision`` (full sync of a LoRA learner): weight_dtype (default)
+    rounds the LoRA factors to the weights' dtype and merges each layer with one GEMM that accumulates onto the
+    weight in float32 and rounds once (each 16-bit weight read and written once; the training forward uses the
+    factors at that precision under bf16 autocast too); float32 computes ``B @ A`` in float32 as peft's merge does
+    (bit-equal to peft up to summation order, ~3x the memory traffic). The two differ by one rounding step of the
+    merged weight in a few percent of elements (docs/VLLM_ROLLOUTS.md)."""
 
     mode: Literal["full", "adapter", "auto"] = "full"
     fallback_to_full: bool = True
@@ -85,6 +90,7 @@ class VllmSyncConfig(Section):
     allow_dtype_cast: bool = False
     shm_dir: str | None = None
     resend_frozen: bool = False
+    merge_precision: Literal["weight_dtype", "float32"] = "weight_dtype"
 
     @model_validator(mode="after")
     def _backend_needs_nccl(self) -> VllmSyncConfig:

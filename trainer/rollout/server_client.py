@@ -176,7 +176,7 @@ class ServerRolloutEngine:
                  inline_images: bool = False, wait: bool = True, max_retries: int = 1,
                  readmit_after_s: float | None = None, readmit_max_interval_s: float = 300.0,
                  clock: Any = time.monotonic, nccl_backend: str = "auto", shm_dir: str | None = None,
-                 resend_frozen: bool = False):
+                 resend_frozen: bool = False, merge_precision: str = "weight_dtype"):
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
@@ -203,6 +203,7 @@ class ServerRolloutEngine:
         #: merged full syncs send the frozen weights (vision tower, norms, frozen base) to a server once: at its
         #: first full sync and again at every re-admission; ``resend_frozen`` sends them at every sync
         self.resend_frozen = resend_frozen
+        self.merge_precision = merge_precision  # ``sync.merge_precision`` (``trainer.sync.weights.full_weights``)
         self._has_frozen: set[str] = set()
         self._frozen_keys: frozenset[str] | None = None  # what the servers in ``_has_frozen`` hold for good
         self._frozen_boot: dict[str, str | None] = {}  # url -> boot_id read before its latest whole push
@@ -435,7 +436,7 @@ class ServerRolloutEngine:
         failed in between. A re-admitted server gets every weight, and again at its next sync (where its identity is
         read)."""
         with phase("sync_collect", device_work=True):
-            tensors = full_weights(model, merge_adapter=merge_adapter)
+            tensors = full_weights(model, merge_adapter=merge_adapter, merge_precision=self.merge_precision)
         changing = None
         if merge_adapter and not self.resend_frozen:
             keys = changing_keys(model, merge_adapter=True)
@@ -556,7 +557,7 @@ def engine_from_config(rm, loaded, model) -> ServerRolloutEngine:
     engine = ServerRolloutEngine(
         endpoints_from_config(v.server), timeout_s=v.server.timeout_s, infer_timeout_s=v.server.infer_timeout_s,
         transport=sync.transport, nccl_backend=sync.nccl_backend, group_port=sync.group_port, shm_dir=sync.shm_dir,
-        bucket_bytes=sync.bucket_mb * 2**20, resend_frozen=sync.resend_frozen,
+        bucket_bytes=sync.bucket_mb * 2**20, resend_frozen=sync.resend_frozen, merge_precision=sync.merge_precision,
         max_retries=v.server.max_retries, readmit_after_s=v.server.readmit_after_s,
         readmit_max_interval_s=v.server.readmit_max_interval_s)
     log.info("rollout servers %s (this rank: %s), sync.mode %s, fallback_to_full %s, rollout seed %s",

@@ -100,10 +100,13 @@ class VllmColocateEngine:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.45, enable_lora: bool = False,
                  max_lora_rank: int = 16, enable_prefix_caching: bool = True, sleep_level: int = 0, seed: int = 0,
                  dtype: str = "auto", rank: int | None = None, world_size: int | None = None,
-                 allow_dtype_cast: bool = False, engine_kwargs: dict[str, Any] | None = None):
+                 allow_dtype_cast: bool = False, engine_kwargs: dict[str, Any] | None = None,
+                 merge_precision: str = "weight_dtype"):
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
+        #: ``sync.merge_precision`` of a merged full sync (``trainer.sync.weights.full_weights``)
+        self.merge_precision = merge_precision
         self.rank = rank if rank is not None else (dist.get_rank() if dist_on else 0)
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if dist_on else 1)
         groups = tp_groups(self.world_size, tensor_parallel_size)
@@ -164,7 +167,8 @@ class VllmColocateEngine:
 
     def sync_full(self, model: torch.nn.Module, merge_adapter: bool = True) -> None:
         """Load the model's weights (LoRA merged unless ``merge_adapter`` is false) into the engine, in process."""
-        self.vllm.weights_source = lambda: full_weights(model, merge_adapter=merge_adapter)
+        self.vllm.weights_source = lambda: full_weights(model, merge_adapter=merge_adapter,
+                                                        merge_precision=self.merge_precision)
         with phase("sync_collect", device_work=True):
             tensors = self.vllm.weights_source()
         report = self.vllm.load_weights(tensors)
@@ -234,5 +238,5 @@ def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
         tensor_parallel_size=v.tensor_parallel_size, gpu_memory_utilization=v.gpu_memory_utilization,
         enable_lora=v.enable_lora, max_lora_rank=lora_rank, enable_prefix_caching=v.enable_prefix_caching,
         sleep_level=v.sleep_level, seed=rm.decoding.seed or 0, dtype=dtype, allow_dtype_cast=v.sync.allow_dtype_cast,
-        engine_kwargs={"enforce_eager": True} if v.enforce_eager else None,
+        engine_kwargs={"enforce_eager": True} if v.enforce_eager else None, merge_precision=v.sync.merge_precision,
     )

@@ -53,8 +53,11 @@ def _ties_embeddings(model: torch.nn.Module) -> bool:
     return bool(getattr(cfg, "tie_word_embeddings", False) or getattr(text_cfg, "tie_word_embeddings", False))
 
 
-#: fp32 elements per batched merge (256 MiB of scratch): LoRA layers of one shape are merged together in chunks
+#: fp32 elements per batched float32 merge (256 MiB of scratch): LoRA products of one shape are computed together in
+#: chunks
 MERGE_CHUNK_ELEMENTS = 64 * 2**20
+#: ``sync.merge_precision``: how a plain LoRA product is merged into a 16-bit weight (``_merged_batches``)
+MERGE_PRECISIONS = ("weight_dtype", "float32")
 
 
 @dataclass(frozen=True)
@@ -210,10 +213,22 @@ def _merged(weight: torch.Tensor, terms: list[Any]) -> torch.Tensor:
     return value.to(weight.dtype)
 
 
-def _merged_batches(weights: dict[str, torch.Tensor], deltas: dict[str, list[Any]]) -> dict[str, torch.Tensor]:
-    """``_merged`` for every key of ``deltas``, with the single-term plain LoRA layers of one shape, dtype, device
-    and scaling merged together (one stacked ``baddbmm_`` per chunk of ``MERGE_CHUNK_ELEMENTS``): the same
-    arithmetic (wide dtype, one rounding) in a handful of kernels instead of several per layer."""
+def _merged_batches(weights: dict[str, torch.Tensor], deltas: dict[str, list[Any]],
+                    precision: str = "weight_dtype") -> dict[str, torch.Tensor]:
+    """``weights[key]`` plus its LoRA terms for every key of ``deltas``. Single-term plain LoRA layers of one shape,
+    dtype, device and scaling are merged as a group:
+
+    - ``precision="float32"`` (peft's arithmetic): the products ``B @ A`` in the wider dtype, one stacked ``bmm`` per
+      chunk of ``MERGE_CHUNK_ELEMENTS``, each added to its weight in that dtype and rounded once into the weight's
+      dtype (the weights themselves are never copied into the wide dtype);
+    - ``precision="weight_dtype"``: the factors rounded to the weight's dtype (as the training forward's matmuls
+      use them under bf16 autocast), then one ``addmm`` per layer whose accumulator starts from the weight: the
+      product and the sum accumulate in float32 inside the GEMM and are rounded once, reading and writing each
+      weight once. It differs from the float32 merge by at most one rounding step in a few percent of elements.
+
+    Layers with several terms or a non-matrix delta always use ``_merged`` (wide dtype, one rounding)."""
+    if precision not in MERGE_PRECISIONS:
+        raise ValueError(f"merge precision {precision!r}: use one of {MERGE_PRECISIONS}")
     out: dict[str, torch.Tensor] = {}
     groups: dict[tuple[Any, ...], list[str]] = {}
     for key, terms in deltas.items():
@@ -225,17 +240,19 @@ def _merged_batches(weights: dict[str, torch.Tensor], deltas: dict[str, list[Any
             out[key] = _merged(w, terms)
     for (shape, dtype, _, _, _, factor_dtype, scaling), keys in groups.items():
         wide = torch.promote_types(dtype, factor_dtype)
+        if precision == "weight_dtype" or wide == dtype:
+            b = torch.stack([deltas[k][0][0] for k in keys]).to(dtype)
+            a = torch.stack([deltas[k][0][1] for k in keys]).to(dtype)
+            for i, key in enumerate(keys):
+                out[key] = torch.addmm(weights[key], b[i], a[i], alpha=scaling)
+            continue
         per_chunk = max(1, MERGE_CHUNK_ELEMENTS // max(1, shape.numel()))
         for i in range(0, len(keys), per_chunk):
             chunk = keys[i:i + per_chunk]
-            if len(chunk) == 1:
-                out[chunk[0]] = _merged(weights[chunk[0]], deltas[chunk[0]])
-                continue
-            acc = torch.stack([weights[k] for k in chunk]).to(wide)
             b = torch.stack([deltas[k][0][0] for k in chunk]).to(wide)
             a = torch.stack([deltas[k][0][1] for k in chunk]).to(wide)
-            merged = acc.baddbmm_(b, a, alpha=scaling).to(dtype)
-            out.update(zip(chunk, merged.unbind(0)))
+            for key, product in zip(chunk, torch.bmm(b, a).unbind(0)):
+                out[key] = torch.add(weights[key], product, alpha=scaling, out=torch.empty_like(weights[key]))
     return out
 
 
@@ -243,10 +260,11 @@ class _DoraNeedsMerge(Exception):
     """DoRA cannot be merged as an additive delta; peft's merge/unmerge is used instead."""
 
 
-def _collect(plan: _Plan, deltas: dict[str, list[Any]], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _collect(plan: _Plan, deltas: dict[str, list[Any]], dtype: torch.dtype | None,
+             precision: str = "weight_dtype") -> dict[str, torch.Tensor]:
     out = {slot.key: slot.tensor().detach() for slot in plan.slots}
     if deltas:
-        out.update(_merged_batches(out, deltas))
+        out.update(_merged_batches(out, deltas, precision))
     for key, value in out.items():
         if dtype is not None and value.is_floating_point() and value.dtype != dtype:
             value = value.to(dtype)
@@ -255,13 +273,15 @@ def _collect(plan: _Plan, deltas: dict[str, list[Any]], dtype: torch.dtype | Non
 
 
 @torch.no_grad()
-def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, merge_adapter: bool = True) -> dict[str, torch.Tensor]:
+def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, merge_adapter: bool = True,
+                 merge_precision: str = "weight_dtype") -> dict[str, torch.Tensor]:
     """Base weights in HF checkpoint naming (see module docstring), LoRA merged unless ``merge_adapter`` is
-    false (then the frozen base alone); the model is left unchanged."""
+    false (then the frozen base alone); the model is left unchanged. ``merge_precision``: see ``_merged_batches``
+    (DoRA always merges through peft, in its arithmetic)."""
     plan = _plan(model)
     if is_peft_model(model) and merge_adapter:
         try:
-            out = _collect(plan, _lora_deltas(plan), dtype)
+            out = _collect(plan, _lora_deltas(plan), dtype, merge_precision)
         except _DoraNeedsMerge:
             model.merge_adapter()
             try:
