@@ -2,7 +2,8 @@
 
 What ``full_weights`` spends merging an all-linear LoRA (r=64, float32 factors as peft keeps them) into the 16-bit
 decoder of a Qwen3-VL language model at a published size (``RM_BENCH_MERGE_SIZE=2b|4b|8b``, default 8b; the
-vision tower and embeddings carry no adapter and are passed through, so they are left out), built on the device:
+vision tower and embeddings carry no adapter and are passed through, so they are left out), built on the device
+(``RM_BENCH_MERGE_LAYERS``: that size's widths with fewer layers, for a CPU; ``RM_BENCH_MERGE_REPEATS``, default 7):
 
 * ``weight_dtype``: factors rounded to bf16, one ``addmm`` per layer onto the weight (the default);
 * ``float32``: the products in float32, added and rounded once (peft's arithmetic);
@@ -10,7 +11,7 @@ vision tower and embeddings carry no adapter and are passed through, so they are
 
 The three run alternately in one process (``repeats`` rounds, median per variant, the device synchronized around
 each call), and the two merges are compared element by element: the fraction of weights that differ and the largest
-difference in units of the weight's rounding step. ``--quick``: two decoder layers of a tiny shape on the CPU
+difference in rounding steps. ``--quick``: two decoder layers of a tiny shape on the CPU
 (tests). Writes ``lora_merge.json`` / ``lora_merge.png`` (``_quick`` suffixed under ``--quick``).
 """
 
@@ -99,7 +100,9 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
         size = os.environ.get("RM_BENCH_MERGE_SIZE", "8b")
         if size not in QWEN3_VL_TEXT:
             raise SystemExit(f"RM_BENCH_MERGE_SIZE={size!r}: one of {sorted(QWEN3_VL_TEXT)}")
-        shape, repeats = QWEN3_VL_TEXT[size], int(os.environ.get("RM_BENCH_MERGE_REPEATS", str(REPEATS)))
+        shape, repeats = dict(QWEN3_VL_TEXT[size]), int(os.environ.get("RM_BENCH_MERGE_REPEATS", str(REPEATS)))
+        if os.environ.get("RM_BENCH_MERGE_LAYERS"):  # the size's widths, fewer layers (a CPU run)
+            shape["num_hidden_layers"] = int(os.environ["RM_BENCH_MERGE_LAYERS"])
     t0 = time.perf_counter()
     model = lora_decoder(shape, device, RANK)
     build_s = time.perf_counter() - t0
@@ -125,14 +128,15 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     med = {v: statistics.median(s) for v, s in seconds.items()}
     rec: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
-        "size": size, "shape": shape, "lora_rank": RANK, "adapted_layers": len(adapted),
+        "size": size, "layers": shape["num_hidden_layers"], "shape": shape, "lora_rank": RANK,
+        "adapted_layers": len(adapted),
         "adapted_gb": adapted_bytes / 1e9, "build_s": build_s, "repeats": repeats, "quick": quick,
         "seconds": seconds, "median_ms": {v: s * 1e3 for v, s in med.items()},
         "float32_over_weight_dtype": med["float32"] / med["weight_dtype"],
         "weight_dtype_over_floor": med["weight_dtype"] / med["floor"],
         "agreement": compare(merged["weight_dtype"], merged["float32"], adapted),
     }
-    print(f"bench lora-merge ({rec['device']}, {size}, {len(adapted)} layers, {rec['adapted_gb']:.1f} GB adapted): "
+    print(f"bench lora-merge ({rec['device']}, {size} x {rec['layers']} layers, {len(adapted)} adapted, {rec['adapted_gb']:.1f} GB adapted): "
           + ", ".join(f"{v} {ms:.1f} ms" for v, ms in rec["median_ms"].items())
           + f"; float32/weight_dtype {rec['float32_over_weight_dtype']:.2f}x; differing "
           f"{rec['agreement']['fraction_differing']:.4f}", flush=True)
