@@ -159,8 +159,8 @@ def plot(rec: dict[str, Any], path: Path) -> None:
     for i, n in enumerate(names):
         ax.text(i, rec["median_ms"][n], f"{rec['median_ms'][n]:.1f}", ha="center", va="bottom", fontsize=9)
     ax.set_ylabel("ms per merge (median)")
-    ax.set_title(f"LoRA r={rec['lora_rank']} merge of a Qwen3-VL {rec['size']} decoder ({rec['adapted_gb']:.1f} GB "
-                 f"adapted)\n{rec['device']}, torch {rec['torch']}", fontsize=10)
+    ax.set_title(f"LoRA r={rec['lora_rank']} merge of a Qwen3-VL {rec['size']} decoder, {rec['layers']} layers "
+                 f"({rec['adapted_gb']:.1f} GB adapted)\n{rec['device']}, torch {rec['torch']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
