@@ -120,3 +120,23 @@ def test_compiled_decoder_layers_train_with_packing_and_eager_rollouts(tmp_path,
             forced = model(input_ids=ids).logits
         compiled = model(input_ids=ids).logits
     assert torch.allclose(compiled, eager, rtol=1e-4, atol=1e-4) and torch.equal(forced, eager)
+
+
+@pytest.mark.slow
+def test_logit_chunk_rows_reaches_the_stage2_loss(tmp_path, monkeypatch):
+    import trainer.sft.forward as forward_module
+    from trainer.losses.chunked_objective import chunked_objective
+
+    chunks: list[int] = []
+
+    def spy(*args, **kwargs):
+        chunks.append(args[5])
+        return chunked_objective(*args, **kwargs)
+
+    monkeypatch.setattr(forward_module, "chunked_objective", spy)
+    data = config(tmp_path, "text", max_steps=2)
+    data["custom"]["extra"]["rollout_matching"]["loss"] = {"logit_chunk_rows": 3}
+    summary = run_training(validate_config(data))
+    rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
+    assert len(rows) == 2 and all(r["grad_norm"] > 0 for r in rows)
+    assert len(chunks) >= 2 and set(chunks) == {3}, chunks

@@ -32,7 +32,8 @@ def test_quick_bench_reports_every_cpu_variant():
     result = run_bench(TINY, micro_batch=2, segments=4, wide=4, min_len=16, max_len=48, repeats=1, compile_layers=True)
     names = [r["variant"] for r in result["results"]]
     assert names[0] == "padded/full ×2"
-    assert {"padded/supervised ×2", "packed-mask/supervised ×2", "padded/full ×4", "packed-mask/supervised ×4"} <= set(names)
+    assert {"padded/supervised ×2", "packed-mask/supervised ×2", "padded/full ×4", "packed-mask/supervised ×4",
+            "packed-mask/supervised+chunked ×4"} <= set(names)
     assert {"padded/full ×2 compiled", "packed-mask/supervised ×4 compiled"} <= set(names)
     assert all(r["real_tokens_per_s"] > 0 for r in result["results"])
     assert result["padded_tokens_per_pass"]["4"] >= result["real_tokens_per_pass"]

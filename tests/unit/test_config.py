@@ -112,11 +112,23 @@ def test_missing_base_file_named(tmp_path):
         ({"tuner": {"train_type": "lora"}, "custom": {"extra": {"rollout_matching": {
             "rollout_backend": "vllm", "vllm": {"max_model_len": 4096, "sync": {"mode": "adapter"}}}}}},
          "custom.extra.rollout_matching.vllm.enable_lora", "must be true with sync.mode: adapter"),
+        ({"custom": {"extra": {"rollout_matching": {"loss": {"supervised_logits_only": False,
+                                                             "logit_chunk_rows": 512}}}}},
+         "custom.extra.rollout_matching.loss.logit_chunk_rows", "only applies with loss.supervised_logits_only"),
+        ({"custom": {"extra": {"rollout_matching": {"loss": {"logit_chunk_rows": 0}}}}},
+         "custom.extra.rollout_matching.loss.logit_chunk_rows", "greater than"),
     ],
 )
 def test_rejected_configs_name_their_key(patch, key, fragment):
     errs = errors_for(merged(**patch))
     assert any(k == key and fragment in msg for k, msg in errs), errs
+
+
+def test_logit_chunks_are_on_by_default_and_off_with_full_logits_unless_asked_for():
+    rm = validate_config(merged()).custom.extra.rollout_matching
+    assert rm.loss.supervised_logits_only and rm.loss.logit_chunk_rows == 1024
+    full = validate_config(merged(custom={"extra": {"rollout_matching": {"loss": {"supervised_logits_only": False}}}}))
+    assert full.custom.extra.rollout_matching.loss.logit_chunk_rows == 1024  # inert: run.py passes None then
 
 
 def test_lora_with_full_sync_needs_no_lora_kernels_in_vllm():

@@ -39,6 +39,15 @@ def test_training_phases_name_the_forward_s_knobs_with_their_values():
     assert "zero2_offload" not in "\n".join(advice("forward", replace(loose, deepspeed="zero2_offload")))
 
 
+def test_training_phases_point_at_logit_chunks_when_the_loss_holds_every_row():
+    assert not any("logit_chunk_rows" in x for x in advice("forward", EIGHT_B_LORA)), "the default chunks already"
+    for chunk in (None, 8192):
+        lines = advice("forward", replace(EIGHT_B_LORA, logit_chunk_rows=chunk))
+        assert any(x.startswith(f"{RM}.loss.logit_chunk_rows: 1024 (now {chunk})") for x in lines), lines
+    full = advice("forward", replace(EIGHT_B_LORA, logit_chunk_rows=None, supervised_logits_only=False))
+    assert not any("logit_chunk_rows" in x for x in full), "supervised_logits_only comes first"
+
+
 def test_sync_phases_point_a_merged_lora_sync_at_the_adapter_sync():
     lines = advice("sync_collect", EIGHT_B_LORA)
     assert f"{RM}.vllm.sync.mode: adapter with {RM}.vllm.enable_lora: true (now sync.mode full)" in lines[0]

@@ -10,7 +10,10 @@ labels. Every variant runs the trainer's own ``forward_loss`` on the same micro-
 * ``packed-varlen/full`` and ``packed-varlen/supervised``: all segments of a micro-batch in one row, PyTorch varlen
   attention (``rm_varlen``), restarting position ids;
 * ``packed-varlen/supervised+coord-only``: ``coord_gate_weight: 0``, coord rows over the 1000 coord columns only;
-* ``packed-mask/supervised``: the dense block-diagonal mask fallback (sdpa).
+* ``packed-mask/supervised``: the dense block-diagonal mask fallback (sdpa);
+* ``…/supervised+chunked``: supervised rows projected and reduced ``LOGIT_CHUNK_ROWS`` at a time
+  (``loss.logit_chunk_rows``, the default since session 11; the plain ``supervised`` variants hold every row's
+  logits), on the widest packed layout: the peak-memory difference is the point.
 
 Real tokens/s, ratios against ``padded/full`` and MFU (model FLOPs of a full causal-LM forward+backward over the
 real tokens, recompute not counted, over ``peak_tflops``) go to ``docs/benchmarks/packing.json`` + ``packing.png``.
@@ -37,6 +40,7 @@ from trainer.sft.forward import forward_loss
 __all__ = ["QWEN3_0_6B", "TINY", "model_flops", "plot", "run_bench", "stage2_segment"]
 
 OBJECT_TOKENS, COORDS_PER_OBJECT = 13, 4
+LOGIT_CHUNK_ROWS = 1024
 
 
 def stage2_segment(rng: random.Random, sample_id: str, length: int, vocab: int, coord_ids: list[int],
@@ -129,9 +133,10 @@ def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int =
                 ("packed-varlen", micro_batch, "supervised+coord-only", no_gate),
                 ("packed-mask", micro_batch, "supervised", default_w),
                 ("padded", wide, "full", default_w), ("padded", wide, "supervised", default_w),
-                ("packed-varlen", wide, "supervised", default_w)]
+                ("packed-varlen", wide, "supervised", default_w),
+                ("packed-varlen", wide, "supervised+chunked", default_w)]
     if not impl:
-        variants.append(("packed-mask", wide, "supervised", default_w))
+        variants += [("packed-mask", wide, "supervised", default_w), ("packed-mask", wide, "supervised+chunked", default_w)]
     variants = [(*v, False) for v in variants]
     if compile_layers:
         packed = "packed-varlen" if impl else "packed-mask"
@@ -149,7 +154,8 @@ def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int =
         def step(rows=layouts[(layout, k)], logits=logits, w=w, ctx=ctx):
             for batch in rows:
                 with ctx():
-                    loss, _, _ = forward_loss(model, batch, coord_ids, w, supervised_logits=logits != "full")
+                    loss, _, _ = forward_loss(model, batch, coord_ids, w, supervised_logits=logits != "full",
+                                              logit_chunk_rows=LOGIT_CHUNK_ROWS if "chunked" in logits else None)
                     loss.backward()
             model.zero_grad(set_to_none=True)
 

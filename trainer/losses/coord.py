@@ -31,18 +31,14 @@ def soft_targets(target_bins: torch.Tensor, sigma: float, num_bins: int = NUM_BI
     return torch.softmax(logits, dim=-1)
 
 
-def coord_loss(logits: torch.Tensor, coord_ids: torch.Tensor, target_bins: torch.Tensor, sigma: float,
-               w_softce: float = 1.0, w_w1: float = 1.0, w_gate: float = 1.0,
-               coord_only: bool = False) -> CoordLossTerms:
-    """``logits``: N×V rows that predict the supervised coord tokens (N×K coord columns in ``coord_ids`` order
-    when ``coord_only``; the gate needs the full vocabulary, so then ``w_gate`` must be 0); mean over N."""
-    if coord_only and w_gate:
+def coord_row_terms(logits: torch.Tensor, coord_ids: torch.Tensor, target_bins: torch.Tensor, sigma: float,
+                    coord_only: bool = False, need_gate: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row ``(softce, w1, gate)`` (float32, ``[N]`` each) of the rows ``logits`` (see ``coord_loss``); the gate
+    is zeros for coord-only rows."""
+    if coord_only and need_gate:
         raise ValueError("coord-only logits cannot compute the coord gate; set coord_gate_weight: 0 or use "
                          "full-vocabulary coord rows")
-    n = logits.shape[0]
-    if n == 0:
-        zero = logits.sum() * 0.0
-        return CoordLossTerms(zero, zero, zero, zero, 0)
     logits = logits.float()
     coord_logits = logits if coord_only else logits.index_select(-1, coord_ids)
     log_p = F.log_softmax(coord_logits, dim=-1)
@@ -55,5 +51,21 @@ def coord_loss(logits: torch.Tensor, coord_ids: torch.Tensor, target_bins: torch
     else:
         inside = torch.logsumexp(coord_logits, -1) - torch.logsumexp(logits, -1)
         gate = 1.0 - inside.exp()
+    return softce, w1, gate
+
+
+def coord_loss(logits: torch.Tensor, coord_ids: torch.Tensor, target_bins: torch.Tensor, sigma: float,
+               w_softce: float = 1.0, w_w1: float = 1.0, w_gate: float = 1.0,
+               coord_only: bool = False) -> CoordLossTerms:
+    """``logits``: N×V rows that predict the supervised coord tokens (N×K coord columns in ``coord_ids`` order
+    when ``coord_only``; the gate needs the full vocabulary, so then ``w_gate`` must be 0); mean over N."""
+    if coord_only and w_gate:
+        raise ValueError("coord-only logits cannot compute the coord gate; set coord_gate_weight: 0 or use "
+                         "full-vocabulary coord rows")
+    n = logits.shape[0]
+    if n == 0:
+        zero = logits.sum() * 0.0
+        return CoordLossTerms(zero, zero, zero, zero, 0)
+    softce, w1, gate = coord_row_terms(logits, coord_ids, target_bins, sigma, coord_only, need_gate=bool(w_gate))
     total = w_softce * softce + w_w1 * w1 + w_gate * gate
     return CoordLossTerms(softce.mean(), w1.mean(), gate.mean(), total.mean(), n)

@@ -80,18 +80,27 @@ def _plain_linear(head: torch.nn.Module) -> bool:
     return type(head) is torch.nn.Linear and weight is not None and not hasattr(weight, "ds_id")
 
 
-def supervised_rows(hidden: torch.Tensor, head: torch.nn.Module, batch: dict[str, torch.Tensor],
-                    coord_ids: torch.Tensor, coord_only: bool = False) -> SupervisedRows:
-    """Project the final hidden states ``[B, T, H]`` through ``head`` only at supervised positions."""
-    ce_hidden = _predicting(hidden, batch["ce_index"].to(hidden.device))
-    coord_hidden = _predicting(hidden, batch["coord_index"].to(hidden.device))
-    ce = head(ce_hidden)
-    if not coord_only:
-        return SupervisedRows(ce, head(coord_hidden))
+def project_coord_columns(hidden: torch.Tensor, head: torch.nn.Module, coord_ids: torch.Tensor) -> torch.Tensor:
+    """``head(hidden)`` at the ``coord_ids`` columns only (``[N, K]``): the K weight rows alone when the head is a
+    plain linear layer, else the full projection then the columns."""
     ids = coord_ids.to(hidden.device)
     if _plain_linear(head):
         bias = None if head.bias is None else head.bias.index_select(0, ids)
-        coord = F.linear(coord_hidden, head.weight.index_select(0, ids), bias)
-    else:
-        coord = head(coord_hidden).index_select(-1, ids)
-    return SupervisedRows(ce, coord, coord_only=True)
+        return F.linear(hidden, head.weight.index_select(0, ids), bias)
+    return head(hidden).index_select(-1, ids)
+
+
+def supervised_hidden(hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final hidden states ``[N_ce, H]`` and ``[N_coord, H]`` that predict the CE labels and the coord slots."""
+    return (_predicting(hidden, batch["ce_index"].to(hidden.device)),
+            _predicting(hidden, batch["coord_index"].to(hidden.device)))
+
+
+def supervised_rows(hidden: torch.Tensor, head: torch.nn.Module, batch: dict[str, torch.Tensor],
+                    coord_ids: torch.Tensor, coord_only: bool = False) -> SupervisedRows:
+    """Project the final hidden states ``[B, T, H]`` through ``head`` only at supervised positions."""
+    ce_hidden, coord_hidden = supervised_hidden(hidden, batch)
+    ce = head(ce_hidden)
+    if not coord_only:
+        return SupervisedRows(ce, head(coord_hidden))
+    return SupervisedRows(ce, project_coord_columns(coord_hidden, head, coord_ids), coord_only=True)

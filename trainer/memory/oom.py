@@ -36,6 +36,7 @@ class MemorySettings:
     batch_key: str = "training.per_device_train_batch_size"
     gradient_checkpointing: bool = False
     supervised_logits_only: bool = True
+    logit_chunk_rows: int | None = 1024
     rollout_backend: str = "vllm"
     vllm_mode: str = "colocate"
     gpu_memory_utilization: float = 0.45
@@ -69,7 +70,8 @@ def memory_settings(cfg, stage1: bool = False) -> MemorySettings:
     return MemorySettings(
         tuner=cfg.tuner.train_type, deepspeed=t.deepspeed, packing=t.packing, packing_length=t.packing_length,
         batch_size=t.per_device_train_batch_size, gradient_checkpointing=t.gradient_checkpointing,
-        supervised_logits_only=rm.loss.supervised_logits_only, rollout_backend=rm.rollout_backend, vllm_mode=v.mode,
+        supervised_logits_only=rm.loss.supervised_logits_only, logit_chunk_rows=rm.loss.logit_chunk_rows,
+        rollout_backend=rm.rollout_backend, vllm_mode=v.mode,
         gpu_memory_utilization=v.gpu_memory_utilization, sleep_level=v.sleep_level, enable_lora=v.enable_lora,
         sync_mode=v.sync.mode, sync_transport=v.sync.transport, bucket_mb=v.sync.bucket_mb,
         offload=rm.offload.enabled, rollout_generate_batch_size=rm.rollout_generate_batch_size,
@@ -90,6 +92,9 @@ def _train_advice(s: MemorySettings) -> list[str]:
     if not s.supervised_logits_only:
         out.append(f"{RM}.loss.supervised_logits_only: true (now false): logits only where a label or coord slot "
                    "is supervised, not over the whole vocabulary at every position")
+    elif s.logit_chunk_rows is None or s.logit_chunk_rows > 1024:
+        out.append(f"{RM}.loss.logit_chunk_rows: 1024 (now {s.logit_chunk_rows}): the loss holds that many rows of "
+                   "full-vocabulary logits at a time instead of every supervised row's")
     if s.colocate and s.sleep_level == 0:
         out.append(f"{RM}.vllm.sleep_level: 2 (now 0): the colocated engine keeps gpu_memory_utilization="
                    f"{s.gpu_memory_utilization:g} of the GPU through the forward and backward; asleep it gives it back")

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from trainer.losses.chunked_objective import chunked_objective
 from trainer.losses.objective import LossWeights, objective_from_rows
 from trainer.losses.supervised_logits import capture_lm_head_input, output_embedding, rows_from_logits, supervised_rows
 
@@ -14,18 +15,23 @@ LOSS_KEYS = ("ce_index", "ce_labels", "ce_segment", "coord_index", "coord_target
 
 
 def forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torch.Tensor, weights: LossWeights,
-                 supervised_logits: bool = True, unwrapped: torch.nn.Module | None = None
-                 ) -> tuple[torch.Tensor, dict[str, float], Any]:
+                 supervised_logits: bool = True, unwrapped: torch.nn.Module | None = None,
+                 logit_chunk_rows: int | None = None) -> tuple[torch.Tensor, dict[str, float], Any]:
     """Loss, detached terms and the model outputs for a padded or packed batch.
 
     ``model`` may be a wrapper (DDP, DeepSpeed); ``unwrapped`` is the module that owns the LM head (default:
-    ``model``). With ``supervised_logits`` the returned outputs carry zero-length logits.
+    ``model``). With ``supervised_logits`` the returned outputs carry zero-length logits, and ``logit_chunk_rows``
+    projects and reduces the supervised rows that many at a time (``trainer.losses.chunked_objective``).
     """
     model_inputs = {k: v for k, v in inputs.items() if k not in LOSS_KEYS}
     if supervised_logits:
         owner = model if unwrapped is None else unwrapped
         with capture_lm_head_input(owner) as captured:
             outputs = model(**model_inputs, use_cache=False)
+        if logit_chunk_rows:
+            loss, terms = chunked_objective(captured.hidden, output_embedding(owner), inputs, coord_ids, weights,
+                                            logit_chunk_rows, coord_only=weights.coord_gate == 0)
+            return loss, terms, outputs
         rows = supervised_rows(captured.hidden, output_embedding(owner), inputs, coord_ids,
                                coord_only=weights.coord_gate == 0)
     else:

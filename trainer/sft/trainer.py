@@ -95,6 +95,7 @@ class RolloutMatchingTrainer(Trainer):
                  image_token_id: int | None = None, packing: PackingBuffer | None = None,
                  rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None,
                  offload: tuple[bool, bool] | None = None, weight_sync: Any = None, supervised_logits: bool = True,
+                 logit_chunk_rows: int | None = None,
                  eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None,
                  profile_steps: Sequence[int] = (), profile_trace: bool = False,
                  memory_settings: MemorySettings | None = None, **kwargs: Any):
@@ -117,12 +118,13 @@ class RolloutMatchingTrainer(Trainer):
         self.offload = offload
         self.weight_sync = weight_sync
         self.supervised_logits = supervised_logits
+        self.logit_chunk_rows = logit_chunk_rows  # ``loss.logit_chunk_rows`` (``trainer.losses.chunked_objective``)
         self.eager_rollouts = eager_rollouts
         self._layout_stack: contextlib.ExitStack | None = None
-        #: ``training.profile_steps``: optimizer steps whose weight sync and first forward + backward run under
-        #: torch.profiler
         #: what an out-of-memory error in a step advises (``trainer.memory.oom``)
         self.memory_settings = memory_settings if memory_settings is not None else MemorySettings()
+        #: ``training.profile_steps``: optimizer steps whose weight sync and first forward + backward run under
+        #: torch.profiler
         self.profile_steps = set(profile_steps)
         self.profile_trace = profile_trace
         self._sync_profiled: set[int] = set()
@@ -342,7 +344,7 @@ class RolloutMatchingTrainer(Trainer):
                 layout = contextlib.nullcontext()
         with self.timers.phase("forward"), layout:
             loss, terms, outputs = forward_loss(model, inputs, self.coord_ids, self.loss_weights,
-                                                self.supervised_logits, unwrapped)
+                                                self.supervised_logits, unwrapped, self.logit_chunk_rows)
         self._loss_terms.append(terms)
         self._record_ledger(inputs.get("sample_ids"), inputs.get("rollout_steps"), inputs.get("decode_steps"))
         return (loss, outputs) if return_outputs else loss

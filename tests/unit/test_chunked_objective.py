@@ -1,0 +1,124 @@
+"""``loss.logit_chunk_rows``: the stage-2 objective from the LM head's input, a chunk of rows at a time, equals the
+all-rows objective (loss, terms, every gradient) on tiny text and VL models, padded and packed, and keeps no
+full-vocabulary logits for the backward."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from trainer.data.records import load_jsonl
+from trainer.data.synthetic import generate
+from trainer.losses.chunked_objective import chunked_objective
+from trainer.losses.objective import LossWeights, objective_from_rows
+from trainer.losses.supervised_logits import supervised_rows
+from trainer.modeling.fixtures import build_tiny_image_processor, build_tiny_model
+from trainer.modeling.prompts import PromptEncoder
+from trainer.packing.batching import pad_targets
+from trainer.packing.packed_batch import pack_targets
+from trainer.sft.forward import forward_loss
+from trainer.sft.stage2 import Stage2Pipeline
+
+
+def _setup(kind: str):
+    samples = load_jsonl(generate(tempfile.mkdtemp(), 3, seed=5, max_objects=3))
+    model, tok = build_tiny_model(kind, seed=3)
+    model.config._attn_implementation = "sdpa"
+    model.get_decoder().config._attn_implementation = "sdpa"
+    pipe = Stage2Pipeline(PromptEncoder(tok, build_tiny_image_processor() if kind == "vl" else None))
+    targets = pipe.ground_truth_targets(samples)
+    coord_ids = torch.tensor(sorted(pipe.coord_bin_by_id, key=pipe.coord_bin_by_id.get))
+    return model, tok, targets, coord_ids
+
+
+def _run(model, batch, coord_ids, w, chunk):
+    model.zero_grad(set_to_none=True)
+    loss, terms, _ = forward_loss(model, batch, coord_ids, w, supervised_logits=True, logit_chunk_rows=chunk)
+    loss.backward()
+    return float(loss.detach()), terms, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind, layout", [("text", "padded"), ("text", "packed"), ("vl", "packed")])
+@pytest.mark.parametrize("gate", [1.0, 0.0])
+def test_chunked_objective_equals_all_rows(kind, layout, gate):
+    model, tok, targets, coord_ids = _setup(kind)
+    image_token_id = getattr(model.config, "image_token_id", None)
+    batch = (pad_targets(targets, tok.pad_token_id, image_token_id) if layout == "padded"
+             else pack_targets(targets, "sdpa", model, image_token_id))
+    w = LossWeights(coord_gate=gate)
+    want_loss, want_terms, want_grads = _run(model, batch, coord_ids, w, None)
+    assert want_terms["tokens/ce"] > 7 and want_terms["tokens/coord"] > 7
+    for chunk in (1, 7, 10_000):
+        loss, terms, grads = _run(model, batch, coord_ids, w, chunk)
+        assert loss == pytest.approx(want_loss, rel=1e-5), chunk
+        assert terms.keys() == want_terms.keys(), chunk
+        for key, value in want_terms.items():
+            assert terms[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (chunk, key)
+        assert grads.keys() == want_grads.keys()
+        for name, g in want_grads.items():
+            assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-6), (chunk, name)
+
+
+def _rows_batch(n_ce: int, n_coord: int, hidden: int = 16, vocab: int = 4000, k: int = 50, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    t = n_ce + n_coord + 1
+    hidden_states = torch.randn(1, t, hidden, generator=g, requires_grad=True)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    torch.nn.init.normal_(head.weight, std=0.5, generator=g)
+    positions = torch.randperm(t - 1, generator=g)[:n_ce + n_coord] + 1
+    batch = {"ce_index": torch.stack([torch.zeros(n_ce, dtype=torch.long), positions[:n_ce]], 1),
+             "ce_labels": torch.randint(0, vocab, (n_ce,), generator=g),
+             "coord_index": torch.stack([torch.zeros(n_coord, dtype=torch.long), positions[n_ce:]], 1),
+             "coord_targets": torch.rand(n_coord, generator=g) * (k - 1)}
+    coord_ids = torch.arange(vocab - k, vocab)
+    return hidden_states, head, batch, coord_ids
+
+
+@pytest.mark.parametrize("n_ce, n_coord", [(0, 9), (9, 0), (0, 0)])
+def test_batches_without_ce_rows_or_coord_slots_keep_the_head_in_the_graph(n_ce, n_coord):
+    hidden, head, batch, coord_ids = _rows_batch(n_ce, n_coord)
+    w = LossWeights()
+    want, want_terms = objective_from_rows(supervised_rows(hidden, head, batch, coord_ids), batch, coord_ids, w)
+    got, terms = chunked_objective(hidden, head, batch, coord_ids, w, chunk_rows=4)
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-6, abs=1e-9)
+    assert terms == pytest.approx(want_terms, rel=1e-6, abs=1e-9)
+    got.backward()
+    assert head.weight.grad is not None, "the LM head left the graph"
+
+
+def test_no_full_vocabulary_logits_are_kept_for_the_backward():
+    """What autograd keeps between forward and backward, outside the checkpointed chunks: the all-rows objective
+    keeps at least one float32 [rows, vocab] tensor (the log-softmax); the chunked one keeps the hidden rows."""
+    hidden, head, batch, coord_ids = _rows_batch(300, 100, hidden=16, vocab=8000)
+    w = LossWeights()
+    saved: dict[str, int] = {}
+
+    def measure(key: str, fn) -> None:
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        saved[key] = total[0]
+
+    measure("all rows", lambda: objective_from_rows(supervised_rows(hidden, head, batch, coord_ids), batch,
+                                                    coord_ids, w))
+    measure("chunked", lambda: chunked_objective(hidden, head, batch, coord_ids, w, chunk_rows=32))
+    logits_bytes = 400 * 8000 * 4
+    assert saved["all rows"] >= logits_bytes, saved
+    assert saved["chunked"] < 400 * 16 * 4 * 8, saved  # a few copies of the [rows, hidden] inputs at most
+    print(saved)
+    assert saved["chunked"] * 20 < saved["all rows"], saved
+
+
+def test_chunk_rows_must_be_positive_and_coord_only_refuses_the_gate():
+    hidden, head, batch, coord_ids = _rows_batch(4, 4)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        chunked_objective(hidden, head, batch, coord_ids, LossWeights(), chunk_rows=0)
+    with pytest.raises(ValueError, match="coord_gate_weight"):
+        chunked_objective(hidden, head, batch, coord_ids, LossWeights(coord_gate=1.0), chunk_rows=2, coord_only=True)
