@@ -63,6 +63,31 @@ def test_utilisations_multiply_the_selected_runs_and_bad_values_are_refused():
             scale.with_utilisations(runs, bad)
 
 
+def test_logit_chunk_and_merge_knobs_name_the_run_and_reach_its_config(tmp_path):
+    import dataclasses
+
+    import pytest
+
+    from trainer.config.schema import validate_config
+
+    run = scale.selected("8b-lora64-sleep2-util0.35")[0]
+    assert scale.logit_and_merge_knobs(None, None) == {}
+    for chunk, merge, suffix, rows in (("none", "float32", "-allrows-mergef32", None), ("256", None, "-chunk256", 256),
+                                       ("1024", "weight_dtype", "", 1024)):
+        varied = dataclasses.replace(run, **scale.logit_and_merge_knobs(chunk, merge))
+        assert varied.name == run.name + suffix
+        cfg = validate_config(scale.stage2_config(varied, tmp_path / "model", tmp_path / "out", "vllm"))
+        rm = cfg.custom.extra.rollout_matching
+        assert rm.loss.logit_chunk_rows == rows and rm.vllm.sync.merge_precision == (merge or "weight_dtype")
+    adapter = dataclasses.replace(run, vllm_lora=True)
+    sync = validate_config(scale.stage2_config(adapter, tmp_path / "m", tmp_path / "o", "vllm")).custom.extra \
+        .rollout_matching.vllm.sync
+    assert sync.mode == "adapter" and sync.merge_precision == "weight_dtype"
+    for chunk, merge in (("0", None), ("half", None), (None, "fp8")):
+        with pytest.raises(SystemExit, match="RM_BENCH_SCALE_"):
+            scale.logit_and_merge_knobs(chunk, merge)
+
+
 def test_a_configuration_that_runs_out_of_memory_is_recorded_with_its_phase_and_advice(tmp_path, monkeypatch):
     import torch
 

@@ -81,13 +81,22 @@ class ScaleRun:
     #: the stage-2 step whose forward + backward runs under torch.profiler (``RM_BENCH_SCALE_PROFILE=N``; 0: none);
     #: the profiled step is left out of the per-step means
     profile_step: int = 0
+    #: ``loss.logit_chunk_rows`` (``RM_BENCH_SCALE_LOGIT_CHUNK``: a row count, or ``none`` for every supervised row
+    #: at once, name suffix ``-allrows``); the default is the config's own
+    logit_chunk_rows: int | None = 1024
+    #: ``vllm.sync.merge_precision`` (``RM_BENCH_SCALE_MERGE``; ``float32`` adds the name suffix ``-mergef32``)
+    merge_precision: str = "weight_dtype"
 
     @property
     def name(self) -> str:
         tuner = self.tuner if self.tuner == "full" else f"{self.tuner}{self.lora_rank}"
         served = "-vllmlora" if self.vllm_lora else ""
         compiled = "-compiled" if self.compile_layers else ""
-        return f"{self.size}-{tuner}{served}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}{compiled}"
+        chunks = "-allrows" if self.logit_chunk_rows is None else (
+            "" if self.logit_chunk_rows == 1024 else f"-chunk{self.logit_chunk_rows}")
+        merge = "-mergef32" if self.merge_precision == "float32" else ""
+        return (f"{self.size}-{tuner}{served}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}{compiled}"
+                f"{chunks}{merge}")
 
 
 #: the configurations of issue 30 on one 80 GB H100 (``RM_BENCH_SCALE`` picks some by name prefix, e.g. ``2b,8b-lora``)
@@ -210,13 +219,16 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
                      "gradient_checkpointing": True},
         "custom": {"extra": {"rollout_matching": rm}},
     }
+    rm["loss"] = {"logit_chunk_rows": run.logit_chunk_rows}
+    if backend == "vllm":
+        rm["vllm"]["sync"] = {"merge_precision": run.merge_precision}
     if run.compile_layers:
         cfg["training"]["compile_decoder_layers"] = True
     if run.profile_step:
         cfg["training"]["profile_steps"] = [run.profile_step]
     if run.tuner != "full" and backend == "vllm" and run.vllm_lora:
         rm["vllm"]["enable_lora"] = True
-        rm["vllm"]["sync"] = {"mode": "adapter"}
+        rm["vllm"]["sync"]["mode"] = "adapter"
     if run.tuner != "full":
         cfg["tuner"] = {"train_type": run.tuner, "lora_rank": run.lora_rank, "lora_alpha": 2 * run.lora_rank}
     return cfg
@@ -403,6 +415,24 @@ def selected(names: str | None) -> list[ScaleRun]:
     return runs
 
 
+def logit_and_merge_knobs(chunk: str | None, merge: str | None) -> dict[str, Any]:
+    """``ScaleRun`` overrides from ``RM_BENCH_SCALE_LOGIT_CHUNK`` (a row count or ``none``) and
+    ``RM_BENCH_SCALE_MERGE`` (``weight_dtype`` | ``float32``); unset: nothing overridden."""
+    out: dict[str, Any] = {}
+    if chunk:
+        if chunk.lower() == "none":
+            out["logit_chunk_rows"] = None
+        elif chunk.isdigit() and int(chunk) > 0:
+            out["logit_chunk_rows"] = int(chunk)
+        else:
+            raise SystemExit(f"RM_BENCH_SCALE_LOGIT_CHUNK={chunk!r}: a positive row count, or none (every row at once)")
+    if merge:
+        if merge not in ("weight_dtype", "float32"):
+            raise SystemExit(f"RM_BENCH_SCALE_MERGE={merge!r}: weight_dtype or float32")
+        out["merge_precision"] = merge
+    return out
+
+
 def with_utilisations(runs: list[ScaleRun], utils: str | None) -> list[ScaleRun]:
     """Each run once per ``gpu_memory_utilization`` of the comma-separated ``utils`` (``RM_BENCH_SCALE_UTILS``, for
     the memory table: model x tuner x sleep level x utilisation), in that order; ``runs`` as they are without."""
@@ -437,12 +467,13 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
         pass
     steps = int(os.environ.get("RM_BENCH_SCALE_STEPS", "0"))
     profile_step = int(os.environ.get("RM_BENCH_SCALE_PROFILE", "0"))
+    knobs = logit_and_merge_knobs(os.environ.get("RM_BENCH_SCALE_LOGIT_CHUNK"), os.environ.get("RM_BENCH_SCALE_MERGE"))
     compile_layers = os.environ.get("RM_BENCH_SCALE_COMPILE", "0") == "1"
     runs = [QUICK] if quick else with_utilisations(selected(os.environ.get("RM_BENCH_SCALE")),
                                                    os.environ.get("RM_BENCH_SCALE_UTILS"))
     for cfg in runs:
         cfg = replace(cfg, steps=steps) if steps else cfg
-        cfg = replace(cfg, profile_step=profile_step, compile_layers=compile_layers or cfg.compile_layers)
+        cfg = replace(cfg, profile_step=profile_step, compile_layers=compile_layers or cfg.compile_layers, **knobs)
         if cfg.profile_step > cfg.steps:
             raise SystemExit(f"RM_BENCH_SCALE_PROFILE={cfg.profile_step} is past the run's {cfg.steps} steps")
         print(f"bench scale: {cfg.name} ...", flush=True)
