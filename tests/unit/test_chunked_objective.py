@@ -122,3 +122,25 @@ def test_chunk_rows_must_be_positive_and_coord_only_refuses_the_gate():
         chunked_objective(hidden, head, batch, coord_ids, LossWeights(), chunk_rows=0)
     with pytest.raises(ValueError, match="coord_gate_weight"):
         chunked_objective(hidden, head, batch, coord_ids, LossWeights(coord_gate=1.0), chunk_rows=2, coord_only=True)
+
+
+def test_chunks_recompute_under_the_forward_s_autocast():
+    """The trainer's forward runs under bf16 autocast (on a GPU): each chunk's recompute in the backward must see the
+    same autocast state (bf16 logits) or checkpoint refuses the mismatched tensors; loss and gradients stay those of
+    the all-rows objective under the same autocast."""
+    model, tok, targets, coord_ids = _setup("text")
+    batch = pack_targets(targets, "sdpa", model, None)
+    w = LossWeights()
+    results = {}
+    for chunk in (None, 5):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, terms, _ = forward_loss(model, batch, coord_ids, w, supervised_logits=True, logit_chunk_rows=chunk)
+        loss.backward()
+        results[chunk] = (float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                  if p.grad is not None})
+    (want, want_grads), (got, grads) = results[None], results[5]
+    assert got == pytest.approx(want, rel=1e-4)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():  # bf16 partial products summed per chunk: compare at bf16's resolution
+        assert float((grads[name] - g).norm()) <= 1e-2 * float(g.norm()) + 1e-8, name
