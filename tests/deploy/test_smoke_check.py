@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -50,9 +49,10 @@ def servers():
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
+    from trainer.launch.ports import listen_port
+
+    return listen_port("127.0.0.1")
 
 
 def test_healthy_server_with_expected_world_size_passes(servers):

@@ -20,7 +20,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -280,9 +279,10 @@ def test_sleep_levels_release_memory_and_wake_identical(level):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
+    from trainer.launch.ports import listen_port
+
+    return listen_port("127.0.0.1")
 
 
 def _serve(model_dir, log: Path, util=0.12, extra=()):

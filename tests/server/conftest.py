@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 
@@ -13,9 +12,10 @@ import pytest
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
+    from trainer.launch.ports import listen_port
+
+    return listen_port("127.0.0.1")
 
 
 @contextlib.contextmanager

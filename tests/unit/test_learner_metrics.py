@@ -4,8 +4,6 @@ over HTTP from its own registry."""
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -17,9 +15,10 @@ from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
+    from trainer.launch.ports import listen_port
+
+    return listen_port("127.0.0.1")
 
 
 def _scrape(port):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,9 +22,10 @@ PARAMS = DecodingParams(max_new_tokens=16)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
+    from trainer.launch.ports import listen_port
+
+    return listen_port("127.0.0.1")
 
 
 def _requests(tok, n=5):

@@ -36,7 +36,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -114,9 +113,10 @@ GPU_SHAPE = dict(vocab_size=2048)
 
 # -- the server processes ---------------------------------------------------------------------------------------------
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
+    from trainer.launch.ports import listen_port
+
+    return listen_port("127.0.0.1")
 
 
 @dataclass

@@ -31,7 +31,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,9 +54,10 @@ _ACCESS = re.compile(r'"(GET|POST|PUT|DELETE|PATCH) (\S+) HTTP/[\d.]+" (\d{3})')
 
 # -- subprocess plumbing -----------------------------------------------------------------------------------------------
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
+    from trainer.launch.ports import listen_port
+
+    return listen_port(HOST)
 
 
 def swift_cli(route: str) -> list[str]:

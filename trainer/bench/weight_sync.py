@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,9 +40,10 @@ GB = 1e9
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
+    from trainer.launch.ports import listen_port
+
+    return listen_port("127.0.0.1")
 
 
 def _nccl_version() -> str:

@@ -55,3 +55,46 @@ def ensure_port_free(host: str, port: int) -> None:
     who = f"held by {holder}" if holder else "held by another process"
     raise PortInUseError(f"port {port} on {host} is not free ({who}); stop that process or choose another --port "
                          f"(and the matching rlhf.vllm_server_port / server base_url in the learner config)")
+
+
+#: where ``listen_ports`` draws from when the kernel's ephemeral range is unknown (Linux's default is 32768-60999)
+DEFAULT_EPHEMERAL = (32768, 60999)
+LISTEN_RANGE_START = 20000
+_HANDED_OUT: set[int] = set()  # ports this process already chose: never chosen twice, bound or not yet
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports bound as port 0 and for outgoing connections (Linux: ``ip_local_port_range``)."""
+    try:
+        low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL
+
+
+def listen_ports(n: int, host: str = "127.0.0.1", seed: int | None = None) -> list[int]:
+    """``n`` distinct ports that are free on ``host`` now and lie below the ephemeral range, for servers started
+    later on this host. A port from the ephemeral range (what binding port 0 returns) can be handed to another process
+    that binds port 0 or connects out (vLLM's internal ports, a second server's start-up) before the server given it
+    binds; a port below that range is only ever taken by name. A port is handed out once per process."""
+    import random
+
+    low, _ = ephemeral_range()
+    top = max(low, LISTEN_RANGE_START + 1000)
+    rng = random.Random(seed)
+    candidates = rng.sample(range(LISTEN_RANGE_START, top), min(top - LISTEN_RANGE_START, 50 * n + 200))
+    out: list[int] = []
+    for port in candidates:
+        if port not in _HANDED_OUT and port_is_free(host, port):
+            out.append(port)
+            if len(out) == n:
+                _HANDED_OUT.update(out)
+                return out
+    if len(out) < n:
+        raise PortInUseError(f"found only {len(out)} of {n} free ports in {LISTEN_RANGE_START}-{top - 1} on {host}")
+    return out  # pragma: no cover - the loop returns
+
+
+def listen_port(host: str = "127.0.0.1") -> int:
+    """One port as ``listen_ports`` chooses them."""
+    return listen_ports(1, host)[0]
