@@ -32,11 +32,6 @@ def docker_size(quantity: str) -> str:
     return f"{match.group(1)}{unit or 'b'}"
 
 
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
-    from trainer.launch.ports import listen_port
-
-    return listen_port("127.0.0.1")
 
 
 def write_configmaps(manifests: list[dict[str, Any]], root: Path) -> dict[str, Path]:

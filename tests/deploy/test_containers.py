@@ -19,10 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 from deploy_helpers import REPO, load_values, manifests_of, render_chart, workload
-from docker_pods import free_port, logs, pod_container, wait_healthy, write_configmaps
+from docker_pods import logs, pod_container, wait_healthy, write_configmaps
 from testcontainers.core.container import DockerContainer
 
 from trainer.deploy.checks import check_manifests
+from trainer.launch.ports import listen_port as free_port  # below the ephemeral range
 
 pytestmark = pytest.mark.docker
 

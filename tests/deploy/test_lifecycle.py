@@ -16,9 +16,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from docker_pods import free_port
 
 from trainer.deploy.lifecycle import child_argv
+from trainer.launch.ports import listen_port as free_port  # below the ephemeral range
 
 SERVER_CHILD = ("import signal, sys, time, pathlib\n"
                 "p = pathlib.Path(sys.argv[1])\n"

@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from trainer.deploy.smoke import check_server, main
+from trainer.launch.ports import listen_port as _free_port  # below the ephemeral range
 
 TEMPLATE = "configs/rollout_matching_sft_template.yaml"
 
@@ -48,11 +49,6 @@ def servers():
         httpd.server_close()
 
 
-def _free_port():
-    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
-    from trainer.launch.ports import listen_port
-
-    return listen_port("127.0.0.1")
 
 
 def test_healthy_server_with_expected_world_size_passes(servers):

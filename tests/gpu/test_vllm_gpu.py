@@ -30,6 +30,8 @@ import httpx
 import pytest
 import torch
 
+from trainer.launch.ports import listen_port as _free_port  # below the ephemeral range
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                  reason="needs a CUDA GPU and vLLM (tools/gpu-bundle)")]
@@ -278,11 +280,6 @@ def test_sleep_levels_release_memory_and_wake_identical(level):
     record(f"sleep_level_{level}", **in_fresh_process("sleep", str(level)))
 
 
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
-    from trainer.launch.ports import listen_port
-
-    return listen_port("127.0.0.1")
 
 
 def _serve(model_dir, log: Path, util=0.12, extra=()):

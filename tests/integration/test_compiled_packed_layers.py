@@ -8,19 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.unit.test_varlen_compile import reference_varlen
 from trainer.config.schema import validate_config
 from trainer.sft.run import run_training
 from trainer.telemetry import read_jsonl
-
-
-def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
-    assert window_size == (-1, 0) and max_q == max(torch.diff(cu_q).tolist())
-    bounds = cu_q.tolist()
-    return torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True,
-                                                     scale=scale).transpose(0, 1)
-                      for a, b in zip(bounds[:-1], bounds[1:])])
 
 
 @pytest.mark.slow

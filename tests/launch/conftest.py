@@ -10,14 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from trainer.launch.ports import listen_port as free_port  # below the ephemeral range
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
-    from trainer.launch.ports import listen_port
-
-    return listen_port("127.0.0.1")
 
 
 def child_env() -> dict[str, str]:

@@ -10,12 +10,7 @@ import time
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
-    from trainer.launch.ports import listen_port
-
-    return listen_port("127.0.0.1")
+from trainer.launch.ports import listen_port as free_port  # below the ephemeral range
 
 
 @contextlib.contextmanager

@@ -4,33 +4,16 @@ full-vocabulary logits for the backward."""
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
 
-from trainer.data.records import load_jsonl
-from trainer.data.synthetic import generate
+from tests.unit.test_supervised_logits import _setup
 from trainer.losses.chunked_objective import chunked_objective
 from trainer.losses.objective import LossWeights, objective_from_rows
 from trainer.losses.supervised_logits import supervised_rows
-from trainer.modeling.fixtures import build_tiny_image_processor, build_tiny_model
-from trainer.modeling.prompts import PromptEncoder
 from trainer.packing.batching import pad_targets
 from trainer.packing.packed_batch import pack_targets
 from trainer.sft.forward import forward_loss
-from trainer.sft.stage2 import Stage2Pipeline
-
-
-def _setup(kind: str):
-    samples = load_jsonl(generate(tempfile.mkdtemp(), 3, seed=5, max_objects=3))
-    model, tok = build_tiny_model(kind, seed=3)
-    model.config._attn_implementation = "sdpa"
-    model.get_decoder().config._attn_implementation = "sdpa"
-    pipe = Stage2Pipeline(PromptEncoder(tok, build_tiny_image_processor() if kind == "vl" else None))
-    targets = pipe.ground_truth_targets(samples)
-    coord_ids = torch.tensor(sorted(pipe.coord_bin_by_id, key=pipe.coord_bin_by_id.get))
-    return model, tok, targets, coord_ids
 
 
 def _run(model, batch, coord_ids, w, chunk):

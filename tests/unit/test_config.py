@@ -128,7 +128,7 @@ def test_logit_chunks_are_on_by_default_and_off_with_full_logits_unless_asked_fo
     rm = validate_config(merged()).custom.extra.rollout_matching
     assert rm.loss.supervised_logits_only and rm.loss.logit_chunk_rows == 1024
     full = validate_config(merged(custom={"extra": {"rollout_matching": {"loss": {"supervised_logits_only": False}}}}))
-    assert full.custom.extra.rollout_matching.loss.logit_chunk_rows == 1024  # inert: run.py passes None then
+    assert full.custom.extra.rollout_matching.loss.logit_chunk_rows == 1024  # inert: forward_loss chunks only supervised rows
 
 
 def test_lora_with_full_sync_needs_no_lora_kernels_in_vllm():

@@ -9,16 +9,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from trainer.config.schema import TrainingConfig
+from trainer.launch.ports import listen_port as _free_port  # below the ephemeral range
 from trainer.rollout.server_client import ServerEndpoint
 from trainer.rollout.server_fleet import ServerFleet
 from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
-
-
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
-    from trainer.launch.ports import listen_port
-
-    return listen_port("127.0.0.1")
 
 
 def _scrape(port):

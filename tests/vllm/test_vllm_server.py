@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from trainer.launch.ports import listen_port as _free_port  # below the ephemeral range
 from trainer.rollout.hf import HFRolloutEngine
 from trainer.rollout.server_client import ServerEndpoint, ServerRolloutEngine
 from trainer.rollout.types import DecodingParams, RolloutRequest, check_prompt_alignment
@@ -21,11 +22,6 @@ pytestmark = pytest.mark.vllm
 PARAMS = DecodingParams(max_new_tokens=16)
 
 
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
-    from trainer.launch.ports import listen_port
-
-    return listen_port("127.0.0.1")
 
 
 def _requests(tok, n=5):

@@ -52,6 +52,7 @@ from unittest import mock
 import httpx
 
 from trainer.bench.async_rollouts import fractions
+from trainer.launch.ports import listen_port as free_port  # below the ephemeral range
 
 FaultKind = Literal["kill", "stall", "nan"]
 
@@ -112,11 +113,6 @@ GPU_SHAPE = dict(vocab_size=2048)
 
 
 # -- the server processes ---------------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
-    from trainer.launch.ports import listen_port
-
-    return listen_port("127.0.0.1")
 
 
 @dataclass

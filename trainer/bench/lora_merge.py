@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-PRECISIONS = ("weight_dtype", "float32")
 RANK = 64
 REPEATS = 7
 QUICK_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
@@ -91,7 +90,7 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: list[s
 
 def run(out: Path, quick: bool = False) -> dict[str, Any]:
     from trainer.bench.scale import QWEN3_VL_TEXT
-    from trainer.sync.weights import full_weights
+    from trainer.sync.weights import MERGE_PRECISIONS, full_weights
 
     device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
     if quick:
@@ -108,12 +107,11 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
     from peft.tuners.lora import LoraLayer
 
-    adapted = [n.removeprefix("base_model.model.") + ".weight" for n, m in model.named_modules()
-               if isinstance(m, LoraLayer)]
     bases = {n.removeprefix("base_model.model.") + ".weight": m.get_base_layer().weight
              for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    adapted = list(bases)
     adapted_bytes = sum(w.numel() * w.element_size() for w in bases.values())
-    variants = {p: (lambda p=p: full_weights(model, merge_precision=p)) for p in PRECISIONS}
+    variants = {p: (lambda p=p: full_weights(model, merge_precision=p)) for p in MERGE_PRECISIONS}
     variants["floor"] = lambda: {k: w.clone() for k, w in bases.items()}
     seconds: dict[str, list[float]] = {v: [] for v in variants}
     merged: dict[str, dict[str, torch.Tensor]] = {}
@@ -122,7 +120,7 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
             spent, result = _timed(fn, device)
             if i:
                 seconds[name].append(spent)
-            if name in PRECISIONS and i == repeats:
+            if name in MERGE_PRECISIONS and i == repeats:
                 merged[name] = {k: result[k] for k in adapted}
             del result
     med = {v: statistics.median(s) for v, s in seconds.items()}

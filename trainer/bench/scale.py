@@ -427,8 +427,10 @@ def logit_and_merge_knobs(chunk: str | None, merge: str | None) -> dict[str, Any
         else:
             raise SystemExit(f"RM_BENCH_SCALE_LOGIT_CHUNK={chunk!r}: a positive row count, or none (every row at once)")
     if merge:
-        if merge not in ("weight_dtype", "float32"):
-            raise SystemExit(f"RM_BENCH_SCALE_MERGE={merge!r}: weight_dtype or float32")
+        from trainer.sync.weights import MERGE_PRECISIONS
+
+        if merge not in MERGE_PRECISIONS:
+            raise SystemExit(f"RM_BENCH_SCALE_MERGE={merge!r}: one of {', '.join(MERGE_PRECISIONS)}")
         out["merge_precision"] = merge
     return out
 

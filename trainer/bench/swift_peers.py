@@ -40,6 +40,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from trainer.launch.ports import listen_port as free_port  # below the ephemeral range
+
 BUDGET_S = 460.0  # the whole run, both directions (the brief: under 8 minutes)
 ROLLOUT_SHARE = 0.5  # of the budget when both directions run
 HOST = "127.0.0.1"
@@ -53,11 +55,6 @@ _ACCESS = re.compile(r'"(GET|POST|PUT|DELETE|PATCH) (\S+) HTTP/[\d.]+" (\d{3})')
 
 
 # -- subprocess plumbing -----------------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
-    from trainer.launch.ports import listen_port
-
-    return listen_port(HOST)
 
 
 def swift_cli(route: str) -> list[str]:

@@ -35,15 +35,11 @@ from typing import Any
 import torch
 
 from trainer.bench.models import QWEN3_0_6B, TINY, random_qwen3, sync
+from trainer.launch.ports import listen_port as _free_port  # below the ephemeral range
 
 GB = 1e9
 
 
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range (``trainer.launch.ports.listen_port``)."""
-    from trainer.launch.ports import listen_port
-
-    return listen_port("127.0.0.1")
 
 
 def _nccl_version() -> str:

@@ -72,7 +72,7 @@ def ephemeral_range() -> tuple[int, int]:
         return DEFAULT_EPHEMERAL
 
 
-def listen_ports(n: int, host: str = "127.0.0.1", seed: int | None = None) -> list[int]:
+def listen_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct ports that are free on ``host`` now and lie below the ephemeral range, for servers started
     later on this host. A port from the ephemeral range (what binding port 0 returns) can be handed to another process
     that binds port 0 or connects out (vLLM's internal ports, a second server's start-up) before the server given it
@@ -81,8 +81,7 @@ def listen_ports(n: int, host: str = "127.0.0.1", seed: int | None = None) -> li
 
     low, _ = ephemeral_range()
     top = max(low, LISTEN_RANGE_START + 1000)
-    rng = random.Random(seed)
-    candidates = rng.sample(range(LISTEN_RANGE_START, top), min(top - LISTEN_RANGE_START, 50 * n + 200))
+    candidates = random.sample(range(LISTEN_RANGE_START, top), min(top - LISTEN_RANGE_START, 50 * n + 200))
     out: list[int] = []
     for port in candidates:
         if port not in _HANDED_OUT and port_is_free(host, port):
@@ -90,9 +89,7 @@ def listen_ports(n: int, host: str = "127.0.0.1", seed: int | None = None) -> li
             if len(out) == n:
                 _HANDED_OUT.update(out)
                 return out
-    if len(out) < n:
-        raise PortInUseError(f"found only {len(out)} of {n} free ports in {LISTEN_RANGE_START}-{top - 1} on {host}")
-    return out  # pragma: no cover - the loop returns
+    raise PortInUseError(f"found only {len(out)} of {n} free ports in {LISTEN_RANGE_START}-{top - 1} on {host}")
 
 
 def listen_port(host: str = "127.0.0.1") -> int:
