@@ -203,3 +203,80 @@ def test_a_peer_that_serves_is_probed(tmp_path, tiny_model_dir):
         peer.stop()
     assert ok, r
     assert r["worked"] == ["server_start"] and r["server"]["health"]["ok"] and r["probes"]
+
+
+# -- the 4b shape (issue 30 item 6): placement, config, timings -----------------------------------------------------
+
+
+def test_two_gpus_put_the_server_and_the_learner_on_their_own_device():
+    two, one = sp.placement(2), sp.placement(1)
+    assert two["server_env"] == {"CUDA_VISIBLE_DEVICES": "0"} and two["learner_gpus"] == [1]
+    assert two["server_util"] > one["server_util"] == 0.3
+    assert one["server_env"] == {} and one["learner_gpus"] is None and sp.placement(0) == one
+
+
+def test_4b_shape_builds_a_vl_summary_run_with_images_on_gpu_1(tmp_path):
+    shape = sp.RLHF_SHAPES["4b"]
+    cfg = sp.grpo_config(tmp_path, MODEL, 8124, 51300, shape=shape, server_util=0.85)
+    argv, env = sp.rlhf_command(cfg, [1])
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["NPROC_PER_NODE"] == "1"
+    assert _after(argv, "--model_type") == "qwen3_vl" and _after(argv, "--template") == "qwen3_vl"
+    assert _after(argv, "--max_completion_length") == "2048" and _after(argv, "--max_steps") == "3"
+    assert _after(argv, "--gradient_checkpointing") == "true"
+    assert _after(argv, "--tuner_type") == "lora" and _after(argv, "--use_dora") == "true"
+    assert _after(argv, "--freeze_vit") == "false"
+    assert _after(argv, "--num_generations") == "4" and _after(argv, "--generation_batch_size") == "4"
+    rows = [json.loads(x) for x in Path(_after(argv, "--dataset")).read_text().splitlines()]
+    from PIL import Image
+
+    assert rows and all(len(r["images"]) == 1 and "<image>" in r["messages"][-1]["content"] for r in rows)
+    assert Image.open(rows[0]["images"][0]).size == (1024, 1024)
+    serve = sp.serve_argv(MODEL, 8124, shape, 0.85)
+    assert "--enforce-eager" not in serve and _after(serve, "--max-model-len") == "8192"
+    assert _after(serve, "--gpu-memory-utilization") == "0.85"
+
+
+def test_step_seconds_undo_swift_running_mean():
+    records = [{"global_step/max_steps": "1/3", "train_speed(s/it)": 30.0},
+               {"global_step/max_steps": "2/3", "train_speed(s/it)": 20.0},  # 40 s in all: step 2 took 10 s
+               {"global_step/max_steps": "3/3", "train_speed(s/it)": 16.0, "memory(GiB)": 41.5},
+               {"global_step/max_steps": "3/3", "train_speed(s/it)": 16.0, "train_runtime": 48.0}]
+    assert sp.step_seconds(records) == [30.0, 10.0, 8.0]
+    server = {"infer_calls": 3.0, "infer_s": 15.0, "syncs": 3.0, "sync_s": 1.5, "generated_tokens": 24576.0,
+              "prompt_tokens": 4000.0}
+    t = sp.grpo_step_summary([30.0, 10.0, 8.0], server, records)
+    assert t["step_s_mean"] == 9.0 and t["steps_in_mean"] == "2..3"
+    assert t["generate_s_per_call"] == 5.0 and t["weight_sync_s_per_sync_server_side"] == 0.5
+    assert t["rest_of_step_s"] == 3.5 and t["learner_peak_reserved_gib"] == 41.5
+    assert sp.grpo_step_summary([], {**server, "infer_calls": 0.0}, [])["step_s_mean"] is None
+
+
+def test_server_timings_read_our_servers_metrics(tmp_path, tiny_model_dir):
+    """The rlhf direction's generate/sync figures come from the server's own /metrics; here a scripted server
+    after two /infer/ calls and one in-band sync."""
+    import httpx
+    import torch
+    from safetensors.torch import load_file, save
+
+    from trainer.launch.ports import listen_port
+
+    port = listen_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "trainer", "serve", "--engine", "scripted", "--model", str(tiny_model_dir),
+            "--host", "127.0.0.1", "--port", str(port)]
+    peer = sp.Peer(argv, tmp_path / "logs" / "serve.log")
+    try:
+        assert sp.wait_health(url, peer, 300.0)["ok"]
+        body = {"infer_requests": [{"messages": [{"role": "user", "content": "hi"}], "images": []}] * 2,
+                "request_config": {"max_tokens": 4, "temperature": 0.0}}
+        with httpx.Client(timeout=60.0, trust_env=False) as c:
+            for _ in range(2):
+                assert c.post(url + "/infer/", json=body).status_code == 200
+            norm = load_file(str(tiny_model_dir / "model.safetensors"))["model.norm.weight"]
+            r = c.post(url + "/rm/update_weights_inband/?kind=full", content=save({"model.norm.weight": norm + 1}))
+            assert r.status_code == 200, r.text
+        t = sp.server_timings(url)
+    finally:
+        peer.stop()
+    assert t["infer_calls"] == 2 and t["infer_s"] > 0 and t["generated_tokens"] > 0 and t["prompt_tokens"] > 0
+    assert t["syncs"] == 1 and t["sync_s"] > 0

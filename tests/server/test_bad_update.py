@@ -246,6 +246,21 @@ def test_nccl_bad_updates_are_staged_checked_and_refused(engine_kind, tiny_text_
         assert transport.push_full(good, [ServerEndpoint(url)]) == {}
         assert served(http, url)[0][GOOD] == tensor_checksum(good[GOOD])
         transport.close()
+        timed = nccl_syncs_timed(http, url)
+        assert timed["count"] == (3 if engine_kind == "scripted" else 1), "accepted NCCL syncs only, each once"
+        assert timed["sum"] > 0
+
+
+def nccl_syncs_timed(http, url) -> dict[str, float]:
+    """``rm_server_weight_sync_seconds{transport="nccl"}``'s count and sum from the server's ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(http.get(url + "/metrics").text):
+        for s in fam.samples:
+            if s.name.startswith("rm_server_weight_sync_seconds_") and s.labels.get("transport") == "nccl":
+                out[s.name.rsplit("_", 1)[1]] = s.value
+    return out
 
 
 def test_nccl_adapter_refused_in_the_background_is_reported_on_the_next_call(tiny_text_dir, get_free_port, http,

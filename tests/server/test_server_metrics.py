@@ -64,6 +64,9 @@ def test_counters_move_with_infer_and_accepted_and_refused_updates(scripted_serv
         assert value(m2, "rm_server_weights_info", version=engine.weights_version, engine=engine.kind,
                      model=str(engine.model_name)) == 1
         assert value(m2, "rm_server_weight_updates_refused_total") == 0
+        assert value(m2, "rm_server_weight_sync_seconds_count", transport="inband") == 1
+        assert value(m2, "rm_server_weight_sync_seconds_sum", transport="inband") > 0
+        assert value(m2, "rm_server_weight_sync_seconds_count", transport="nccl") == 0
 
         bad = {"model.norm.weight": torch.full_like(state["model.norm.weight"], float("nan"))}
         r = http.post(url + INBAND, content=save(bad))
@@ -72,6 +75,7 @@ def test_counters_move_with_infer_and_accepted_and_refused_updates(scripted_serv
         assert value(m3, "rm_server_weight_updates_refused_total") == 1
         assert value(m3, "rm_server_weight_updates_total", transport="inband", kind="full") == 1
         assert value(m3, "rm_server_weights_version") == 1
+        assert value(m3, "rm_server_weight_sync_seconds_count", transport="inband") == 1, "a refused sync is not timed"
         assert value(m3, "rm_server_http_requests_total", endpoint="/rm/update_weights_inband/", status="422") == 1
         assert value(m3, "rm_server_rollout_requests_total") == 3
 

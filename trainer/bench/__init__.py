@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "vllm-images", "async",
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "only", "all") == "swift-peers":  # GPU: our client vs swift rollout, swift rlhf vs our server
         from trainer.bench.swift_peers import run as run_swift_peers
 
-        run_swift_peers(Path(args.out))
+        run_swift_peers(Path(args.out), size=os.environ.get("RM_BENCH_SWIFT_SIZE", "text"))
         return 0
     if getattr(args, "only", "all") == "inband":  # CPU: learner -> scripted server subprocess over loopback HTTP
         from trainer.bench.inband import QUICK_SIZES_MIB, SIZES_MIB

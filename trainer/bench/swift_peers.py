@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 import traceback
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,51 @@ BATCH = 8
 NEW_TOKENS = 64
 SUMMARY_CONFIG = "configs/summary_1024_attr_key_recall.yaml"
 REPO = Path(__file__).resolve().parents[2]
+RLHF_SIZE_ENV = "RM_BENCH_SWIFT_SIZE"  # the rlhf direction's model: text (default) | 4b
+
+
+@dataclass(frozen=True)
+class RlhfShape:
+    """The model and GRPO settings of the rlhf direction. ``text``: a random Qwen3 text model (the 0.6B shape on a
+    GPU, tiny on the CPU) on the summary rows without images, the protocol check. ``4b``: issue 30 item 6, a random
+    Qwen3-VL-4B on the summary rows with ~1024x1024 images, the summary config's DoRA r32 on ViT + LLM, completions of
+    the config's 2048 tokens (random weights never stop), gradient checkpointing, CUDA graphs on the server."""
+
+    name: str
+    model_type: str
+    template: str
+    images: bool
+    image_size: int
+    max_completion_length: int
+    max_length: int
+    per_device_train_batch_size: int
+    num_generations: int
+    generation_batch_size: int
+    max_steps: int
+    gradient_checkpointing: bool
+    max_model_len: int
+    enforce_eager: bool
+
+
+RLHF_SHAPES = {
+    "text": RlhfShape("text", MODEL_TYPE, TEMPLATE, images=False, image_size=64, max_completion_length=NEW_TOKENS,
+                      max_length=1024, per_device_train_batch_size=2, num_generations=2, generation_batch_size=4,
+                      max_steps=2, gradient_checkpointing=False, max_model_len=2048, enforce_eager=True),
+    "4b": RlhfShape("4b", "qwen3_vl", "qwen3_vl", images=True, image_size=1024, max_completion_length=2048,
+                    max_length=8192, per_device_train_batch_size=4, num_generations=4, generation_batch_size=4,
+                    max_steps=3, gradient_checkpointing=True, max_model_len=8192, enforce_eager=False),
+}
+
+
+def placement(device_count: int) -> dict[str, Any]:
+    """Where the rlhf direction's two processes run: on 2+ GPUs our server on GPU 0 and the learner on GPU 1 (NCCL
+    needs two devices); on one GPU (or none) both share it, the server at 0.3 of its memory."""
+    if device_count >= 2:
+        return {"server_env": {"CUDA_VISIBLE_DEVICES": "0"}, "learner_gpus": [1], "server_util": 0.85,
+                "layout": "server on GPU 0, learner on GPU 1"}
+    return {"server_env": {}, "learner_gpus": None, "server_util": 0.3, "layout": "one device shared"}
+
+
 _ACCESS = re.compile(r'"(GET|POST|PUT|DELETE|PATCH) (\S+) HTTP/[\d.]+" (\d{3})')
 
 
@@ -517,13 +563,14 @@ def client_main(url: str, model_dir: Path, result_path: Path, stage: str) -> int
 
 
 # -- direction (b): swift rlhf GRPO against our server -------------------------------------------------------------------
-def serve_argv(model_dir: Path, port: int) -> list[str]:
+def serve_argv(model_dir: Path, port: int, shape: RlhfShape = RLHF_SHAPES["text"], util: float = 0.3) -> list[str]:
     """Our server as our launcher builds it (``trainer.launch.commands.trainer_serve_command``)."""
     from trainer.launch.commands import ServerOptions, trainer_serve_command
 
     return trainer_serve_command(ServerOptions(
-        engine="vllm", host=HOST, port=port, model=str(model_dir), gpu_memory_utilization=0.3, max_model_len=2048,
-        extra=["--enforce-eager", "--dtype", "bfloat16"])).argv
+        engine="vllm", host=HOST, port=port, model=str(model_dir), gpu_memory_utilization=util,
+        max_model_len=shape.max_model_len,
+        extra=[*(["--enforce-eager"] if shape.enforce_eager else []), "--dtype", "bfloat16"])).argv
 
 
 def text_rows(src: Path, dst: Path) -> Path:
@@ -538,34 +585,39 @@ def text_rows(src: Path, dst: Path) -> Path:
 
 
 def grpo_config(work: Path, model_dir: Path, port: int, group_port: int, *, bf16: bool = True,
-                max_steps: int = 2) -> Path:
-    """``summary_1024_attr_key_recall.yaml`` shrunk to the tiny model, one learner, server mode on ``port``."""
+                shape: RlhfShape = RLHF_SHAPES["text"], server_util: float = 0.3) -> Path:
+    """``summary_1024_attr_key_recall.yaml`` at ``shape``'s sizes, one learner, server mode on ``port``."""
     import yaml
 
     from trainer.grpo.summary_data import write_dataset
 
-    rows = text_rows(write_dataset(work / "summary_data", num_samples=16, seed=3), work / "text.jsonl")
+    data = write_dataset(work / "summary_data", num_samples=16, seed=3, image_size=shape.image_size)
+    rows = data if shape.images else text_rows(data, work / "text.jsonl")
     cfg = work / "peers_grpo.yaml"
     cfg.write_text(yaml.safe_dump({
         "extends": str(REPO / SUMMARY_CONFIG),
         "model": {"path": str(model_dir), "torch_dtype": "bfloat16" if bf16 else "float32"},
         "data": {"train_jsonl": str(rows)},
         "training": {"output_dir": str(work / "grpo_out"), "bf16": bf16, "deepspeed": None,
-                     "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": max_steps,
-                     "save_steps": 0, "gradient_checkpointing": False, "report_to": []},
-        "rlhf": {"model_type": MODEL_TYPE, "template": TEMPLATE, "use_vllm": True, "vllm_mode": "server",
+                     "per_device_train_batch_size": shape.per_device_train_batch_size,
+                     "gradient_accumulation_steps": 1, "max_steps": shape.max_steps, "save_steps": 0,
+                     "gradient_checkpointing": shape.gradient_checkpointing, "report_to": []},
+        "rlhf": {"model_type": shape.model_type, "template": shape.template, "use_vllm": True, "vllm_mode": "server",
                  "vllm_server_host": [HOST], "vllm_server_port": [port], "vllm_server_group_port": [group_port],
-                 "vllm_server_timeout": 60, "num_generations": 2, "generation_batch_size": 4,
-                 "max_completion_length": NEW_TOKENS, "max_length": 1024, "dynamic_sample": False},
+                 "vllm_server_timeout": 60, "num_generations": shape.num_generations,
+                 "generation_batch_size": shape.generation_batch_size,
+                 "max_completion_length": shape.max_completion_length, "max_length": shape.max_length,
+                 "dynamic_sample": False},
         "custom": {"extra": {"rollout_server": {"vllm_data_parallel_size": 1, "vllm_tensor_parallel_size": 1,
-                                                "vllm_max_model_len": 2048, "vllm_gpu_memory_utilization": 0.3,
-                                                "vllm_limit_mm_per_prompt": None, "gpus": None,
-                                                "learner_gpus": None}}},
+                                                "vllm_max_model_len": shape.max_model_len,
+                                                "vllm_gpu_memory_utilization": server_util,
+                                                "vllm_limit_mm_per_prompt": {"image": 1} if shape.images else None,
+                                                "gpus": None, "learner_gpus": None}}},
     }, allow_unicode=True))
     return cfg
 
 
-def rlhf_command(cfg_path: Path) -> tuple[list[str], dict[str, str]]:
+def rlhf_command(cfg_path: Path, gpus: list[int] | None = None) -> tuple[list[str], dict[str, str]]:
     """``swift rlhf`` argv + env exactly as ``python -m trainer launch learner`` builds it (one process), with
     ``swift`` replaced by ``python -m swift.cli.main``."""
     from trainer.config.loader import resolve_yaml
@@ -573,28 +625,82 @@ def rlhf_command(cfg_path: Path) -> tuple[list[str], dict[str, str]]:
     from trainer.launch.commands import learner_command
 
     config = validate_config(resolve_yaml(cfg_path), source=str(cfg_path))
-    cmd = learner_command(str(cfg_path), config, nproc=1, gpus=None)
+    cmd = learner_command(str(cfg_path), config, nproc=1, gpus=gpus)
     assert cmd.argv[:2] == ["swift", "rlhf"], cmd.argv
     return swift_cli("rlhf") + cmd.argv[2:], dict(cmd.env)
 
 
-def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: dict[str, Any], save) -> None:
+def server_timings(url: str) -> dict[str, float]:
+    """What our server measured over the run, from its ``/metrics``: ``/infer/`` calls and seconds, new tokens,
+    accepted weight syncs and their seconds (server side: receive + load; ``trainer.server.metrics``)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(timeout=30.0, trust_env=False) as c:
+        text = c.get(url + "/metrics").text
+    want = {"rm_server_infer_latency_seconds_count": "infer_calls", "rm_server_infer_latency_seconds_sum": "infer_s",
+            "rm_server_generated_tokens_total": "generated_tokens", "rm_server_prompt_tokens_total": "prompt_tokens",
+            "rm_server_weight_sync_seconds_count": "syncs", "rm_server_weight_sync_seconds_sum": "sync_s"}
+    out = {v: 0.0 for v in want.values()}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name in want:
+                out[want[sample.name]] += sample.value
+    return out
+
+
+def step_seconds(records: list[dict[str, Any]]) -> list[float]:
+    """Each optimizer step's wall seconds from ms-swift's ``logging.jsonl`` (``train_speed(s/it)`` is the running
+    mean since the start, so step k took ``k * speed_k - (k-1) * speed_(k-1)``)."""
+    elapsed = []
+    for rec in records:
+        done = str(rec.get("global_step/max_steps", "")).split("/")[0]
+        if done.isdigit() and "train_speed(s/it)" in rec and "train_runtime" not in rec:
+            elapsed.append((int(done), int(done) * float(rec["train_speed(s/it)"])))
+    out, last = [], 0.0
+    for _, total in sorted(elapsed):
+        out.append(round(total - last, 3))
+        last = total
+    return out
+
+
+def grpo_step_summary(steps: list[float], server: dict[str, float], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per step: the learner's wall seconds (mean of steps 2.. when there are more than one: step 1 pays the
+    warm-ups), and the server's generate and weight-sync seconds per call."""
+    timed = steps[1:] if len(steps) > 1 else steps
+    gen = server["infer_s"] / server["infer_calls"] if server["infer_calls"] else None
+    sync = server["sync_s"] / server["syncs"] if server["syncs"] else None
+    mean = sum(timed) / len(timed) if timed else None
+    mem = [float(r["memory(GiB)"]) for r in records if "memory(GiB)" in r]
+    return {"steps_s": steps, "step_s_mean": round(mean, 3) if mean else None,
+            "steps_in_mean": f"{len(steps) - len(timed) + 1}..{len(steps)}" if timed else None,
+            "generate_s_per_call": round(gen, 3) if gen else None, "infer_calls": int(server["infer_calls"]),
+            "weight_sync_s_per_sync_server_side": round(sync, 3) if sync else None, "syncs": int(server["syncs"]),
+            "generated_tokens": int(server["generated_tokens"]), "prompt_tokens": int(server["prompt_tokens"]),
+            "rest_of_step_s": round(mean - (gen or 0.0) - (sync or 0.0), 3) if mean else None,
+            "learner_peak_reserved_gib": max(mem) if mem else None}
+
+
+def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: dict[str, Any], save,
+             shape: RlhfShape = RLHF_SHAPES["text"], device_count: int = 0) -> None:
     port, group_port = free_port(), free_port()
     url = f"http://{HOST}:{port}"
     r: dict[str, Any] = result.setdefault("rlhf", {"worked": [], "failed": {}})
-    argv = serve_argv(model_dir, port)
-    server = Peer(argv, out / "logs/trainer_serve.log")
-    r["server"] = {"command": shlex.join(argv)}
+    where = placement(device_count)
+    r["shape"], r["placement"] = asdict(shape), where["layout"]
+    argv = serve_argv(model_dir, port, shape, where["server_util"])
+    server = Peer(argv, out / "logs/trainer_serve.log", env=peer_env(where["server_env"]))
+    r["server"] = {"command": shlex.join(argv), "env": where["server_env"]}
     try:
-        if not started_and_probed(url, server, min(200.0, deadline - time.monotonic() - 40), r, save):
+        if not started_and_probed(url, server, min(300.0, deadline - time.monotonic() - 40), r, save):
             return
-        cfg = grpo_config(work, model_dir, port, group_port)
-        argv_rlhf, env = rlhf_command(cfg)
+        cfg = grpo_config(work, model_dir, port, group_port, shape=shape, server_util=where["server_util"])
+        argv_rlhf, env = rlhf_command(cfg, where["learner_gpus"])
         env["MASTER_PORT"] = str(free_port())
         (out / "logs/peers_grpo.yaml").write_text(cfg.read_text())
         r["learner"] = {"env": env}
         r["learner"].update(run_logged(argv_rlhf, out / "logs/swift_rlhf.log",
-                                       min(300.0, deadline - time.monotonic() - 15), env=peer_env(env), cwd=work))
+                                       deadline - time.monotonic() - 20, env=peer_env(env), cwd=work))
         text = (out / "logs/swift_rlhf.log").read_text(errors="replace")
         r["learner"]["nccl_lines"] = nccl_lines(text)
         r["learner"]["connected"] = "Connected to vLLM server" in text
@@ -611,6 +717,9 @@ def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: di
         if r["learner"]["rc"] != 0:
             r["failed"]["swift_rlhf"] = r["learner"].get("error")
         (out / "logs").joinpath("grpo_logging.jsonl").write_text("\n".join(json.dumps(x) for x in records))
+        with contextlib.suppress(Exception):  # the server may have died; then there is nothing to read
+            r["server"]["timings"] = server_timings(url)
+            r["timing"] = grpo_step_summary(step_seconds(records), r["server"]["timings"], records)
     except Exception as exc:  # noqa: BLE001 - our side failed building the run: recorded, not raised
         r["failed"]["runner"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
     finally:
@@ -650,7 +759,9 @@ def findings(result: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S) -> dict[str, Any]:
+def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S, size: str = "text") -> dict[str, Any]:
+    """Both directions (or ``only`` one); ``size`` picks the rlhf direction's ``RlhfShape`` (``4b`` runs the rlhf
+    direction only: ``swift rollout`` is checked at the small shape)."""
     import torch
 
     from trainer.bench.async_vllm import CPU_SHAPE, GPU_SHAPE
@@ -660,12 +771,19 @@ def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S
     deadline = t_start + budget_s
     out = Path(out_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    if size not in RLHF_SHAPES:
+        raise ValueError(f"{RLHF_SIZE_ENV}/--size must be one of {sorted(RLHF_SHAPES)}, got {size!r}")
+    shape = RLHF_SHAPES[size]
+    if size != "text":
+        only = "rlhf"
     cuda = torch.cuda.is_available()
+    devices = torch.cuda.device_count() if cuda else 0
     result: dict[str, Any] = {
         "schema": "swift_peers/1", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "only": only or "both",
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu", "versions": versions(), "budget_s": budget_s,
-        "model": {"shape": GPU_SHAPE if cuda else CPU_SHAPE, "model_type": MODEL_TYPE, "template": TEMPLATE,
-                  "weights": "random", "tokenizer": "trainer.modeling.fixtures.tiny_tokenizer"},
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu", "device_count": devices, "versions": versions(), "budget_s": budget_s,
+        "model": {"size": size, "model_type": shape.model_type, "template": shape.template, "weights": "random",
+                  "tokenizer": "trainer.modeling.fixtures.tiny_tokenizer",
+                  **({"shape": GPU_SHAPE if cuda else CPU_SHAPE} if size == "text" else {})},
         "static_routes": static_routes(), "protocol_findings": [],
         "notes": ["ms-swift's GRPO server mode has no weight sync besides NCCL: RLHFArguments._init_external_vllm "
                   "always calls VLLMClient.init_communicator (swift/arguments/rlhf_args.py), so on one GPU the "
@@ -682,8 +800,13 @@ def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S
     with tempfile.TemporaryDirectory(prefix="swift_peers_") as tmp:
         work = Path(tmp)
         t0 = time.monotonic()
-        model_dir = save_random_model_dir(work / "model", GPU_SHAPE if cuda else CPU_SHAPE,
-                                          dtype=torch.bfloat16 if cuda else torch.float32)
+        if size == "text":
+            model_dir = save_random_model_dir(work / "model", GPU_SHAPE if cuda else CPU_SHAPE,
+                                              dtype=torch.bfloat16 if cuda else torch.float32)
+        else:
+            from trainer.bench.scale import save_random_vl_model
+
+            model_dir, _ = save_random_vl_model(work / "model", size, "cuda" if cuda else "cpu")
         result["model"]["build_s"] = round(time.monotonic() - t0, 2)
         save()
         both = only is None
@@ -696,10 +819,12 @@ def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S
                     f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
             save()
         if only in (None, "rlhf"):
-            run_rlhf(out, work, model_dir, deadline, result, save)
+            run_rlhf(out, work, model_dir, deadline, result, save, shape, devices)
             save()
     print(json.dumps({k: {"worked": v.get("worked"), "failed": sorted(v.get("failed", {}))}
                       for k, v in result.items() if k in ("rollout", "rlhf")}, indent=2))
+    if result.get("rlhf", {}).get("timing"):
+        print("rlhf timing:", json.dumps(result["rlhf"]["timing"]))
     print(f"swift peers: {len(result['protocol_findings'])} protocol finding(s); {path} ({result['wall_s']} s)")
     return result
 
@@ -709,6 +834,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs/benchmarks/swift_peers")
     p.add_argument("--only", choices=("rollout", "rlhf"), default=None)
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="deadline for the whole run (default %(default)s)")
+    p.add_argument("--size", choices=sorted(RLHF_SHAPES), default=os.environ.get(RLHF_SIZE_ENV, "text"),
+                   help="the rlhf direction's model (4b: issue 30 item 6; rlhf only); env " + RLHF_SIZE_ENV)
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: the client subprocess of 'rollout'
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -716,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.client:
         return client_main(args.client, Path(args.model), Path(args.result), args.stage)
-    run(args.out, args.only, args.budget_s)
+    run(args.out, args.only, args.budget_s, args.size)
     return 0
 
 

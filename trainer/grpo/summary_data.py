@@ -114,29 +114,32 @@ def generate_rows(num_samples: int, seed: int = 0, irrelevant_fraction: float = 
 
 
 def draw_image(path: Path, domain: str | None, seed: int, size: int = 64) -> None:
-    """A small deterministic PNG: a domain-coloured background with a few boxes."""
+    """A deterministic ``size`` x ``size`` PNG: a domain-coloured background with a few boxes (scaled with ``size``;
+    at the default 64 px the same image as always)."""
     from PIL import Image, ImageDraw
 
     rng = random.Random(seed)
     img = Image.new("RGB", (size, size), DOMAIN_COLORS[domain])
     draw = ImageDraw.Draw(img)
+    k = max(1, size // 64)
     for _ in range(rng.randint(1, 4)):
-        x0, y0 = rng.randrange(size - 8), rng.randrange(size - 8)
-        draw.rectangle([x0, y0, x0 + rng.randint(4, 20), y0 + rng.randint(4, 20)],
+        x0, y0 = rng.randrange(size - 8 * k), rng.randrange(size - 8 * k)
+        draw.rectangle([x0, y0, x0 + k * rng.randint(4, 20), y0 + k * rng.randint(4, 20)],
                        fill=tuple(rng.randrange(256) for _ in range(3)))
     img.save(path, format="PNG")
 
 
 def write_dataset(out_dir: str | Path, num_samples: int = 64, seed: int = 0,
-                  irrelevant_fraction: float = 0.15) -> Path:
-    """Write ``out_dir/train.jsonl`` (absolute image paths) and the images; returns the JSONL path."""
+                  irrelevant_fraction: float = 0.15, image_size: int = 64) -> Path:
+    """Write ``out_dir/train.jsonl`` (absolute image paths) and the ``image_size``-pixel square images; returns the
+    JSONL path."""
     out = Path(out_dir).resolve()
     (out / "images").mkdir(parents=True, exist_ok=True)
     jsonl = out / "train.jsonl"
     with jsonl.open("w", encoding="utf-8") as fh:
         for i, spec in enumerate(generate_rows(num_samples, seed, irrelevant_fraction)):
             image = out / "images" / f"{spec['sample_id']}.png"
-            draw_image(image, spec["domain"], seed * 1_000_003 + i)
+            draw_image(image, spec["domain"], seed * 1_000_003 + i, image_size)
             row = {"messages": [{"role": "user", "content": PROMPT}], "images": [str(image)],
                    "summary_ref": spec["summary_ref"],
                    "metadata": {"domain": spec["domain"], "sample_id": spec["sample_id"]}}
@@ -150,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-samples", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--irrelevant-fraction", type=float, default=0.15)
+    p.add_argument("--image-size", type=int, default=64, help="square images of this many pixels a side")
     args = p.parse_args(argv)
-    print(write_dataset(args.out_dir, args.num_samples, args.seed, args.irrelevant_fraction))
+    print(write_dataset(args.out_dir, args.num_samples, args.seed, args.irrelevant_fraction, args.image_size))
     return 0
 
 

@@ -245,6 +245,7 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
     metrics = ServerMetrics(engine.kind, engine.model_name)
     metrics.set_version(getattr(engine, "weights_version", None))
     nccl_pending: dict[str, str] = {}  # kind -> NCCL updates received, accepted once weights are processed
+    nccl_started: list[float] = []  # perf_counter of the pending NCCL sync's first update call
 
     def require_key(request: Request) -> None:
         if api_key is None:
@@ -284,6 +285,7 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         log.warning("%s", exc)
         metrics.refused.inc()
         nccl_pending.clear()
+        nccl_started.clear()
         return JSONResponse({"detail": str(exc), "tensor": exc.tensor, "reason": exc.reason}, status_code=422)
 
     @app.exception_handler(RequestValidationError)
@@ -301,10 +303,15 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         return JSONResponse({"detail": f"engine error: {exc}"}, status_code=500)
 
     def record(endpoint: str, transport: str, kind: str, **extra: Any) -> None:
+        if transport == "nccl" and not nccl_started:
+            nccl_started.append(time.perf_counter())
         updates.append({"endpoint": endpoint, "transport": transport, "kind": kind, "time": time.time(), **extra})
 
     def nccl_done() -> None:
         """The NCCL updates received since the last check went through the engine's checks: accepted."""
+        if nccl_pending and nccl_started:
+            metrics.synced("nccl", time.perf_counter() - nccl_started[0])
+        nccl_started.clear()
         for kind in list(nccl_pending):
             metrics.accepted(nccl_pending.pop(kind), kind, getattr(engine, "weights_version", None))
 
@@ -422,19 +429,20 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
 
     @app.post(INBAND_PATH, dependencies=guarded)
     async def update_weights_inband(request: Request, kind: Literal["full", "adapter"] = Query(...)):
-        t0 = time.perf_counter()
+        t0 = started = time.perf_counter()
         blob = await _read_body(request)
         t1 = time.perf_counter()
         try:  # on the engine's thread: with a GPU engine this is the one host-to-device copy of the payload
             tensors, meta = await runner.call(lambda: wire.decode(blob, getattr(engine, "weights_device", None)))
         except wire.WireFormatError as exc:
             raise EngineRequestError(f"body is not a safetensors payload: {exc}") from exc
-        return await apply_update("rm/update_weights_inband", "inband", kind, tensors, meta, len(blob),
+        return await apply_update("rm/update_weights_inband", "inband", kind, tensors, meta, len(blob), started,
                                   read_s=round(t1 - t0, 4), decode_s=round(time.perf_counter() - t1, 4))
 
     async def apply_update(endpoint: str, transport: str, kind: str, tensors: dict[str, Any], meta: dict[str, str],
-                           nbytes: int, **timings: float) -> dict[str, Any]:
-        """Load decoded in-band ``tensors`` (full or adapter) on the engine thread; record it with its timings."""
+                           nbytes: int, started: float, **timings: float) -> dict[str, Any]:
+        """Load decoded in-band ``tensors`` (full or adapter) on the engine thread; record it with its timings
+        (``started``: the request's perf_counter at arrival)."""
         t0 = time.perf_counter()
         if not tensors:
             raise EngineRequestError("the safetensors payload holds no tensors")
@@ -450,18 +458,19 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         record(endpoint, transport, kind, num_tensors=len(tensors), bytes=nbytes, **timings,
                load_s=round(time.perf_counter() - t0, 4))
         metrics.accepted("inband", kind, getattr(engine, "weights_version", None))
+        metrics.synced(transport, time.perf_counter() - started)
         return {"message": f"{kind} weights loaded", "num_tensors": len(tensors)}
 
     if shm_dir is not None:
         @app.post(SHM_PATH, dependencies=guarded)
         async def update_weights_shm(body: UpdateWeightsShmBody, kind: Literal["full", "adapter"] = Query(...)):
-            t0 = time.perf_counter()
+            t0 = started = time.perf_counter()
             try:  # on the engine's thread: one host-to-device copy of the staged file onto a GPU engine
                 tensors, meta = await runner.call(
                     lambda: shm_reader.read(body.file, body.bytes, getattr(engine, "weights_device", None)))
             except (ShmUpdateError, wire.WireFormatError) as exc:
                 raise EngineRequestError(f"shared-directory update: {exc}") from exc
-            return await apply_update("rm/update_weights_shm", "inband-shm", kind, tensors, meta, body.bytes,
+            return await apply_update("rm/update_weights_shm", "inband-shm", kind, tensors, meta, body.bytes, started,
                                       decode_s=round(time.perf_counter() - t0, 4))
 
     @app.get("/rm/identity/", dependencies=guarded)

@@ -14,6 +14,9 @@ Each app has its own ``CollectorRegistry`` (never the process-global default), s
 - ``rm_server_weights_version``: accepted updates since start (0: the initial weights)
 - ``rm_server_weights_info{version,engine,model}``: the engine's own weights version where it reports one
 - ``rm_server_weights_updated_timestamp_seconds``: when the last update was accepted (0: never)
+- ``rm_server_weight_sync_seconds{transport}``: one accepted weight sync as this server saw it: in-band, the request
+  (body read, decode, load); NCCL, from the sync's first update call to the ``/process_weights_after_loading/`` (or
+  ``/reset_prefix_cache/``) that ended it, the receives included. The learner's gather and merge before it are not.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+SYNC_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
@@ -50,6 +54,8 @@ class ServerMetrics:
                              registry=r)
         self.updated_at = Gauge("rm_server_weights_updated_timestamp_seconds",
                                 "unix time of the last accepted weight update (0: never)", registry=r)
+        self.sync_seconds = Histogram("rm_server_weight_sync_seconds", "one accepted weight sync, server side",
+                                      ["transport"], buckets=SYNC_BUCKETS, registry=r)
         self.info = Info("rm_server_weights", "the served weights' version as the engine reports it", registry=r)
         self.engine_kind = engine_kind
         self.model = model
@@ -61,10 +67,15 @@ class ServerMetrics:
                         "model": str(self.model)})
 
     def accepted(self, transport: str, kind: str, engine_version: object) -> None:
+        """One update of ``kind`` accepted (a merged NCCL sync of full and adapter weights counts both kinds)."""
         self.updates.labels(transport, kind).inc()
         self.version.inc()
         self.updated_at.set(time.time())
         self.set_version(engine_version)
+
+    def synced(self, transport: str, seconds: float) -> None:
+        """One weight sync accepted after ``seconds`` (see ``rm_server_weight_sync_seconds``)."""
+        self.sync_seconds.labels(transport).observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
