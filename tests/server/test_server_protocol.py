@@ -172,3 +172,33 @@ def test_identity_is_one_per_server_process(scripted_server, http):
         assert http.get(url + "/rm/info/").json()["boot_id"] == first
     with scripted_server() as (url, _):
         assert http.get(url + "/rm/identity/").json()["boot_id"] not in (first, None, "")
+
+
+@pytest.mark.parametrize("top", [None, 3])
+def test_logprobs_are_the_models_own_per_token(serve, http, tiny_text_dir, top):
+    """ms-swift's GRPO learner asks every rollout for ``logprobs`` (its importance-sampling correction) and reads
+    ``choices[0].logprobs.content[i].logprob``; the hf engine answers with the model's log-softmax."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.server.logprobs_check import check_logprobs_against_model, logprobs_body
+    from trainer.server.app import create_app
+    from trainer.server.hf_engine import HFServerEngine
+
+    with serve(create_app(HFServerEngine(tiny_text_dir))) as url:
+        r = http.post(url + "/infer/", json=logprobs_body(MSGS, top))
+        assert r.status_code == 200, r.text
+        plain = http.post(url + "/infer/", json=infer_body(1)).json()[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_text_dir, dtype=torch.float32).eval()
+    check_logprobs_against_model(r.json()[0], model, top, tol=1e-4)
+    assert plain["response"]["choices"][0]["logprobs"] is None, "only when asked for"
+
+
+def test_logprobs_from_an_engine_without_them_and_prompt_logprobs_are_clear_400s(scripted_server, http,
+                                                                                  tiny_text_dir):
+    with scripted_server(tiny_text_dir) as (url, _):
+        r = http.post(url + "/infer/", json={"infer_requests": [{"messages": MSGS}],
+                                             "request_config": {"logprobs": True}})
+        assert r.status_code == 400 and "scripted engine does not return log-probabilities" in r.json()["detail"]
+        r = http.post(url + "/infer/", json={"infer_requests": [{"messages": MSGS}],
+                                             "request_config": {"prompt_logprobs": 2}})
+        assert r.status_code == 400 and "prompt_logprobs" in r.json()["detail"]

@@ -109,6 +109,19 @@ def test_served_greedy_ids_match_hf(vllm_server, hf_model, tiny_tok, stop_ids):
     assert any("qkv_proj" in k for k in keys), "vLLM's runtime names (fused qkv) expected"
 
 
+@pytest.mark.parametrize("top", [None, 2])
+def test_logprobs_answer_like_swift_rollout(vllm_server, hf_model, top):
+    """ms-swift's GRPO learner sends ``logprobs: true`` with every rollout (its importance-sampling correction) and
+    reads ``choices[0].logprobs.content[i].logprob``: vLLM's processed log-probabilities, equal to the model's."""
+    from tests.server.logprobs_check import check_logprobs_against_model, logprobs_body
+
+    server = vllm_server.servers[0]
+    msgs = [{"role": "user", "content": "Detect every object.\nScene: one red square"}]
+    r = vllm_server.client.post(server.base_url + "/infer/", json=logprobs_body(msgs, top), headers=server.headers())
+    assert r.status_code == 200, r.text
+    check_logprobs_against_model(r.json()[0], hf_model, top, tol=1e-3)
+
+
 def test_weight_sync_over_inband_transport(vllm_server, hf_model, tiny_tok, stop_ids):
     from peft import LoraConfig, get_peft_model
 

@@ -26,6 +26,21 @@ from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
+
+def token_logprobs(scores: Sequence[torch.Tensor], row: int, tokens: Sequence[int], top: int) -> tuple[dict[int, float], ...]:
+    """Per generated token of batch row ``row``: {id: log-probability} of the sampled token and the ``top`` most
+    likely, from ``generate``'s per-step processed ``scores`` ([batch, vocab] each)."""
+    out = []
+    for step, token in enumerate(tokens):
+        lp = torch.log_softmax(scores[step][row].float(), dim=-1)
+        entry = {int(token): float(lp[token])}
+        if top:
+            values, ids = lp.topk(top)
+            entry.update({int(k): float(v) for k, v in zip(ids.tolist(), values.tolist())})
+        out.append(entry)
+    return tuple(out)
+
+
 class HFRolloutEngine:
     """Decodes with the training model itself (``rollout_backend: hf``).
 
@@ -129,7 +144,12 @@ class HFRolloutEngine:
         else:
             kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
                           top_k=params.top_k if params.top_k > 0 else None)
+        scores = None
+        if params.logprobs is not None:  # the processed scores (penalty, temperature, top-k/p applied): as sampled
+            kwargs.update(output_scores=True, return_dict_in_generate=True)
         out = self.model.generate(**batch, **kwargs)
+        if params.logprobs is not None:
+            out, scores = out.sequences, out.scores
         width = batch["input_ids"].shape[1]
         results = []
         for i, r in enumerate(requests[:real]):
@@ -141,7 +161,8 @@ class HFRolloutEngine:
                 if t in self.stop_ids:
                     finish = "stop"
                     break
-            results.append(RolloutResult(r.sample_id, tuple(prompt), tuple(response), finish))
+            logprobs = None if scores is None else token_logprobs(scores, i, response, params.logprobs or 0)
+            results.append(RolloutResult(r.sample_id, tuple(prompt), tuple(response), finish, logprobs=logprobs))
         return results
 
     @torch.no_grad()

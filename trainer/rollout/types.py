@@ -25,6 +25,8 @@ class DecodingParams:
     top_k: int = -1
     repetition_penalty: float = 1.0
     seed: int | None = None
+    #: None: no log-probabilities; k >= 0: each new token's log-probability and the k most likely alternatives'
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +63,9 @@ class RolloutResult:
     response_token_ids: tuple[int, ...]
     finish_reason: Literal["stop", "length"] = "stop"
     extra: dict[str, Any] = field(default_factory=dict)
+    #: with ``DecodingParams.logprobs``: per new token, {token id: log-probability} holding the sampled token and the
+    #: requested alternatives (as the sampler saw them: after temperature and penalties)
+    logprobs: tuple[dict[int, float], ...] | None = None
 
     @property
     def truncated(self) -> bool:

@@ -78,6 +78,8 @@ def sampling_params(params: DecodingParams, stop_ids: Sequence[int]):
         kwargs.update(temperature=0.0)
     else:
         kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
+    if params.logprobs is not None:
+        kwargs["logprobs"] = params.logprobs
     return SamplingParams(**kwargs)
 
 
@@ -86,7 +88,8 @@ def results_from_outputs(requests: Sequence[RolloutRequest], outputs: Sequence[D
     for r, out in zip(requests, outputs):
         if out.finish_reason not in ("stop", "length"):
             raise VllmEngineError(f"sample {r.sample_id!r}: vLLM finished with {out.finish_reason!r}")
-        results.append(RolloutResult(r.sample_id, out.prompt_token_ids, out.token_ids, out.finish_reason))
+        results.append(RolloutResult(r.sample_id, out.prompt_token_ids, out.token_ids, out.finish_reason,
+                                     logprobs=out.logprobs))
     return results
 
 

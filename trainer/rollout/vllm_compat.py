@@ -158,9 +158,15 @@ class Decoded:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     finish_reason: str
+    logprobs: tuple[dict[int, float], ...] | None = None
 
 
 def decoded(output) -> Decoded:
-    """A ``vllm.RequestOutput`` (one completion) as ``Decoded``."""
+    """A ``vllm.RequestOutput`` (one completion) as ``Decoded``; its per-token ``logprobs`` (``{id: Logprob}`` per
+    position, list or vLLM's flat container) as plain ``{id: float}`` when they were asked for."""
     choice = output.outputs[0]
-    return Decoded(tuple(output.prompt_token_ids or ()), tuple(choice.token_ids), str(choice.finish_reason))
+    logprobs = None
+    if choice.logprobs is not None:
+        logprobs = tuple({int(k): float(v.logprob) for k, v in choice.logprobs[i].items()}
+                         for i in range(len(choice.token_ids)))
+    return Decoded(tuple(output.prompt_token_ids or ()), tuple(choice.token_ids), str(choice.finish_reason), logprobs)

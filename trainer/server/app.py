@@ -51,6 +51,7 @@ from trainer.server.protocol import (
     UpdateFlattenedParamsBody,
     UpdateNamedParamBody,
     UpdateWeightsShmBody,
+    logprobs_content,
     rollout_output,
 )
 from trainer.sync import wire
@@ -215,8 +216,8 @@ def decoding_params(cfg: RequestConfigIn | None, default_max_tokens: int) -> Dec
         unsupported.append("stream=true")
     if cfg.stop:
         unsupported.append("stop strings (decoding stops at the model's end-of-turn/EOS ids)")
-    if cfg.logprobs or cfg.top_logprobs or cfg.prompt_logprobs:
-        unsupported.append("logprobs")
+    if cfg.prompt_logprobs:
+        unsupported.append("prompt_logprobs")
     if cfg.structured_outputs_regex:
         unsupported.append("structured_outputs_regex")
     if unsupported:
@@ -228,6 +229,7 @@ def decoding_params(cfg: RequestConfigIn | None, default_max_tokens: int) -> Dec
         top_k=cfg.top_k if cfg.top_k is not None else -1,
         repetition_penalty=cfg.repetition_penalty if cfg.repetition_penalty is not None else 1.0,
         seed=cfg.seed,
+        logprobs=(cfg.top_logprobs or 0) if (cfg.logprobs or cfg.top_logprobs) else None,
     )
 
 
@@ -340,6 +342,10 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         if body.adapter_request:
             raise EngineRequestError("adapter_request is not supported; sync the adapter with the weight-update endpoints")
         params = decoding_params(body.request_config, default_max_tokens)
+        if params.logprobs is not None and not getattr(engine, "returns_logprobs", False):
+            raise EngineRequestError(f"request_config.logprobs: the {engine.kind} engine does not return "
+                                     "log-probabilities (serve with --engine vllm or hf, or drop logprobs)")
+        top = body.request_config.top_logprobs if body.request_config else None
         requests = [engine.encode(r, i) for i, r in enumerate(body.infer_requests)]
         start = time.perf_counter()
         metrics.in_flight.inc()
@@ -353,7 +359,9 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         metrics.generated_tokens.inc(sum(len(res.response_token_ids) for res in results))
         return [rollout_output(engine.model_name, list(res.prompt_token_ids), list(res.response_token_ids),
                                res.finish_reason, engine.decode_text(res.response_token_ids), res.extra,
-                               images_size=request_image_sizes(req.images))
+                               images_size=request_image_sizes(req.images),
+                               logprobs=None if params.logprobs is None else logprobs_content(
+                                   res, engine.token_text, top))
                 for req, res in zip(body.infer_requests, results)]
 
     @app.post("/init_communicator/", dependencies=guarded)

@@ -95,6 +95,10 @@ class PromptCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (the ``token`` of a logprobs entry)."""
+        return self.tokenizer.decode([token_id])
+
 
 def load_codec(model_dir: str | Path) -> PromptCodec:
     from transformers import AutoConfig, AutoTokenizer

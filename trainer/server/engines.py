@@ -25,6 +25,8 @@ class ServerEngine(Protocol):
     model_name: str
     world_size: int
     enable_lora: bool
+    #: fills ``RolloutResult.logprobs`` when ``DecodingParams.logprobs`` is set, and has ``token_text(id)``
+    returns_logprobs: bool
 
     def encode(self, request: RolloutInferRequestIn, index: int) -> RolloutRequest: ...
 

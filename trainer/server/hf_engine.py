@@ -19,6 +19,7 @@ from trainer.sync.weights import AdapterWeights
 
 class HFServerEngine(LocalNcclMixin):
     kind = "hf"
+    returns_logprobs = True  # /infer/ with request_config.logprobs: per-token log-probabilities, as sampled
     world_size = 1
     enable_lora = False
 
@@ -49,6 +50,9 @@ class HFServerEngine(LocalNcclMixin):
 
     def decode_text(self, ids: Sequence[int]) -> str:
         return self.codec.decode(ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.codec.token_text(token_id)
 
     def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
         return self.rollout.generate(requests, params)

@@ -177,9 +177,30 @@ class UpdateWeightsShmBody(_Strict):
     bytes: int = Field(gt=8)
 
 
+def logprobs_content(result, token_text, top: int | None) -> dict[str, Any]:
+    """A choice's ``logprobs`` as ``swift rollout`` answers it: ``{"content": [{"token", "logprob", "bytes"}, ...]}``,
+    one entry per new token of ``result`` (a ``RolloutResult`` with ``logprobs``); with ``top`` each entry also has
+    ``top_logprobs``, the ``top`` most likely tokens, best first. ``token_text(id)``: the token as text."""
+    if result.logprobs is None or len(result.logprobs) != len(result.response_token_ids):
+        raise RuntimeError(f"sample {result.sample_id!r}: the engine returned "
+                           f"{'no' if result.logprobs is None else len(result.logprobs)} log-probabilities for "
+                           f"{len(result.response_token_ids)} new tokens")
+    content = []
+    for token, dist in zip(result.response_token_ids, result.logprobs):
+        text = token_text(token)
+        entry: dict[str, Any] = {"token": text, "logprob": dist[token], "bytes": list(text.encode("utf-8"))}
+        if top is not None:
+            best = sorted((k for k in dist if dist[k] != float("-inf")), key=lambda k: -dist[k])[:top]
+            entry["top_logprobs"] = [{"token": (t := token_text(k)), "logprob": dist[k],
+                                      "bytes": list(t.encode("utf-8"))} for k in best]
+        content.append(entry)
+    return {"content": content}
+
+
 def rollout_output(model: str, prompt_ids: list[int], response_ids: list[int], finish_reason: str, text: str,
                    rollout_infos: dict[str, Any] | None = None,
-                   images_size: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+                   images_size: list[tuple[int, int]] | None = None,
+                   logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``RolloutOutput`` item wrapping a ``ChatCompletionResponse`` with token ids, with every field the real
     ``swift rollout`` (ms-swift 4.6) answers: the multi-turn fields empty (one turn: the trainer reads the choice's
     token ids), ``images_size`` the ``(width, height)`` of each request image (``None`` without images)."""
@@ -189,7 +210,7 @@ def rollout_output(model: str, prompt_ids: list[int], response_ids: list[int], f
             "index": 0,
             "message": {"role": "assistant", "content": text},
             "finish_reason": finish_reason,
-            "logprobs": None,
+            "logprobs": logprobs,
             "token_ids": list(response_ids),
         }],
         "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(response_ids),

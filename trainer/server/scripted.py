@@ -71,6 +71,7 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 class ScriptedEngine(LocalNcclMixin):
     kind = "scripted"
+    returns_logprobs = False  # scripted tokens have no distribution: /infer/ with logprobs is a 400
     world_size = 1
 
     def __init__(self, model_dir: str | Path | None = None, responses: dict[str, str | list[int]] | None = None,

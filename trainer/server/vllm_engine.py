@@ -65,6 +65,7 @@ def _worker_nccl_close(worker) -> None:
 
 class VllmServerEngine(LocalNcclMixin):
     kind = "vllm"
+    returns_logprobs = True  # /infer/ with request_config.logprobs: per-token log-probabilities, as sampled
 
     def __init__(self, model_dir: str | Path, *, max_model_len: int, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.45, enable_lora: bool = False, max_lora_rank: int = 64,
@@ -82,7 +83,7 @@ class VllmServerEngine(LocalNcclMixin):
             model_dir=str(model_dir), max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
             enable_prefix_caching=enable_prefix_caching, seed=seed, dtype=dtype, allow_dtype_cast=allow_dtype_cast,
-            engine_kwargs=dict(engine_kwargs or {}), key=KEY))
+            engine_kwargs={"logprobs_mode": "processed_logprobs", **(engine_kwargs or {})}, key=KEY))
         self.weights_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         self._staged_meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -92,6 +93,9 @@ class VllmServerEngine(LocalNcclMixin):
 
     def decode_text(self, ids: Sequence[int]) -> str:
         return self.codec.decode(ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.codec.token_text(token_id)
 
     def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
         try:
