@@ -231,6 +231,11 @@ def test_4b_shape_builds_a_vl_summary_run_with_images_on_gpu_1(tmp_path):
 
     assert rows and all(len(r["images"]) == 1 and "<image>" in r["messages"][-1]["content"] for r in rows)
     assert Image.open(rows[0]["images"][0]).size == (1024, 1024)
+    with_plugin = sp.with_template_ids_plugin(argv)
+    plugins = with_plugin[with_plugin.index("--external_plugins") + 1:]
+    plugins = plugins[:next((i for i, a in enumerate(plugins) if a.startswith("--")), len(plugins))]
+    assert plugins[0].endswith("swift_plugin.py") and plugins[1].endswith("swift_template_ids.py")
+    assert len(with_plugin) == len(argv) + 1
     serve = sp.serve_argv(MODEL, 8124, shape, 0.85)
     assert "--enforce-eager" not in serve and _after(serve, "--max-model-len") == "8192"
     assert _after(serve, "--gpu-memory-utilization") == "0.85"
@@ -255,7 +260,6 @@ def test_server_timings_read_our_servers_metrics(tmp_path, tiny_model_dir):
     """The rlhf direction's generate/sync figures come from the server's own /metrics; here a scripted server
     after two /infer/ calls and one in-band sync."""
     import httpx
-    import torch
     from safetensors.torch import load_file, save
 
     from trainer.launch.ports import listen_port
@@ -280,3 +284,23 @@ def test_server_timings_read_our_servers_metrics(tmp_path, tiny_model_dir):
         peer.stop()
     assert t["infer_calls"] == 2 and t["infer_s"] > 0 and t["generated_tokens"] > 0 and t["prompt_tokens"] > 0
     assert t["syncs"] == 1 and t["sync_s"] > 0
+
+
+def test_template_ids_plugin_points_swift_qwen_vl_templates_at_the_tokenizer(tmp_path):
+    """In a fresh interpreter (it patches ms-swift's template classes on import)."""
+    pytest.importorskip("swift", reason="ms-swift is not installed (make setup installs it via mk/grpo.mk)")
+    import subprocess
+
+    from trainer.modeling.fixtures import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.save_pretrained(tmp_path)
+    code = ("import runpy; runpy.run_path('trainer/bench/swift_template_ids.py'); "
+            "from swift.template.templates.qwen import Qwen2VLTemplate, Qwen3VLTemplate; "
+            "print(Qwen3VLTemplate.image_token_id, Qwen3VLTemplate.video_token_id, Qwen2VLTemplate.image_token_id)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=sp.REPO, env={**os.environ, "RM_BENCH_TOKENIZER_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    image, video = tok.convert_tokens_to_ids("<|image_pad|>"), tok.convert_tokens_to_ids("<|video_pad|>")
+    assert out.stdout.split()[-3:] == [str(image), str(video), str(image)]
+    assert image != 151655

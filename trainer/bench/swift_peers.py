@@ -681,6 +681,16 @@ def grpo_step_summary(steps: list[float], server: dict[str, float], records: lis
             "learner_peak_reserved_gib": max(mem) if mem else None}
 
 
+def with_template_ids_plugin(argv: list[str]) -> list[str]:
+    """``argv`` with ``trainer/bench/swift_template_ids.py`` added to its ``--external_plugins`` (after the ones
+    there)."""
+    plugin = str(Path(__file__).with_name("swift_template_ids.py"))
+    i = argv.index("--external_plugins") + 1
+    while i < len(argv) and not argv[i].startswith("--"):
+        i += 1
+    return [*argv[:i], plugin, *argv[i:]]
+
+
 def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: dict[str, Any], save,
              shape: RlhfShape = RLHF_SHAPES["text"], device_count: int = 0) -> None:
     port, group_port = free_port(), free_port()
@@ -697,6 +707,9 @@ def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: di
         cfg = grpo_config(work, model_dir, port, group_port, shape=shape, server_util=where["server_util"])
         argv_rlhf, env = rlhf_command(cfg, where["learner_gpus"])
         env["MASTER_PORT"] = str(free_port())
+        if shape.images:  # the embedded tokenizer's image ids for ms-swift's Qwen-VL template (module docstring)
+            argv_rlhf = with_template_ids_plugin(argv_rlhf)
+            env["RM_BENCH_TOKENIZER_DIR"] = str(model_dir)
         (out / "logs/peers_grpo.yaml").write_text(cfg.read_text())
         r["learner"] = {"env": env}
         r["learner"].update(run_logged(argv_rlhf, out / "logs/swift_rlhf.log",
