@@ -251,7 +251,7 @@ def test_step_seconds_undo_swift_running_mean():
               "prompt_tokens": 4000.0}
     t = sp.grpo_step_summary([30.0, 10.0, 8.0], server, records)
     assert t["step_s_mean"] == 9.0 and t["steps_in_mean"] == "2..3"
-    assert t["generate_s_per_call"] == 5.0 and t["weight_sync_s_per_sync_server_side"] == 0.5
+    assert t["generate_s_per_step"] == 5.0 and t["weight_sync_s_per_sync_server_side"] == 0.5
     assert t["rest_of_step_s"] == 3.5 and t["learner_peak_reserved_gib"] == 41.5
     assert sp.grpo_step_summary([], {**server, "infer_calls": 0.0}, [])["step_s_mean"] is None
 

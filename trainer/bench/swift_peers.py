@@ -666,15 +666,16 @@ def step_seconds(records: list[dict[str, Any]]) -> list[float]:
 
 def grpo_step_summary(steps: list[float], server: dict[str, float], records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per step: the learner's wall seconds (mean of steps 2.. when there are more than one: step 1 pays the
-    warm-ups), and the server's generate and weight-sync seconds per call."""
+    warm-ups); the server's ``/infer/`` seconds over the run per step (ms-swift generates once per step here, and
+    its connection check adds one short call, ~0.1 s, counted in) and seconds per weight sync (server side)."""
     timed = steps[1:] if len(steps) > 1 else steps
-    gen = server["infer_s"] / server["infer_calls"] if server["infer_calls"] else None
+    gen = server["infer_s"] / len(steps) if steps else None
     sync = server["sync_s"] / server["syncs"] if server["syncs"] else None
     mean = sum(timed) / len(timed) if timed else None
     mem = [float(r["memory(GiB)"]) for r in records if "memory(GiB)" in r]
     return {"steps_s": steps, "step_s_mean": round(mean, 3) if mean else None,
             "steps_in_mean": f"{len(steps) - len(timed) + 1}..{len(steps)}" if timed else None,
-            "generate_s_per_call": round(gen, 3) if gen else None, "infer_calls": int(server["infer_calls"]),
+            "generate_s_per_step": round(gen, 3) if gen else None, "infer_calls": int(server["infer_calls"]),
             "weight_sync_s_per_sync_server_side": round(sync, 3) if sync else None, "syncs": int(server["syncs"]),
             "generated_tokens": int(server["generated_tokens"]), "prompt_tokens": int(server["prompt_tokens"]),
             "rest_of_step_s": round(mean - (gen or 0.0) - (sync or 0.0), 3) if mean else None,
