@@ -21,9 +21,11 @@ One module per benchmark, all building their random-weight models with ``trainer
   stage-2 learner with ``async_rollouts``, with a server killed, stalled and refusing one update mid-run: spread,
   sync to N vs one, learner idle, the fault outcomes and the ledger (``fleet_<gpu|cpu>.json`` / ``.png``;
   ``trainer.bench.fleet``);
-* ``swift-peers``: ms-swift peers on one GPU, our client against the real ``swift rollout`` and ``swift rlhf``
-  (GRPO, server mode) against our server, protocol findings and every log (``swift_peers.json`` + ``logs/``; GPU;
-  ``trainer.bench.swift_peers``, also ``python -m trainer.bench.swift_peers --out DIR [--only rollout|rlhf]``);
+* ``swift-peers``: ms-swift peers, our client against the real ``swift rollout`` and ``swift rlhf`` (GRPO, server
+  mode) against our server, protocol findings and every log (``swift_peers.json`` + ``logs/``; GPU, the GRPO
+  direction on two GPUs when there are two; ``RM_BENCH_SWIFT_SIZE=4b``: that direction at Qwen3-VL-4B with images,
+  timed per step; ``trainer.bench.swift_peers``, also ``python -m trainer.bench.swift_peers --out DIR
+  [--only rollout|rlhf] [--size text|4b]``);
 * ``sync-host``: the host-side work of a weight sync (``full_weights`` + ``check_update``) per tensor count, plain
   and LoRA-merged, tiny widths so the per-tensor overhead shows (``sync_host.json`` / ``.png``; CPU;
   ``trainer.bench.sync_host``);
