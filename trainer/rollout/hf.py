@@ -26,7 +26,6 @@ from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
-
 def token_logprobs(scores: Sequence[torch.Tensor], row: int, tokens: Sequence[int], top: int) -> tuple[dict[int, float], ...]:
     """Per generated token of batch row ``row``: {id: log-probability} of the sampled token and the ``top`` most
     likely, from ``generate``'s per-step processed ``scores`` ([batch, vocab] each)."""
