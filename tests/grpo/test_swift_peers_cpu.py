@@ -213,6 +213,9 @@ def test_two_gpus_put_the_server_and_the_learner_on_their_own_device():
     assert two["server_env"] == {"CUDA_VISIBLE_DEVICES": "0"} and two["learner_gpus"] == [1]
     assert two["server_util"] > one["server_util"] == 0.3
     assert one["server_env"] == {} and one["learner_gpus"] is None and sp.placement(0) == one
+    assert sp.learner_env(two)["CUDA_VISIBLE_DEVICES"] == "1"
+    assert sp.learner_env(one).get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert _after(sp.rollout_argv(MODEL, 8123, two["server_util"]), "--vllm_gpu_memory_utilization") == "0.85"
 
 
 def test_4b_shape_builds_a_vl_summary_run_with_images_on_gpu_1(tmp_path):

@@ -89,8 +89,9 @@ RLHF_SHAPES = {
 
 
 def placement(device_count: int) -> dict[str, Any]:
-    """Where the rlhf direction's two processes run: on 2+ GPUs our server on GPU 0 and the learner on GPU 1 (NCCL
-    needs two devices); on one GPU (or none) both share it, the server at 0.3 of its memory."""
+    """Where each direction's two processes run: on 2+ GPUs the server (ours or ``swift rollout``) on GPU 0 and the
+    other side (ms-swift's learner or our rollout client) on GPU 1 (NCCL needs two devices); on one GPU (or none)
+    both share it, the server at 0.3 of its memory."""
     if device_count >= 2:
         return {"server_env": {"CUDA_VISIBLE_DEVICES": "0"}, "learner_gpus": [1], "server_util": 0.85,
                 "layout": "server on GPU 0, learner on GPU 1"}
@@ -356,13 +357,13 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 # -- direction (a): our client against swift rollout ---------------------------------------------------------------------
-def rollout_argv(model_dir: Path, port: int) -> list[str]:
+def rollout_argv(model_dir: Path, port: int, util: float = 0.3) -> list[str]:
     """``swift rollout`` as our launcher builds it (one GPU, tiny model), with ``swift`` replaced by its module."""
     from trainer.launch.commands import ServerOptions, swift_rollout_command
 
     cmd = swift_rollout_command(ServerOptions(
         engine="swift", host=HOST, port=port, model=str(model_dir), tensor_parallel_size=1, data_parallel_size=1,
-        gpu_memory_utilization=0.3, max_model_len=2048, model_type=MODEL_TYPE, template=TEMPLATE,
+        gpu_memory_utilization=util, max_model_len=2048, model_type=MODEL_TYPE, template=TEMPLATE,
         extra=["--vllm_enforce_eager", "true", "--torch_dtype", "bfloat16"]))
     assert cmd.argv[:2] == ["swift", "rollout"], cmd.argv
     return swift_cli("rollout") + cmd.argv[2:]
@@ -388,20 +389,29 @@ def started_and_probed(url: str, server: Peer, wait_s: float, r: dict[str, Any],
     return True
 
 
-def run_rollout(out: Path, model_dir: Path, deadline: float, result: dict[str, Any], save) -> None:
+def learner_env(where: dict[str, Any]) -> dict[str, str]:
+    """The environment of our side's process (the learner or the rollout client) for ``placement``'s layout."""
+    gpus = where["learner_gpus"]
+    return peer_env({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else None)
+
+
+def run_rollout(out: Path, model_dir: Path, deadline: float, result: dict[str, Any], save,
+                device_count: int = 0) -> None:
     port = free_port()
     url = f"http://{HOST}:{port}"
     r: dict[str, Any] = result.setdefault("rollout", {"worked": [], "failed": {}})
-    argv = rollout_argv(model_dir, port)
-    server = Peer(argv, out / "logs/swift_rollout.log")
-    r["server"] = {"command": shlex.join(argv)}
+    where = placement(device_count)
+    r["placement"] = where["layout"]
+    argv = rollout_argv(model_dir, port, where["server_util"])
+    server = Peer(argv, out / "logs/swift_rollout.log", env=peer_env(where["server_env"]))
+    r["server"] = {"command": shlex.join(argv), "env": where["server_env"]}
     try:
         if not started_and_probed(url, server, min(240.0, deadline - time.monotonic() - 20), r, save):
             return
         res = out / "logs/rollout_client.json"
         left = deadline - time.monotonic() - 15
         r["client"] = run_logged(client_argv(url, model_dir, res, "all"), out / "logs/rollout_client.log",
-                                 min(200.0, left * 0.8))
+                                 min(200.0, left * 0.8), env=learner_env(where))
         stages = json.loads(res.read_text()) if res.is_file() else {}
         r["client"]["stages"] = stages
         if r["client"]["timed_out"]:
@@ -411,7 +421,7 @@ def run_rollout(out: Path, model_dir: Path, deadline: float, result: dict[str, A
             res2 = out / "logs/rollout_client_retry.json"
             r["client_retry"] = run_logged(client_argv(url, model_dir, res2, "generate"),
                                            out / "logs/rollout_client_retry.log",
-                                           min(60.0, deadline - time.monotonic() - 12))
+                                           min(60.0, deadline - time.monotonic() - 12), env=learner_env(where))
             r["client_retry"]["stages"] = json.loads(res2.read_text()) if res2.is_file() else {}
             if "generate_fresh_client" not in r["client_retry"]["stages"]:
                 r["client_retry"]["stages"]["generate_fresh_client"] = {
@@ -827,7 +837,7 @@ def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S
         if only in (None, "rollout"):
             end = t_start + budget_s * ROLLOUT_SHARE if both else deadline
             try:
-                run_rollout(out, model_dir, end, result, save)
+                run_rollout(out, model_dir, end, result, save, devices)
             except Exception as exc:  # noqa: BLE001 - recorded
                 result.setdefault("rollout", {}).setdefault("failed", {})["runner"] = \
                     f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
