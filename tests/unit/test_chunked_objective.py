@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_supervised_logits import _setup
+from tests.unit.test_supervised_logits import _setup, _setup_batch
 from trainer.losses.chunked_objective import chunked_objective
 from trainer.losses.objective import LossWeights, objective_from_rows
 from trainer.losses.supervised_logits import supervised_rows
-from trainer.packing.batching import pad_targets
 from trainer.packing.packed_batch import pack_targets
 from trainer.sft.forward import forward_loss
 
@@ -26,10 +25,7 @@ def _run(model, batch, coord_ids, w, chunk):
 @pytest.mark.parametrize("kind, layout", [("text", "padded"), ("text", "packed"), ("vl", "packed")])
 @pytest.mark.parametrize("gate", [1.0, 0.0])
 def test_chunked_objective_equals_all_rows(kind, layout, gate):
-    model, tok, targets, coord_ids = _setup(kind)
-    image_token_id = getattr(model.config, "image_token_id", None)
-    batch = (pad_targets(targets, tok.pad_token_id, image_token_id) if layout == "padded"
-             else pack_targets(targets, "sdpa", model, image_token_id))
+    model, batch, coord_ids = _setup_batch(kind, layout)
     w = LossWeights(coord_gate=gate)
     want_loss, want_terms, want_grads = _run(model, batch, coord_ids, w, None)
     assert want_terms["tokens/ce"] > 7 and want_terms["tokens/coord"] > 7

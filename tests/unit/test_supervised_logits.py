@@ -30,6 +30,15 @@ def _setup(kind: str):
     return model, tok, targets, coord_ids
 
 
+def _setup_batch(kind: str, layout: str):
+    """``_setup(kind)``'s model, its targets as one ``padded`` or ``packed`` batch, and the coord ids."""
+    model, tok, targets, coord_ids = _setup(kind)
+    image_token_id = getattr(model.config, "image_token_id", None)
+    batch = (pad_targets(targets, tok.pad_token_id, image_token_id) if layout == "padded"
+             else pack_targets(targets, "sdpa", model, image_token_id))
+    return model, batch, coord_ids
+
+
 def _loss_and_grads(model, batch, coord_ids, w, supervised: bool):
     model.zero_grad(set_to_none=True)
     inputs = {k: v for k, v in batch.items() if k not in LOSS_KEYS}
@@ -50,10 +59,7 @@ def _loss_and_grads(model, batch, coord_ids, w, supervised: bool):
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("gate", [1.0, 0.0])
 def test_supervised_rows_match_full_logits(kind, layout, gate):
-    model, tok, targets, coord_ids = _setup(kind)
-    image_token_id = getattr(model.config, "image_token_id", None)
-    batch = (pad_targets(targets, tok.pad_token_id, image_token_id) if layout == "padded"
-             else pack_targets(targets, "sdpa", model, image_token_id))
+    model, batch, coord_ids = _setup_batch(kind, layout)
     w = LossWeights(coord_gate=gate)
     full_loss, full_terms, full_grads = _loss_and_grads(model, batch, coord_ids, w, supervised=False)
     sup_loss, sup_terms, sup_grads = _loss_and_grads(model, batch, coord_ids, w, supervised=True)

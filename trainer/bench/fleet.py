@@ -113,8 +113,6 @@ GPU_SHAPE = dict(vocab_size=2048)
 
 
 # -- the server processes ---------------------------------------------------------------------------------------------
-
-
 @dataclass
 class ServerProcess:
     """One ``trainer.bench.fleet_server`` subprocess in its own process group, output appended to ``log_path``."""

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.losses.coord import coord_row_terms
+from trainer.losses.coord import check_coord_only_gate, coord_row_terms
 from trainer.losses.objective import LossWeights
 from trainer.losses.supervised_logits import project_coord_columns, supervised_hidden
 
@@ -43,9 +43,7 @@ def chunked_objective(hidden: torch.Tensor, head: torch.nn.Module, batch: dict[s
     batch, coord_ids, coord_only)``, with at most ``chunk_rows`` rows of logits alive at a time."""
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    if coord_only and w.coord_gate:
-        raise ValueError("coord-only logits cannot compute the coord gate; set coord_gate_weight: 0 or use "
-                         "full-vocabulary coord rows")
+    check_coord_only_gate(coord_only, w.coord_gate)
     ce_hidden, coord_hidden = supervised_hidden(hidden, batch)
     labels = batch["ce_labels"].to(hidden.device)
     targets = batch["coord_targets"].to(hidden.device)

@@ -31,14 +31,19 @@ def soft_targets(target_bins: torch.Tensor, sigma: float, num_bins: int = NUM_BI
     return torch.softmax(logits, dim=-1)
 
 
+def check_coord_only_gate(coord_only: bool, gate_weight: float) -> None:
+    """Coord-only rows (the K coord columns) cannot give the gate, which needs the full vocabulary."""
+    if coord_only and gate_weight:
+        raise ValueError("coord-only logits cannot compute the coord gate; set coord_gate_weight: 0 or use "
+                         "full-vocabulary coord rows")
+
+
 def coord_row_terms(logits: torch.Tensor, coord_ids: torch.Tensor, target_bins: torch.Tensor, sigma: float,
                     coord_only: bool = False, need_gate: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row ``(softce, w1, gate)`` (float32, ``[N]`` each) of the rows ``logits`` (see ``coord_loss``); the gate
     is zeros for coord-only rows."""
-    if coord_only and need_gate:
-        raise ValueError("coord-only logits cannot compute the coord gate; set coord_gate_weight: 0 or use "
-                         "full-vocabulary coord rows")
+    check_coord_only_gate(coord_only, need_gate)
     logits = logits.float()
     coord_logits = logits if coord_only else logits.index_select(-1, coord_ids)
     log_p = F.log_softmax(coord_logits, dim=-1)
@@ -59,9 +64,7 @@ def coord_loss(logits: torch.Tensor, coord_ids: torch.Tensor, target_bins: torch
                coord_only: bool = False) -> CoordLossTerms:
     """``logits``: N×V rows that predict the supervised coord tokens (N×K coord columns in ``coord_ids`` order
     when ``coord_only``; the gate needs the full vocabulary, so then ``w_gate`` must be 0); mean over N."""
-    if coord_only and w_gate:
-        raise ValueError("coord-only logits cannot compute the coord gate; set coord_gate_weight: 0 or use "
-                         "full-vocabulary coord rows")
+    check_coord_only_gate(coord_only, w_gate)
     n = logits.shape[0]
     if n == 0:
         zero = logits.sum() * 0.0
