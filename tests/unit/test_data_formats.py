@@ -34,14 +34,16 @@ def rle_counts(height: int, width: int, rows: slice, cols: slice) -> str:
 
 
 def coco_fixture(root: Path) -> tuple[Path, Path]:
-    """Three images (one without annotations) and annotations covering every rule; returns (json, images dir)."""
+    """Four images (one without annotations, one whose annotations are all skipped or dropped) and annotations
+    covering every rule; returns (json, images dir)."""
     images = root / "images"
-    for name, (w, h) in {"a.png": (100, 80), "sub/b.png": (64, 48), "c.png": (50, 50)}.items():
+    for name, (w, h) in {"a.png": (100, 80), "sub/b.png": (64, 48), "c.png": (50, 50), "d.png": (40, 40)}.items():
         png(images / name, w, h)
     data = {
         "images": [{"id": 1, "file_name": "a.png", "width": 100, "height": 80},
                    {"id": 2, "file_name": "sub/b.png", "width": 64, "height": 48},
-                   {"id": 3, "file_name": "c.png", "width": 50, "height": 50}],
+                   {"id": 3, "file_name": "c.png", "width": 50, "height": 50},
+                   {"id": 4, "file_name": "d.png", "width": 40, "height": 40}],
         "categories": [{"id": 1, "name": "cat"}, {"id": 7, "name": "teddy bear"}],
         "annotations": [
             {"id": 101, "image_id": 1, "category_id": 1, "bbox": [10, 20, 30, 40], "iscrowd": 0,
@@ -55,6 +57,8 @@ def coco_fixture(root: Path) -> tuple[Path, Path]:
             {"id": 105, "image_id": 2, "category_id": 7, "bbox": [40.5, 10, 24, 20]},  # 0.5 px past the right edge
             {"id": 106, "image_id": 2, "category_id": 1, "bbox": [5, 5, 0, 10]},  # zero width
             {"id": 107, "image_id": 2, "category_id": 1, "bbox": [30, 30, 50, 10]},  # 16 px past the right edge
+            {"id": 108, "image_id": 4, "category_id": 1, "bbox": [0, 0, 40, 30], "iscrowd": 1},  # image 4: a crowd
+            {"id": 109, "image_id": 4, "category_id": 7, "bbox": [35, 5, 20, 10]},  # and one 15 px outside
         ],
     }
     path = root / "instances.json"
@@ -85,12 +89,14 @@ def test_coco_import_boxes_with_every_rule_counted(tmp_path, capsys):
                                   {"desc": "cat", "bbox_2d": [60.0, 5.0, 80.0, 15.0]}]
     assert rows[1]["objects"] == [{"desc": "teddy bear", "bbox_2d": [40.5, 10.0, 64.0, 30.0]}]
     assert rows[2]["objects"] == [] and (rows[2]["width"], rows[2]["height"]) == (50, 50)
-    for line in ("records written: 3", "objects: 4", "images without annotations (kept, objects: []): 1",
-                 "crowd annotations skipped (--crowd keep keeps them as boxes): 1 (103)",
+    for line in ("records written: 3", "objects: 4", "images without annotations (kept, objects: []): 1 (3)",
+                 "images emptied by filtering (every annotation skipped or dropped), not written "
+                 "(--keep-emptied-as-negatives writes them): 1 (4)",
+                 "crowd annotations skipped (--crowd keep keeps them as boxes): 2 (103, 108)",
                  "crowd annotations kept as boxes: 0", "RLE masks imported as their boxes: 1 (104)",
                  "clamped into the image (<= 1 px outside): 1 (105)",
                  "dropped, degenerate (width or height <= 0): 1 (106)",
-                 "dropped, more than 1 px outside the image: 1 (107)", "missing image files: 0"):
+                 "dropped, more than 1 px outside the image: 2 (107, 109)", "missing image files: 0"):
         assert f"  {line}\n" in printed, (line, printed)
     samples = load_jsonl(out)  # the records loader resolves the images against the file's folder
     assert [len(s.objects) for s in samples] == [3, 1, 0]
@@ -111,8 +117,36 @@ def test_coco_import_polygons_and_kept_crowd(tmp_path, capsys):
         {"desc": "cat", "bbox_2d": [0.0, 0.0, 100.0, 80.0]},  # crowd kept
         {"desc": "cat", "bbox_2d": [60.0, 5.0, 80.0, 15.0]},  # RLE: its box
     ]
-    assert "crowd annotations kept as boxes: 1 (103)" in printed
+    assert "crowd annotations kept as boxes: 2 (103, 108)" in printed
+    assert read_jsonl(out)[3]["objects"] == [{"desc": "cat", "bbox_2d": [0.0, 0.0, 40.0, 30.0]}], "not emptied"
     assert "polygons imported as boxes (multi-part, < 3 points or none; --geometry poly): 2 (102, 105)" in printed
+
+
+def test_images_emptied_by_filtering_are_left_out_unless_kept_as_negatives(tmp_path, capsys):
+    src, images = coco_fixture(tmp_path)
+    out = tmp_path / "kept.jsonl"
+    rc, printed, _ = import_(capsys, "--from", "coco", str(src), "--images", str(images), "--out", str(out),
+                             "--keep-emptied-as-negatives")
+    assert rc == 0
+    rows = read_jsonl(out)
+    assert [r["id"] for r in rows] == ["1", "2", "3", "4"] and rows[3]["objects"] == []
+    assert "images without annotations (kept, objects: []): 1 (3)\n" in printed, "counted apart"
+    assert ("images emptied by filtering, written as negatives (objects: []; they teach that nothing is there): "
+            "1 (4)\n") in printed
+    assert "written as negatives (objects: []; they teach that nothing is there): 0\n" not in printed
+
+    img = tmp_path / "img"
+    png(img / "x.png", 60, 40)
+    odvg = tmp_path / "o.odvg.jsonl"
+    odvg.write_text("\n".join(json.dumps(line) for line in [
+        {"filename": "x.png", "height": 40, "width": 60, "detection": {"instances": [
+            {"bbox": [70, 0, 90, 10], "category": "person"}]}},  # outside: the line is emptied
+        {"filename": "x.png", "height": 40, "width": 60, "detection": {"instances": []}},
+    ]) + "\n")
+    rc, printed, _ = import_(capsys, "--from", "odvg", str(odvg), "--images", str(img), "--out", str(out))
+    assert rc == 0 and [r["id"] for r in read_jsonl(out)] == ["x.png#2"]
+    assert "images without annotations (kept, objects: []): 1 (x.png#2)\n" in printed
+    assert "not written (--keep-emptied-as-negatives writes them): 1 (x.png)\n" in printed
 
 
 @pytest.mark.parametrize("mutate, fragment", [

@@ -49,13 +49,16 @@ def load_json(path: Path, what: str) -> Any:
 def write_records(records: Iterable[ImportedRecord], out: Path, base_dir: Path | None, missing: str,
                   report: ImportReport) -> None:
     """Stream ``records`` to ``out`` (through ``out.tmp``, renamed at the end: a failed import leaves no file).
-    ``missing``: a record whose image file does not exist is an error (after the pass, listing them), dropped or
-    kept; each is listed in ``report.missing_images``."""
+    An emptied record is written only with ``report.keep_emptied`` (``ImportReport.admit``). ``missing``: a
+    record whose image file does not exist is an error (after the pass, listing them), dropped or kept; each is
+    listed in ``report.missing_images``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     try:
         with tmp.open("w", encoding="utf-8") as fh:
             for rec in records:
+                if not report.admit(rec):
+                    continue
                 if not rec.image.is_file():
                     report.missing_images.append(str(rec.image))
                     if missing == "drop":
@@ -104,7 +107,8 @@ def import_records(args: argparse.Namespace, report: ImportReport) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    report = ImportReport(f"{args.source} ({args.fmt}) → {args.out}", tolerance=args.clamp_tolerance)
+    report = ImportReport(f"{args.source} ({args.fmt}) → {args.out}", tolerance=args.clamp_tolerance,
+                          keep_emptied=args.keep_emptied_as_negatives)
     try:
         import_records(args, report)
     except SourceError as exc:
@@ -179,7 +183,11 @@ def register(data_subparsers: argparse._SubParsersAction) -> None:
                    help="bbox (default): every object a box; poly: one-part polygon segmentations as poly "
                         "(multi-part polygons and RLE masks stay boxes, counted)")
     p.add_argument("--crowd", choices=["skip", "keep"], default=None,
-                   help="iscrowd annotations: skip (default, counted) or keep as boxes")
+                   help="iscrowd annotations: skip (default, counted; an image with only crowds is then left out) "
+                        "or keep as boxes")
+    p.add_argument("--keep-emptied-as-negatives", action="store_true",
+                   help="write images whose every annotation was skipped or dropped (crowd, degenerate, outside) "
+                        "with objects: [], teaching that nothing is there; default: leave them out (listed)")
     p.add_argument("--names", choices=["raw", "spaces"], default=None,
                    help="category names as desc: raw (COCO default) or '_' → ' ' (LVIS default)")
     p.add_argument("--label-map", default=None, metavar="FILE.json",

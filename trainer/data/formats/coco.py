@@ -1,7 +1,8 @@
 """COCO and LVIS instance JSON → ``ImportedRecord``s; records → COCO ground truth; predictions → COCO results.
 
 Import (``coco_records``), one record per entry of ``images`` (in file order; id: the image id as a string;
-images without annotations are kept with ``objects: []``), one object per annotation (in file order):
+images without annotations are kept with ``objects: []``; an image whose every annotation is skipped or dropped is
+``emptied``, see ``trainer.data.formats.common``), one object per annotation (in file order):
 
 - ``desc`` is the category ``name``; with ``names="spaces"`` (the LVIS default) ``_`` becomes a space
   (``teddy_bear`` → ``teddy bear``).
@@ -230,10 +231,11 @@ def coco_records(data: Any, source: str, images_dir: Path, options: CocoImportOp
     names = {cid: display_name(c["name"], options.names) for cid, c in index.cats.items()}
     report.notes.extend(coco_notes(data, names, options, lvis))
     for img in data["images"]:
-        objects = (annotation_object(a, names[a["category_id"]], img["width"], img["height"], options, report)
-                   for a in index.imgToAnns[img["id"]])
-        yield ImportedRecord(str(img["id"]), image_path(img, images_dir), img["width"], img["height"],
-                             tuple(o for o in objects if o is not None))
+        anns = index.imgToAnns[img["id"]]
+        objects = tuple(o for o in (annotation_object(a, names[a["category_id"]], img["width"], img["height"],
+                                                      options, report) for a in anns) if o is not None)
+        yield ImportedRecord(str(img["id"]), image_path(img, images_dir), img["width"], img["height"], objects,
+                             emptied=bool(anns) and not objects)
 
 
 @dataclass(frozen=True)

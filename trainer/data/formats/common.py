@@ -5,6 +5,10 @@ shape reaching more than ``tolerance`` px outside the image is *outside* (droppe
 annotation is wrong); one outside by at most ``tolerance`` px is *clamped* into the image (kept); coordinates
 are rounded to ``PRECISION`` decimals (0.01 px), and a shape that collapses doing so is *degenerate*. Every
 dropped or changed shape is counted with its source id in the ``ImportReport`` — never silently.
+
+An image whose every source annotation was skipped or dropped (crowd, degenerate, outside) is *emptied*: its record
+is not written unless asked (``ImportReport.admit``), since ``objects: []`` would teach that nothing is there.
+Emptied images are counted apart from images that had no annotations at all (true negatives, always written).
 """
 
 from __future__ import annotations
@@ -62,13 +66,15 @@ class PixelObject:
 
 @dataclass(frozen=True)
 class ImportedRecord:
-    """One image and its objects; ``image`` is the image file (absolute after an import)."""
+    """One image and its objects; ``image`` is the image file (absolute after an import). ``emptied``: the source
+    annotated the image but every annotation was skipped or dropped (``objects`` is empty)."""
 
     record_id: str
     image: Path
     width: int
     height: int
     objects: tuple[PixelObject, ...]
+    emptied: bool = False
 
     def to_json(self, base_dir: Path | None) -> dict[str, Any]:
         """The JSONL record; its image path relative to ``base_dir`` (the output file's folder), where one exists."""
@@ -120,13 +126,18 @@ def _ids(ids: list[str]) -> str:
 
 @dataclass
 class ImportReport:
-    """What an import did. Lists hold source ids (COCO annotation ids, ``line N regions[i]`` for ODVG)."""
+    """What an import did. Lists hold source ids (COCO annotation ids, ``line N regions[i]`` for ODVG); the image
+    lists (``empty_images``, ``emptied_dropped``, ``emptied_kept``) hold record ids. ``keep_emptied``: emptied
+    images are written as negatives instead of dropped."""
 
     source: str
     tolerance: float = DEFAULT_TOLERANCE
+    keep_emptied: bool = False
     records: int = 0
     objects: int = 0
-    empty_images: int = 0
+    empty_images: list[str] = field(default_factory=list)
+    emptied_dropped: list[str] = field(default_factory=list)
+    emptied_kept: list[str] = field(default_factory=list)
     crowd_skipped: list[str] = field(default_factory=list)
     crowd_kept: list[str] = field(default_factory=list)
     rle_as_box: list[str] = field(default_factory=list)
@@ -143,17 +154,30 @@ class ImportReport:
             getattr(self, fitted.outcome).append(item)
         return fitted.coords is not None
 
+    def admit(self, record: ImportedRecord) -> bool:
+        """Whether ``record`` is to be written: an emptied image only with ``keep_emptied``; counted by id."""
+        if not record.emptied:
+            return True
+        (self.emptied_kept if self.keep_emptied else self.emptied_dropped).append(record.record_id)
+        return self.keep_emptied
+
     def add(self, record: ImportedRecord) -> None:
+        """Count a written record."""
         self.records += 1
         self.objects += len(record.objects)
-        self.empty_images += not record.objects
+        if not record.objects and not record.emptied:
+            self.empty_images.append(record.record_id)
 
     def summary(self) -> str:
         t = f"{self.tolerance:g}"
         rows = [
             f"records written: {self.records}",
             f"objects: {self.objects}",
-            f"images without annotations (kept, objects: []): {self.empty_images}",
+            f"images without annotations (kept, objects: []): {len(self.empty_images)}" + _ids(self.empty_images),
+            "images emptied by filtering (every annotation skipped or dropped), not written "
+            f"(--keep-emptied-as-negatives writes them): {len(self.emptied_dropped)}" + _ids(self.emptied_dropped),
+            "images emptied by filtering, written as negatives (objects: []; they teach that nothing is there): "
+            f"{len(self.emptied_kept)}" + _ids(self.emptied_kept),
             f"crowd annotations skipped (--crowd keep keeps them as boxes): {len(self.crowd_skipped)}"
             + _ids(self.crowd_skipped),
             f"crowd annotations kept as boxes: {len(self.crowd_kept)}" + _ids(self.crowd_kept),

@@ -8,8 +8,9 @@ One line per image: ``{"filename", "height", "width"}`` and exactly one of
   phrase, one object per box (a phrase naming several boxes gives several objects with that phrase). The caption
   is not carried (the records have no caption field).
 
-Boxes are pixel ``x1y1x2y2`` and go through ``trainer.data.formats.common.fit``. Record ids are the filename;
-a filename seen again (several captions of one image) gets ``#2``, ``#3``, … and is reported.
+Boxes are pixel ``x1y1x2y2`` and go through ``trainer.data.formats.common.fit``; a line whose every box is
+dropped is ``emptied`` (not written by default). Record ids are the filename; a filename seen again (several
+captions of one image) gets ``#2``, ``#3``, … and is reported.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def odvg_records(lines: Iterable[str], source: str, images_dir: Path, report: Im
         seen[name] = seen.get(name, 0) + 1
         repeats += seen[name] > 1
         rid = name if seen[name] == 1 else f"{name}#{seen[name]}"
-        yield ImportedRecord(rid, images_dir / name, width, height, tuple(objects))
+        yield ImportedRecord(rid, images_dir / name, width, height, tuple(objects), emptied=bool(shapes) and not objects)
     if repeats:
         report.notes.append(f"{repeats} lines repeat an earlier filename (ids get #2, #3, …)")
     if captions:
