@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 
 from trainer.cli import main
-from trainer.data.check import check_lines, fix_record
+from trainer.data.check import check_lines, fix_record, format_report
 from trainer.data.images import ImageHeader, ImageRefError, load_image, read_header
-from trainer.data.records import DatasetError, index_jsonl, load_jsonl
+from trainer.data.records import DatasetError, LoadReport, index_jsonl, load_jsonl
 
 
 def exif_rotated(path: Path, stored: tuple[int, int], orientation: int = 6) -> None:
@@ -171,6 +171,31 @@ def test_training_run_loads_through_the_index_with_the_same_errors(dataset, tmp_
     assert report["kept"] == 7 and len(report["dropped"]) == 9
     assert report["notes"] == {"exif_orientation": 1, "colour_mode:RGBA": 1, "colour_mode:L": 1,
                                "colour_mode:CMYK": 1, "colour_mode:P": 1, "colour_mode:I;16": 1}
+
+
+def test_check_keeps_what_training_keeps_duplicates_among_valid_records_notes_of_kept_ones(tmp_path):
+    Image.new("RGB", (100, 50)).save(tmp_path / "a.png")
+    Image.new("L", (100, 50)).save(tmp_path / "grey.png")
+    Image.new("RGBA", (100, 50)).save(tmp_path / "rgba.png")
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([
+        rec("x", "a.png", objects=[{"desc": "cat", "bbox_2d": [5, 5, 120, 20]}]),  # 1 error: not the first 'x'
+        rec("x", "a.png"),  # 2 kept
+        rec("y", "grey.png"),  # 3 kept, note colour_mode:L
+        rec("y", "rgba.png"),  # 4 duplicate of 3: dropped, its colour_mode:RGBA is no note of training's
+        rec("x", "missing.png"),  # 5 error: no duplicate either
+    ]) + "\n")
+    check = check_lines(path, tmp_path)
+    report = LoadReport()
+    kept = index_jsonl(path, on_bad_record="drop", report=report)
+    assert [s.sample_id for s in kept] == ["x", "y"] and check.valid == report.kept == 2
+    assert check.counts["duplicate_id"] == 1
+    assert str(check.examples["duplicate_id"][0]) == f"{path}:4: duplicate id 'y' (first at line 3)"
+    assert "keeps 2 of 5 records" in format_report(check)
+    assert report.notes == {"colour_mode:L": 1}, "notes of kept records only"
+    assert report.dropped_ids == ["x", "y", "x"] and report.dropped[1].startswith(f"{path}:4: duplicate id")
+    eager = LoadReport()
+    assert load_jsonl(path, on_bad_record="drop", report=eager) == list(kept) and eager == report
 
 
 def test_header_is_read_without_decoding_and_orientation_swaps_the_size(tmp_path):

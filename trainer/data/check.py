@@ -2,10 +2,12 @@
 
 The checks are the loader's own (``trainer.data.records.check_record``, same messages): JSON and record schema,
 image files (missing, unreadable, header size vs the declared ``width`` / ``height`` after EXIF orientation, the
-processor's aspect-ratio limit, colour modes), boxes and polygons, empty descs, and duplicate ids. Problems are
-counted by kind with the first examples of each (``file:line: what is wrong; what to do``). Errors make the
-exit status 1; warnings (an EXIF-rotated image whose declared size is the displayed one) and notes (colour modes
-converted to RGB) do not.
+processor's aspect-ratio limit, colour modes), boxes and polygons, empty descs, and duplicate ids. What training
+keeps is decided by the loader's own rule too (``records.select_records``: duplicate ids among valid records
+only), so ``valid`` is the count training keeps with ``data.on_bad_record: drop``. Problems are counted by kind
+with the first examples of each (``file:line: what is wrong; what to do``). Errors make the exit status 1;
+warnings (an EXIF-rotated image whose declared size is the displayed one) and notes (colour modes converted to
+RGB) do not.
 
 ``--fix-geometry OUT`` writes a copy (same lines, same order) where each record's width/height become its image's
 displayed size: the stored size of an EXIF-rotated image is swapped (coordinates kept: they refer to the displayed
@@ -19,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +30,10 @@ from trainer.data.images import ImageHeader, ImageRefError, read_header
 from trainer.data.records import (
     HeaderReader,
     Problem,
+    ScannedLine,
     Severity,
-    duplicate_message,
-    duplicates,
-    id_hash,
     same_aspect,
-    scan_jsonl,
+    select_records,
 )
 
 #: what each kind of problem means (``colour_mode:MODE`` kinds are notes, one per mode)
@@ -46,7 +45,7 @@ KIND_HELP = {
     "degenerate_box": "boxes with x2 <= x1 or y2 <= y1",
     "poly_count": "polygons with an odd count or fewer than 3 points",
     "out_of_bounds": "boxes / polygons outside the declared image size",
-    "duplicate_id": "ids seen on an earlier line (ids key the training ledger)",
+    "duplicate_id": "ids seen on an earlier valid line (ids key the training ledger)",
     "image_missing": "image files not found",
     "image_unreadable": "image files that cannot be read as images",
     "size_mismatch": "declared width/height differ from the image's displayed size (--fix-geometry)",
@@ -61,7 +60,8 @@ SEVERITY_TITLES = {"error": "errors (training refuses these records)", "warning"
 
 @dataclass
 class CheckReport:
-    """Counts of problems by kind, the first ``max_examples`` of each, and how many records were seen / valid."""
+    """Counts of problems by kind, the first ``max_examples`` of each, how many records were seen, and how many
+    are valid: the records training keeps (``records.select_records``)."""
 
     path: str
     max_examples: int = 3
@@ -88,31 +88,20 @@ class CheckReport:
 
 def check_lines(path: Path, base_dir: Path | None, headers: HeaderReader | None = read_header,
                 max_examples: int = 3) -> CheckReport:
-    """Check every record of ``path`` (image paths relative to ``base_dir``) in one streaming pass, then its ids."""
+    """Check every record of ``path`` (image paths relative to ``base_dir``) in one streaming pass, then its ids,
+    by training's rule (``records.select_records``)."""
     report = CheckReport(str(path), max_examples)
-    offsets, lengths, lines, hashes, valid = array("q"), array("i"), array("i"), array("q"), array("b")
-    for scanned in scan_jsonl(path, base_dir, headers, build=False):
-        report.records += 1
-        check = scanned.check
-        for p in check.problems:
-            report.add(p)
-        report.valid += check.ok
-        if check.sample_id is not None:
-            offsets.append(scanned.offset)
-            lengths.append(scanned.length)
-            lines.append(scanned.lineno)
-            hashes.append(id_hash(check.sample_id))
-            valid.append(check.ok)
-    if len(hashes) > 1:
-        with path.open("rb") as fh:
-            def id_at(i: int) -> str:
-                raw = json.loads(os.pread(fh.fileno(), lengths[i], offsets[i]))
-                return str(raw.get("id", f"{path}:{lines[i]}"))
 
-            for later, first in duplicates(hashes, id_at):
-                report.add(Problem(f"{path}:{lines[later]}", "duplicate_id",
-                                   duplicate_message(id_at(later), lines[first])))
-                report.valid -= valid[later]
+    def seen(scanned: ScannedLine) -> None:
+        report.records += 1
+        for p in scanned.check.problems:
+            report.add(p)
+
+    selection = select_records(path, base_dir, headers, on_line=seen)
+    for line in selection.dropped:
+        if line.problem.kind == "duplicate_id":
+            report.add(line.problem)
+    report.valid = len(selection.offsets)
     return report
 
 

@@ -13,8 +13,11 @@ decoded) and refuses a record whose image has another size, since its coordinate
 wrong size.
 
 One validator, ``check_record``, collects every ``Problem`` of a record; ``data check`` reports them all, the
-loaders raise (or drop) with the first error of each line. ``load_jsonl`` builds a list of ``Sample``s;
-``index_jsonl`` keeps only line offsets (one streaming pass) and parses a record when it is read.
+loaders raise (or drop) with the first error of each line. One rule, ``select_records``, decides what training
+keeps: a line with an error is dropped, and so is a valid record whose id an earlier *valid* record has; warnings
+and notes are counted over the kept records only. ``index_jsonl`` (training) and ``data check`` apply it;
+``load_jsonl`` builds a list of ``Sample``s by the same rule; ``index_jsonl`` keeps only line offsets and parses a
+record when it is read.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import json
 import logging
 import os
 from array import array
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from trainer.data.images import COLOUR_MODES, ORIENTATION_NAMES, ImageHeader, ImageRefError, read_header
 from trainer.data.objects import DetObject, to_bin
@@ -283,12 +287,14 @@ def parse_record(raw: Any, where: str, base_dir: Path | None, check_images: bool
 
 @dataclass
 class LoadReport:
-    """What loading did: kept samples, dropped lines (``file:line: reason``), negatives (no objects), and the
-    counts of warnings / notes by kind (EXIF orientation, colour modes converted to RGB)."""
+    """What loading did: kept samples, dropped lines (``file:line: reason``) and the id of each (``dropped_ids``,
+    in the same order; ``None`` when the line has none to read), negatives (no objects), and the counts of
+    warnings / notes by kind (EXIF orientation, colour modes converted to RGB) over the kept records."""
 
     kept: int = 0
     negatives: int = 0
     dropped: list[str] = field(default_factory=list)
+    dropped_ids: list[str | None] = field(default_factory=list)
     notes: dict[str, int] = field(default_factory=dict)
 
 
@@ -342,8 +348,9 @@ def _note(report: LoadReport, check: RecordCheck) -> None:
         report.notes[p.kind] = report.notes.get(p.kind, 0) + 1
 
 
-def _drop(report: LoadReport, message: str, on_bad_record: str) -> None:
+def _drop(report: LoadReport, message: str, on_bad_record: str, sample_id: str | None) -> None:
     report.dropped.append(message)
+    report.dropped_ids.append(sample_id)
     if on_bad_record == "drop":
         log.warning("dropping bad record %s", message)
 
@@ -379,10 +386,11 @@ def load_jsonl(path: str | Path, image_root: str | Path | None = None, check_ima
         check, where = scanned.check, f"{path}:{scanned.lineno}"
         sample = check.sample
         if sample is None:
-            _drop(report, str(check.first_error), on_bad_record)
+            _drop(report, str(check.first_error), on_bad_record, check.sample_id)
             continue
         if sample.sample_id in seen:
-            _drop(report, f"{where}: {duplicate_message(sample.sample_id, seen[sample.sample_id])}", on_bad_record)
+            _drop(report, f"{where}: {duplicate_message(sample.sample_id, seen[sample.sample_id])}", on_bad_record,
+                  sample.sample_id)
             continue
         _note(report, check)
         seen[sample.sample_id] = scanned.lineno
@@ -479,37 +487,88 @@ class JsonlDataset(Sequence):
             os.close(self._fd)
 
 
-def index_jsonl(path: str | Path, image_root: str | Path | None = None, check_images: bool = True,
-                on_bad_record: str = "error", report: LoadReport | None = None) -> JsonlDataset:
-    """``load_jsonl``'s checks and errors in one streaming pass that keeps no record: a ``JsonlDataset`` of the
-    valid records (duplicate ids are found after the pass from 64-bit id hashes, each collision read back)."""
-    path, base = _open_dataset(path, image_root, on_bad_record)
-    report = report if report is not None else LoadReport()
+class DroppedLine(NamedTuple):
+    """A line training drops: its number, id (``None`` when it has none to read) and the reason (its first error,
+    or ``duplicate_id``)."""
+
+    lineno: int
+    sample_id: str | None
+    problem: Problem
+
+
+@dataclass
+class Selection:
+    """What ``select_records`` keeps of a file: per kept record (file order) its byte offset, length, line number
+    and id hash; the dropped lines in line order; the warnings / notes of the kept records by kind; how many kept
+    records have no objects."""
+
+    offsets: array
+    lengths: array
+    lines: array
+    hashes: array
+    dropped: list[DroppedLine]
+    notes: dict[str, int]
+    negatives: int
+
+
+def select_records(path: Path, base_dir: Path | None, headers: HeaderReader | None,
+                   on_line: Callable[[ScannedLine], None] | None = None) -> Selection:
+    """The records training keeps, in one streaming pass: a line with an error is dropped; a valid record whose id
+    an earlier valid record has is dropped as a duplicate (found after the pass from 64-bit id hashes, each
+    collision read back). ``on_line`` sees every scanned line. Per record only offsets, hashes and a 2-byte code
+    of its problem kinds are held."""
     offsets, lengths, lines, hashes = array("q"), array("i"), array("i"), array("q")
-    bad: list[tuple[int, str]] = []
-    for scanned in scan_jsonl(path, base, read_header if check_images else None, build=False):
+    kinds, negative = array("H"), array("b")
+    kind_codes: dict[tuple[str, ...], int] = {}
+    dropped: list[DroppedLine] = []
+    for scanned in scan_jsonl(path, base_dir, headers, build=False):
+        if on_line is not None:
+            on_line(scanned)
         check = scanned.check
         if not check.ok:
-            bad.append((scanned.lineno, str(check.first_error)))
+            dropped.append(DroppedLine(scanned.lineno, check.sample_id, check.first_error))
             continue
-        _note(report, check)
         offsets.append(scanned.offset)
         lengths.append(scanned.length)
         lines.append(scanned.lineno)
         hashes.append(id_hash(check.sample_id))
-        report.negatives += check.num_objects == 0
-    dataset = JsonlDataset(path, base, offsets, lengths, lines, hashes)
-    dups = duplicates(hashes, lambda i: str(dataset.record(i).get("id", dataset.where(i))))
-    if dups:
-        for later, first in dups:
-            sid = str(dataset.record(later).get("id", dataset.where(later)))
-            bad.append((lines[later], f"{dataset.where(later)}: {duplicate_message(sid, lines[first])}"))
-            report.negatives -= dataset.record(later).get("objects") == []
-        keep = sorted(set(range(len(offsets))) - {later for later, _ in dups})
-        dataset = JsonlDataset(path, base, *(array(a.typecode, (a[k] for k in keep))
-                                             for a in (offsets, lengths, lines, hashes)))
-    for _, message in sorted(bad):
-        _drop(report, message, on_bad_record)
+        kinds.append(kind_codes.setdefault(tuple(sorted(p.kind for p in check.problems)), len(kind_codes)))
+        negative.append(check.num_objects == 0)
+    later: set[int] = set()
+    if len(hashes) > 1:
+        with path.open("rb") as fh:
+            def id_at(i: int) -> str:
+                raw = json.loads(os.pread(fh.fileno(), lengths[i], offsets[i]))
+                return str(raw.get("id", f"{path}:{lines[i]}"))
+
+            for dup, first in duplicates(hashes, id_at):
+                sid = id_at(dup)
+                later.add(dup)
+                dropped.append(DroppedLine(lines[dup], sid, Problem(f"{path}:{lines[dup]}", "duplicate_id",
+                                                                    duplicate_message(sid, lines[first]))))
+    keep = [k for k in range(len(offsets)) if k not in later]
+    if later:
+        offsets, lengths, lines, hashes = (array(a.typecode, (a[k] for k in keep))
+                                           for a in (offsets, lengths, lines, hashes))
+    by_code = {code: kind_set for kind_set, code in kind_codes.items()}
+    notes = Counter(kind for k in keep for kind in by_code[kinds[k]])
+    return Selection(offsets, lengths, lines, hashes, sorted(dropped, key=lambda d: d.lineno), dict(notes),
+                     sum(negative[k] for k in keep))
+
+
+def index_jsonl(path: str | Path, image_root: str | Path | None = None, check_images: bool = True,
+                on_bad_record: str = "error", report: LoadReport | None = None) -> JsonlDataset:
+    """``load_jsonl``'s checks and errors in one streaming pass that keeps no record (``select_records``): a
+    ``JsonlDataset`` of the records training keeps."""
+    path, base = _open_dataset(path, image_root, on_bad_record)
+    report = report if report is not None else LoadReport()
+    selection = select_records(path, base, read_header if check_images else None)
+    for line in selection.dropped:
+        _drop(report, str(line.problem), on_bad_record, line.sample_id)
+    for kind, n in selection.notes.items():
+        report.notes[kind] = report.notes.get(kind, 0) + n
+    report.negatives += selection.negatives
+    dataset = JsonlDataset(path, base, selection.offsets, selection.lengths, selection.lines, selection.hashes)
     report.kept = len(dataset)
     _finish(path, report, on_bad_record)
     return dataset
