@@ -41,6 +41,7 @@ def test_eval_cli_on_the_tiny_model(tmp_path, capsys):
     assert "| F1 @ IoU 0.5 |" in printed and "| AP 0.50:0.95 (COCO) |" in printed
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["num_samples"] == 4 and metrics["title"] == str(ckpt)
+    assert metrics["dropped_records"] == 0 and metrics["dropped"] == []
     for key in ("precision@50", "recall@50", "f1@50", "ap", "ap50", "class_ap", "parse_failure_rate",
                 "invalid_object_rate", "pred_per_image"):
         assert key in metrics["headline"], key

@@ -7,6 +7,8 @@ Used three ways: ``python -m trainer eval`` (``cli.py``), the periodic eval duri
 
 Files per evaluation (``write_eval``): ``metrics.json`` (every number), ``metrics.md`` (headline table) and
 ``samples.jsonl`` (one row per sample: prediction, GT, matches, FP/FN indices, parse errors, response text).
+Held-out records that ``data.on_bad_record: drop`` left out of the split are counted in ``metrics.json``
+(``dropped_records``, ``dropped``: id and reason of each) and in ``metrics.md``: the numbers are of the rest.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
-from trainer.data.records import Sample, load_jsonl
+from trainer.data.records import LoadReport, Sample, load_jsonl
 from trainer.data.synthetic import generate
 from trainer.evaluation.metrics import (
     DEFAULT_RESOLUTION,
@@ -38,24 +40,62 @@ from trainer.telemetry import JsonlWriter
 
 log = logging.getLogger(__name__)
 EVAL_PREFIX = "eval/"
+SHOWN_DROPPED = 10
 
 
 class EvalSetupError(ValueError):
     """No eval split, or a checkpoint that cannot be found; the message says what to set."""
 
 
-def load_eval_samples(cfg: Any, split: str | None = None) -> list[Sample]:
+@dataclass(frozen=True)
+class DroppedRecord:
+    """A held-out record left out of the split: its id (``None`` when the line has none) and why
+    (``file:line: reason``)."""
+
+    sample_id: str | None
+    reason: str
+
+    def to_json(self) -> dict[str, str | None]:
+        return {"id": self.sample_id, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class EvalSplit(Sequence):
+    """The held-out samples scored, and the records ``data.on_bad_record: drop`` left out (reported with every
+    evaluation of the split)."""
+
+    samples: tuple[Sample, ...]
+    dropped: tuple[DroppedRecord, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.samples[i]
+
+    def __iter__(self) -> Iterator[Sample]:
+        return iter(self.samples)
+
+
+def load_split(path: str | Path, image_root: str | Path | None = None, on_bad_record: str = "error") -> EvalSplit:
+    """``load_jsonl`` of a held-out file, keeping what it dropped (id and reason of each)."""
+    report = LoadReport()
+    samples = load_jsonl(path, image_root, on_bad_record=on_bad_record, report=report)
+    return EvalSplit(tuple(samples), tuple(DroppedRecord(i, r) for i, r in zip(report.dropped_ids, report.dropped)))
+
+
+def load_eval_samples(cfg: Any, split: str | None = None) -> EvalSplit:
     """``split`` (a JSONL file) if given, else ``data.eval_jsonl``, else the held-out synthetic split
     (``data.synthetic.eval_num_samples`` samples from ``eval_seed``, default ``seed + 1``)."""
     d = cfg.data
     if split or d.eval_jsonl:
-        return load_jsonl(split or d.eval_jsonl, d.image_root, on_bad_record=d.on_bad_record)
+        return load_split(split or d.eval_jsonl, d.image_root, d.on_bad_record)
     s = d.synthetic
     if s is not None and s.eval_num_samples:
         seed = s.eval_seed if s.eval_seed is not None else s.seed + 1
         path = generate(Path(cfg.training.output_dir) / "data-eval", s.eval_num_samples, seed, s.min_objects,
                         s.max_objects, s.image_size, s.poly_fraction, filename="eval.jsonl")
-        return load_jsonl(path)
+        return load_split(path)
     raise EvalSetupError("no eval split: pass --split FILE.jsonl, or set data.eval_jsonl, or (synthetic data) "
                          "data.synthetic.eval_num_samples")
 
@@ -80,17 +120,21 @@ def predictions(pipeline: RolloutCodec, samples: Sequence[Sample], results: Sequ
 
 @dataclass(frozen=True)
 class EvalResult:
+    """One evaluation; ``dropped``: the held-out records left out of the split (the metrics are of the rest)."""
+
     metrics: DetectionMetrics
     samples: list[SamplePrediction]
     evals: list[SampleEval]
     step: int
     seconds: float
+    dropped: tuple[DroppedRecord, ...] = field(default_factory=tuple)
 
 
 class Evaluator:
     """One held-out split scored through one rollout engine (the one training uses, or one built for ``eval``).
     ``pipeline`` encodes the prompts and parses the responses: training's ``Stage2Pipeline`` or a bare
-    ``RolloutCodec`` (the ``eval`` command)."""
+    ``RolloutCodec`` (the ``eval`` command). ``samples``: an ``EvalSplit`` (its dropped records go into every
+    result) or plain samples."""
 
     def __init__(self, pipeline: RolloutCodec, engine: Any, samples: Sequence[Sample], decoding: DecodingParams, *,
                  top_k: int = 5, resolution: int = DEFAULT_RESOLUTION, weight_sync: Any = None):
@@ -99,6 +143,7 @@ class Evaluator:
         self.pipeline = pipeline
         self.engine = engine
         self.samples = list(samples)
+        self.dropped = samples.dropped if isinstance(samples, EvalSplit) else ()
         self.decoding = greedy(decoding)
         self.top_k = top_k
         self.resolution = resolution
@@ -113,7 +158,18 @@ class Evaluator:
         check_prompt_alignment(requests, results)
         preds = predictions(self.pipeline, self.samples, results)
         metrics, evals = evaluate_samples(preds, top_k=self.top_k, resolution=self.resolution)
-        return EvalResult(metrics, preds, evals, step, time.perf_counter() - start)
+        return EvalResult(metrics, preds, evals, step, time.perf_counter() - start, self.dropped)
+
+
+def dropped_note(dropped: Sequence[DroppedRecord], num_samples: int) -> str:
+    """The ``metrics.md`` paragraph naming the held-out records left out (the first ``SHOWN_DROPPED``), or ``""``."""
+    if not dropped:
+        return ""
+    shown = "".join(f"\n- {d.sample_id if d.sample_id is not None else '(no id)'}: {d.reason}"
+                    for d in dropped[:SHOWN_DROPPED])
+    more = f"\n- … {len(dropped) - SHOWN_DROPPED} more (metrics.json lists all)" if len(dropped) > SHOWN_DROPPED else ""
+    return (f"**{len(dropped)} held-out records dropped** by the data checks (`data.on_bad_record: drop`); the "
+            f"metrics are of the other {num_samples} samples:{shown}{more}\n\n")
 
 
 def write_eval(out_dir: str | Path, result: EvalResult, title: str = "model") -> dict[str, Path]:
@@ -122,13 +178,15 @@ def write_eval(out_dir: str | Path, result: EvalResult, title: str = "model") ->
     out.mkdir(parents=True, exist_ok=True)
     m = result.metrics
     paths = {"json": out / "metrics.json", "markdown": out / "metrics.md", "samples": out / "samples.jsonl"}
-    doc = {"title": title, "step": result.step, "seconds": result.seconds, "headline": m.flat(), **m.to_dict()}
+    doc = {"title": title, "step": result.step, "seconds": result.seconds, "headline": m.flat(), **m.to_dict(),
+           "dropped_records": len(result.dropped), "dropped": [d.to_json() for d in result.dropped]}
     paths["json"].write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     reasons = ", ".join(f"{k} {v}" for k, v in m.invalid_reasons.items()) or "none"
     failures = ", ".join(f"{k} {v}" for k, v in m.parse_failures.items()) or "none"
     paths["markdown"].write_text(
         f"# Held-out evaluation: {title}\n\n{m.num_samples} samples, {m.num_gt} GT objects, {m.num_pred} valid "
         f"predicted objects, {m.num_invalid} invalid (greedy decoding, step {result.step}).\n\n"
+        + dropped_note(result.dropped, m.num_samples)
         + markdown_table([(title, m.flat())])
         + f"\nParse failures: {failures}. Invalid objects by reason: {reasons}.\n")
     with paths["samples"].open("w", encoding="utf-8") as fh:
@@ -176,8 +234,9 @@ class PeriodicEvalCallback(TrainerCallback):
                 self._tb.add_scalar(key, value, step)
             self._tb.flush()
         m = result.metrics
-        log.info("eval step %d: F1@0.5 %.3f  AP %s  parse failures %.1f%%  (%.1fs)", step, m.at50.f1,
-                 "n/a" if m.coco.ap is None else f"{m.coco.ap:.3f}", 100 * m.parse_failure_rate, result.seconds)
+        log.info("eval step %d: F1@0.5 %.3f  AP %s  parse failures %.1f%%  (%.1fs)%s", step, m.at50.f1,
+                 "n/a" if m.coco.ap is None else f"{m.coco.ap:.3f}", 100 * m.parse_failure_rate, result.seconds,
+                 f"; {len(result.dropped)} held-out records dropped by the data checks" if result.dropped else "")
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.evaluate(state)
