@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from trainer.bench import scale
 
 
-def test_scale_quick_writes_a_step_split_that_adds_up(tmp_path, monkeypatch):
+def test_scale_quick_records_the_step_from_its_raw_timers(tmp_path, monkeypatch):
     monkeypatch.setenv("RM_BENCH_WORK", str(tmp_path / "work"))
     monkeypatch.setenv("RM_BENCH_SCALE_PROFILE", "1")
     result = scale.run(tmp_path / "out", quick=True)
@@ -17,9 +19,21 @@ def test_scale_quick_writes_a_step_split_that_adds_up(tmp_path, monkeypatch):
     assert saved == json.loads(json.dumps(result))
     (rec,) = saved["runs"]
     assert rec["name"] == "tiny-full-sleep2-util0.3" and "error" not in rec, rec
-    assert rec["steps"] == 1 and rec["per_step"]["batch/tokens"] > 0
-    assert abs(sum(rec["split"].values()) - 1.0) < 0.02, rec["split"]
-    assert rec["train_tokens_per_s"] > 0 and rec["rollout_tokens_per_s"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "work" / "runs" / rec["name"] / "metrics.jsonl").open()]
+    (raw,) = [r for r in rows if r.get("phase") == "stage2" and "loss" in r]  # the step's own timers
+    assert rec["steps"] == 1 and rec["step_s"] == raw["time/step_s"] > 0
+    for phase in ("rollout", "target", "forward", "backward"):
+        assert raw[f"time/{phase}_s"] > 0, phase
+        assert rec["split"][phase] * rec["step_s"] == pytest.approx(raw[f"time/{phase}_s"], rel=1e-9), phase
+    assert "time/weight_sync_s" not in raw and rec["split"]["weight_sync"] == 0.0, "the HF backend syncs nothing"
+    tokens, fb_s = raw["batch/tokens"], raw["time/forward_s"] + raw["time/backward_s"]
+    assert tokens > 0 and rec["train_tokens_per_s"] == pytest.approx(tokens / fb_s, rel=1e-9)
+    assert rec["rollout_tokens_per_s"] == pytest.approx(2 * 8 / raw["time/generate_s"], rel=1e-9)
+    flops = scale.fwd_bwd_flops("tiny", tokens, 2, (64 // 16) ** 2, "full", checkpointing=True)
+    assert rec["flops"] == pytest.approx(flops) and rec["flops"]["hardware"] > rec["flops"]["model"] > 0
+    assert rec["fwd_bwd_tflops"] == pytest.approx(flops["model"] / fb_s / 1e12, rel=1e-9)
+    assert rec["mfu"] is None and rec["hfu"] is None, "no MFU against an H100 peak on the CPU"
+    assert rec["flop_count"] == scale.FLOP_COUNT
     assert (tmp_path / "out" / "scale_quick.png").stat().st_size > 10_000
     # RM_BENCH_SCALE_PROFILE=1: step 1's forward + backward under torch.profiler (operators on the CPU)
     prof = rec["profile"]
@@ -29,10 +43,52 @@ def test_scale_quick_writes_a_step_split_that_adds_up(tmp_path, monkeypatch):
 def test_flops_count_grows_with_size_and_the_published_shapes_have_their_sizes():
     counts = {s: scale.param_counts(s)["total"] for s in ("2b", "4b", "8b")}
     assert 1.9e9 < counts["2b"] < 2.4e9 and 4.0e9 < counts["4b"] < 4.8e9 and 8.0e9 < counts["8b"] < 9.2e9, counts
-    f = [scale.fwd_bwd_flops(s, 20_000, 8, 4096) for s in ("2b", "4b", "8b")]
+    f = [scale.fwd_bwd_flops(s, 20_000, 8, 4096)["model"] for s in ("2b", "4b", "8b")]
     assert f[0] < f[1] < f[2]
     blocks = scale.param_counts("8b")["text_blocks"]
-    assert scale.fwd_bwd_flops("8b", 20_000, 8, 4096) > 6 * blocks * 20_000
+    assert scale.fwd_bwd_flops("8b", 20_000, 8, 4096)["model"] > 6 * blocks * 20_000
+
+
+def _projections(size: str) -> list[tuple[int, int]]:
+    """(in, out) of one language-model block's q, k, v, o, gate, up, down projections, from the published shape."""
+    t = scale.QWEN3_VL_TEXT[size]
+    h, inter = t["hidden_size"], t["intermediate_size"]
+    dq, dkv = t["num_attention_heads"] * t["head_dim"], t["num_key_value_heads"] * t["head_dim"]
+    return [(h, dq), (h, dkv), (h, dkv), (dq, h), (h, inter), (h, inter), (inter, h)]
+
+
+@pytest.mark.parametrize("tuner", ["lora", "dora"])
+def test_an_adapter_run_counts_its_frozen_base_at_4_and_its_adapter_at_6_flops_per_parameter_token(tuner):
+    t, layers = 16_000, scale.QWEN3_VL_TEXT["8b"]["num_hidden_layers"]
+    weights = layers * sum(i * o for i, o in _projections("8b"))
+    adapter = layers * 64 * sum(i + o for i, o in _projections("8b"))
+    full = scale.fwd_bwd_flops("8b", t, 8, 4096)
+    lora = scale.fwd_bwd_flops("8b", t, 8, 4096, tuner, 64)
+    blocks = full["trained_params"]
+    assert abs(blocks - weights) < 1e-3 * weights, "the blocks are their projections (plus norm weights)"
+    assert lora["trained_params"] == adapter and lora["frozen_block_params"] == blocks
+    attention_and_vision = full["model"] - 6 * blocks * t
+    assert lora["model"] == pytest.approx(4 * blocks * t + 6 * adapter * t + attention_and_vision, rel=1e-12)
+    assert 0.70 < lora["model"] / full["model"] < 0.75, "6 per frozen parameter-token overstated 8B LoRA MFU by ~1.38x"
+
+
+@pytest.mark.parametrize("tuner", ["full", "lora"])
+def test_hfu_adds_one_forward_of_every_block_when_checkpointing(tuner):
+    t, samples = 16_000, 8
+    text = scale.QWEN3_VL_TEXT["8b"]
+    plain = scale.fwd_bwd_flops("8b", t, samples, 4096, tuner, 64)
+    ckpt = scale.fwd_bwd_flops("8b", t, samples, 4096, tuner, 64, checkpointing=True)
+    assert plain["hardware"] == plain["model"] == ckpt["model"], "model FLOPs do not depend on the recompute"
+    attention_forward = 2 * text["num_hidden_layers"] * text["num_attention_heads"] * text["head_dim"] * t * t / samples
+    recompute = 2 * (ckpt["trained_params"] + ckpt["frozen_block_params"]) * t + attention_forward
+    assert ckpt["hardware"] - ckpt["model"] == pytest.approx(recompute, rel=1e-12)
+
+
+def test_flops_refuse_an_unknown_tuner_or_an_adapter_without_rank():
+    with pytest.raises(ValueError, match="tuner 'ia3'"):
+        scale.fwd_bwd_flops("tiny", 100, 1, 16, "ia3")
+    with pytest.raises(ValueError, match="lora_rank > 0"):
+        scale.fwd_bwd_flops("tiny", 100, 1, 16, "lora", 0)
 
 
 def test_the_sync_breakdown_accounts_for_the_whole_sync_and_adds_sleep_and_wake():

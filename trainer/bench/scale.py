@@ -11,18 +11,22 @@ from the ground truth, as stage 2 does for an unparseable rollout.
 
 Per configuration: seconds per phase (``time/<phase>_s``), peak GPU memory per phase (``mem/<phase>_peak_gib``),
 the weight sync split into its parts (``sync_parts_s``: learner check, collect + LoRA merge, update check, wake,
-load) and the sleep + wake + sync price per step (``sleep_wake_sync_s``), rollout tokens/s, trained tokens/s, and fwd+bwd MFU counting the language model's matmuls and causal attention at 6
-FLOPs per parameter-token (gradient-checkpointing recompute not counted) and the frozen vision tower's forward at 2
-(lm_head excluded: a conservative figure). A configuration that runs out of memory is recorded with the phase it
-was in and the setting that makes it fit. ``--quick``: the tiny Qwen3-VL on the CPU with the HF backend, so CI runs
-the bench's code path.
+load) and the sleep + wake + sync price per step (``sleep_wake_sync_s``), rollout tokens/s, trained tokens/s, and
+fwd+bwd MFU and HFU (``fwd_bwd_flops``; the record's ``flop_count`` names the count): MFU counts model FLOPs, 6 per
+trainable and 4 per frozen language-model weight per token (a LoRA/DoRA base does no weight-gradient matmuls; its
+adapter's own parameters count 6), causal attention, and the frozen vision tower's forward at 2 (lm_head excluded: a
+conservative figure); HFU adds the gradient-checkpointing recompute, one more forward of every block. A
+configuration that runs out of memory is recorded with the phase it was in and the setting that makes it fit.
+``--quick``: the tiny Qwen3-VL on the CPU with the HF backend, so CI runs the bench's code path.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
+import re
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -177,30 +181,69 @@ def save_random_vl_model(out: Path, size: str, device: str) -> tuple[Path, dict[
     return out, times
 
 
+@functools.cache
+def _meta_model(size: str):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    with torch.device("meta"):
+        return Qwen3VLForConditionalGeneration._from_config(vl_config(size))
+
+
 def param_counts(size: str) -> dict[str, int]:
     """Parameters of the language model's blocks (no embeddings / lm_head) and of the vision tower."""
-    with torch.device("meta"):
-        from transformers import Qwen3VLForConditionalGeneration
-
-        model = Qwen3VLForConditionalGeneration._from_config(vl_config(size))
+    model = _meta_model(size)
     blocks = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and "visual" not in n)
     vision = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
     total = sum(p.numel() for p in model.parameters())
     return {"text_blocks": blocks, "vision": vision, "total": total}
 
 
-def fwd_bwd_flops(size: str, tokens: float, samples: float, patches_per_image: int) -> float:
-    """Model FLOPs of one packed forward + backward: 6 per block parameter per token, causal attention
-    (6 * L * heads * head_dim * s^2 per segment of s tokens, segments of equal length), the frozen vision tower's
-    forward (2 per parameter per patch, full attention 4 * depth * hidden * P^2 per image)."""
+def adapter_params(size: str, rank: int) -> int:
+    """Parameters of a rank-``rank`` LoRA on the linears the product adapts in a multimodal model with a frozen
+    vision tower (``trainer.modeling.loading.LANGUAGE_PROJECTIONS``): rank x (in + out) per linear."""
+    from trainer.modeling.loading import LANGUAGE_PROJECTIONS
+
+    return sum(rank * (m.in_features + m.out_features) for n, m in _meta_model(size).named_modules()
+               if isinstance(m, torch.nn.Linear) and re.fullmatch(LANGUAGE_PROJECTIONS, n))
+
+
+#: what ``fwd_bwd_flops`` counts, written into every bench record beside ``mfu`` / ``hfu``
+FLOP_COUNT = ("mfu: model FLOPs of the forward + backward / fwd+bwd seconds / peak: per language-model block weight and "
+              "token 2 forward + 4 backward when trained, 2 + 2 when frozen (LoRA/DoRA base), 6 per adapter "
+              "parameter; causal attention 6 * layers * heads * head_dim * s^2 per segment; frozen vision tower "
+              "forward only; lm_head excluded. hfu: model FLOPs + the gradient-checkpointing recompute (one more "
+              "forward of every block)")
+
+
+def fwd_bwd_flops(size: str, tokens: float, samples: float, patches_per_image: int, tuner: str = "full",
+                  lora_rank: int = 0, checkpointing: bool = False) -> dict[str, float]:
+    """FLOPs of one packed forward + backward over ``tokens`` in ``samples`` segments of equal length:
+    ``model`` (what MFU counts) and ``hardware`` (what HFU counts; ``model`` plus the recompute of every block's
+    forward when ``checkpointing``), with the parameter counts behind them.
+
+    A language-model block weight costs 2 per token forward, 2 for the input gradient and, when it trains, 2 for its
+    weight gradient: 6 per trained, 4 per frozen parameter-token. ``tuner`` ``lora`` / ``dora``: the blocks are
+    frozen and the adapter (``adapter_params``) trains at 6 (DoRA's weight-norm work is per step, not per token).
+    Causal attention: 2 * L * heads * head_dim * s^2 forward, twice that backward. The frozen vision tower: forward
+    only, 2 per parameter per patch and full attention 4 * depth * hidden * P^2 per image."""
+    if tuner not in ("full", "lora", "dora"):
+        raise ValueError(f"tuner {tuner!r}: one of full, lora, dora")
+    if tuner != "full" and lora_rank <= 0:
+        raise ValueError(f"tuner {tuner!r} needs lora_rank > 0, got {lora_rank}")
     text = TINY_TEXT if size == "tiny" else QWEN3_VL_TEXT[size]
     vision = TINY_VISION if size == "tiny" else QWEN3_VL_VISION[size]
     counts = param_counts(size)
+    blocks = counts["text_blocks"]
+    adapter = adapter_params(size, lora_rank) if tuner != "full" else 0
+    trained, frozen = (blocks, 0) if tuner == "full" else (adapter, blocks)
     seg = tokens / max(samples, 1)
-    attn = 6 * text["num_hidden_layers"] * text["num_attention_heads"] * text["head_dim"] * seg * seg * samples
+    attn_fwd = 2 * text["num_hidden_layers"] * text["num_attention_heads"] * text["head_dim"] * seg * seg * samples
     vis = samples * (2 * counts["vision"] * patches_per_image
                      + 4 * vision["depth"] * vision["hidden_size"] * patches_per_image ** 2)
-    return 6 * counts["text_blocks"] * tokens + attn + vis
+    model = 6 * trained * tokens + 4 * frozen * tokens + 3 * attn_fwd + vis
+    recompute = 2 * (trained + frozen) * tokens + attn_fwd if checkpointing else 0.0
+    return {"model": model, "hardware": model + recompute, "trained_params": trained, "frozen_block_params": frozen,
+            "checkpointing": checkpointing}
 
 
 def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -> dict[str, Any]:
@@ -282,16 +325,20 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
     step_s = avg.get("time/step_s", 0.0)
     tokens = avg.get("batch/tokens", 0.0)
     patches = (run.image_size // 16) ** 2
-    flops = fwd_bwd_flops(run.size, tokens, run.batch, patches)
+    flops = fwd_bwd_flops(run.size, tokens, run.batch, patches, run.tuner, run.lora_rank,
+                          checkpointing=cfg["training"]["gradient_checkpointing"])
     fb_s = avg.get("time/forward_s", 0.0) + avg.get("time/backward_s", 0.0)
+    on_gpu = bool(fb_s) and device != "cpu"
     generated = run.batch * run.max_new_tokens
     rec.update(
         steps=len(rows), per_step={k: v for k, v in avg.items() if k.startswith(("time/", "batch/", "rollout/"))},
         peak_gib=peaks, step_s=step_s,
         rollout_tokens_per_s=generated / avg["time/generate_s"] if avg.get("time/generate_s") else None,
         train_tokens_per_s=tokens / fb_s if fb_s else None,
-        fwd_bwd_tflops=flops / fb_s / 1e12 if fb_s else None,
-        mfu=(flops / fb_s / 1e12 / H100_BF16_TFLOPS) if fb_s and device != "cpu" else None,
+        fwd_bwd_tflops=flops["model"] / fb_s / 1e12 if fb_s else None,
+        mfu=flops["model"] / fb_s / 1e12 / H100_BF16_TFLOPS if on_gpu else None,
+        hfu=flops["hardware"] / fb_s / 1e12 / H100_BF16_TFLOPS if on_gpu else None,
+        flops=flops, flop_count=FLOP_COUNT,
         split={k[len("time/"):-2]: avg.get(k, 0.0) / step_s for k in
                ("time/weight_sync_s", "time/rollout_s", "time/target_s", "time/forward_s", "time/backward_s")}
         if step_s else {},
@@ -480,7 +527,8 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
             raise SystemExit(f"RM_BENCH_SCALE_PROFILE={cfg.profile_step} is past the run's {cfg.steps} steps")
         print(f"bench scale: {cfg.name} ...", flush=True)
         rec = run_one(cfg, work, device) if device == "cpu" else run_isolated(cfg, work)
-        print(json.dumps({k: rec.get(k) for k in ("name", "step_s", "split", "peak_gib", "mfu", "error")}), flush=True)
+        print(json.dumps({k: rec.get(k) for k in ("name", "step_s", "split", "peak_gib", "mfu", "hfu", "error")}),
+              flush=True)
         print(json.dumps({k: rec.get(k) for k in ("sync_parts_s", "sleep_wake_sync_s")}), flush=True)
         if "profile" in rec:
             p = rec["profile"]
