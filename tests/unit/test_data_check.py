@@ -5,12 +5,14 @@ them (EXIF orientation, colour modes) converted the way training sees them."""
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 
 from trainer.cli import main
 from trainer.data.check import check_lines, fix_record, format_report
@@ -22,6 +24,29 @@ def exif_rotated(path: Path, stored: tuple[int, int], orientation: int = 6) -> N
     exif = Image.Exif()
     exif[0x0112] = orientation
     Image.new("RGB", stored, (200, 30, 30)).save(path, exif=exif)
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_orientation_after_image_data(path: Path, stored: tuple[int, int], orientation: int, xmp: bool = False) -> None:
+    """An RGB PNG written chunk by chunk, its orientation after IDAT (an eXIf chunk, or XMP in an iTXt chunk);
+    black with one red pixel at the stored top-right corner."""
+    w, h = stored
+    pixels = np.zeros((h, w, 3), dtype=np.uint8)
+    pixels[0, w - 1] = (255, 0, 0)
+    if xmp:
+        text = f'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:Description tiff:Orientation="{orientation}"/></x:xmpmeta>'
+        tail = png_chunk(b"iTXt", b"XML:com.adobe.xmp\x00\x00\x00\x00\x00" + text.encode())
+    else:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        tail = png_chunk(b"eXIf", exif.tobytes()[len(b"Exif\x00\x00"):])  # eXIf holds the TIFF block
+    path.write_bytes(b"\x89PNG\r\n\x1a\n"
+                     + png_chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+                     + png_chunk(b"IDAT", zlib.compress(b"".join(b"\x00" + row.tobytes() for row in pixels)))
+                     + tail + png_chunk(b"IEND", b""))
 
 
 def write_images(root: Path) -> None:
@@ -208,6 +233,27 @@ def test_header_is_read_without_decoding_and_orientation_swaps_the_size(tmp_path
     (tmp_path / "junk.png").write_bytes(b"not an image")
     with pytest.raises(ImageRefError, match="cannot be read as an image"):
         read_header(tmp_path / "junk.png")
+
+
+@pytest.mark.parametrize("xmp", [False, True], ids=["eXIf", "XMP"])
+def test_png_orientation_after_the_image_data_is_read_as_the_loader_applies_it(tmp_path, xmp):
+    path = tmp_path / "late.png"
+    png_orientation_after_image_data(path, (40, 30), 6, xmp)
+    with Image.open(path) as im:
+        assert Image.Image.getexif(im).get(0x0112) is None, "the orientation is not in the header"
+    header = read_header(path)
+    assert (header.stored_width, header.stored_height, header.orientation, header.size) == (40, 30, 6, (30, 40))
+    img = load_image(str(path))
+    assert img.size == header.size
+    assert img.getpixel((29, 39)) == (255, 0, 0), "stored top-right, turned 90° clockwise: bottom-right"
+    with Image.open(path) as im:
+        assert ImageOps.exif_transpose(im).tobytes() == img.tobytes(), "as PIL shows it once decoded"
+    records = tmp_path / "d.jsonl"
+    records.write_text(rec("shown", "late.png", 30, 40) + "\n" + rec("stored", "late.png", 40, 30) + "\n")
+    check = check_lines(records, tmp_path)
+    assert check.counts == {"exif_orientation": 1, "size_mismatch": 1}
+    assert check.examples["size_mismatch"][0].where == f"{records}:2"
+    assert [s.sample_id for s in load_jsonl(records, on_bad_record="drop")] == ["shown"]
 
 
 def test_colour_modes_become_rgb_properly(tmp_path):

@@ -99,8 +99,17 @@ class TrainingConfig(Section):
     output_dir: str = "runs/default"
     max_steps: int = Field(-1, ge=-1)
     num_train_epochs: float = Field(1.0, gt=0)
-    per_device_train_batch_size: int = Field(1, ge=1)
+    per_device_train_batch_size: int = Field(
+        1, ge=1, description="records per rank per micro-batch; stage 2 decodes per_device_train_batch_size x "
+        "gradient_accumulation_steps records per rank per optimizer step unless records_per_step is set, and trains "
+        "padded batches of this many targets (packing off)")
     gradient_accumulation_steps: int = Field(1, ge=1)
+    records_per_step: int | None = Field(
+        None, ge=1, description="records (raw samples) per optimizer step over all data-parallel ranks, as TRL's "
+        "generation_batch_size or verl's train_batch_size: decoded in one batched call per rank (spread over every "
+        "healthy rollout server), then trained as every packed row they fill (packing) or padded micro-batches of "
+        "per_device_train_batch_size targets, gradients accumulated into one optimizer step; must be a multiple of "
+        "the data-parallel world size. null: per_device_train_batch_size x gradient_accumulation_steps x world size")
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_ratio: float = Field(0.0, ge=0, le=1)

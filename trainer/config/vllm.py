@@ -15,10 +15,10 @@ class VllmServerEntry(Section):
 
 
 class AsyncRolloutsConfig(Section):
-    """``async_rollouts`` (stage-2 server mode): while the learner trains on micro-batch i, the servers already decode
-    micro-batch i+1 (a background request; weight pushes wait for it). ``max_staleness_steps``: the most optimizer
-    steps a sample's decode weights may lag the step that trains on it (1 = one step off-policy; 0 = overlap only
-    inside an optimizer step, useful with gradient_accumulation_steps > 1). See the stage-2 runbook."""
+    """``async_rollouts`` (stage-2 server mode): while the learner trains optimizer step i, the servers already decode
+    the whole batch of step i+1 (a background request; weight pushes wait for it). ``max_staleness_steps``: the most
+    optimizer steps a sample's decode weights may lag the step that trains on it (1 = one step off-policy; 0 = no
+    decode ahead: a step's records are decoded together on its own weights). See the stage-2 runbook."""
 
     enabled: bool = False
     max_staleness_steps: int = Field(1, ge=0)

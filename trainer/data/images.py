@@ -2,8 +2,10 @@
 
 * **EXIF orientation.** Records' coordinates (and ``width`` / ``height``) refer to the *displayed* image: the
   stored pixels with their EXIF orientation applied, as every viewer and COCO tool shows them. Orientations 5-8
-  (transposed / rotated 90°) swap width and height. ``load_image`` applies the orientation
-  (``ImageOps.exif_transpose``), so pixels and boxes agree.
+  (transposed / rotated 90°) swap width and height. One function, ``orientation_of``, reads the orientation for
+  both the header check (``read_header``) and ``load_image`` (which applies it as ``ImageOps.exif_transpose``
+  does), so the size checked is the size trained on and pixels and boxes agree; a PNG's eXIf / XMP after the image
+  data counts (PIL's own ``exif_transpose`` sees it only once the pixels are decoded).
 * **Colour modes.** Every mode in ``COLOUR_MODES`` is converted to RGB on load: modes with an alpha channel (or a
   transparent palette / colour key) are composited on white (the colour of transparent pixels is undefined,
   often black; a viewer shows them over its page, usually white); 16-bit greyscale is scaled to 8 bits
@@ -17,6 +19,8 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +29,11 @@ EXIF_ORIENTATION = 0x0112
 TRANSPOSING_ORIENTATIONS = frozenset({5, 6, 7, 8})
 ORIENTATION_NAMES = {1: "normal", 2: "mirrored", 3: "rotated 180°", 4: "flipped", 5: "transposed",
                      6: "rotated 90° clockwise", 7: "transversed", 8: "rotated 90° counter-clockwise"}
+#: orientation → the ``PIL.Image.Transpose`` that turns the stored pixels upright (``ImageOps.exif_transpose``'s)
+UPRIGHT = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
+           7: "TRANSVERSE", 8: "ROTATE_90"}
+#: PNG chunks after the image data that PIL reads into ``info`` on load and its orientation comes from
+_PNG_TAIL_CHUNKS = frozenset({b"eXIf", b"tEXt", b"zTXt", b"iTXt"})
 #: mode → how ``to_rgb`` converts it (the ``data check`` report shows this)
 COLOUR_MODES = {
     "RGB": "as is",
@@ -76,16 +85,57 @@ class ImageHeader:
         return self.stored_width, self.stored_height
 
 
+def _png_tail(image) -> dict:
+    """The ``info`` entries (eXIf, text, XMP) of the chunks a not yet loaded PNG stores after its image data, read
+    by PIL's own chunk parsers while seeking past the image data (nothing decoded); the file position is kept."""
+    from PIL import PngImagePlugin
+
+    fp = getattr(image, "fp", None)
+    if fp is None or not image.tile:
+        return {}
+    back = fp.tell()
+    stream = PngImagePlugin.PngStream(fp)
+    try:
+        fp.seek(image.tile[0][2] - 8)  # the first image data chunk's length and type
+        while True:
+            cid, pos, length = stream.read()
+            if cid == b"IEND" or cid == b"fcTL":  # fcTL: the next APNG frame, where PIL's load stops too
+                break
+            if cid in _PNG_TAIL_CHUNKS:
+                stream.call(cid, pos, length)
+            fp.seek(pos + length + 4)
+    except (struct.error, SyntaxError, EOFError, ValueError, UnicodeDecodeError, zlib.error, OSError):
+        pass  # a truncated or broken tail: what was read so far counts
+    finally:
+        fp.seek(back)
+    return stream.im_info
+
+
 def orientation_of(image) -> int:
-    """The EXIF (or XMP) orientation of an open PIL image, 1..8, without decoding its pixels (PNG's own
-    ``getexif`` decodes the image when the eXIf chunk is not in the header; the base implementation does not)."""
+    """The EXIF (or XMP) orientation of an open PIL image, 1..8: the one ``ImageOps.exif_transpose`` applies once
+    the pixels are loaded, read without decoding them (a PNG's chunks after its image data included: PNG's own
+    ``getexif`` would decode the image for them). ``read_header`` and ``load_image`` both take it from here."""
     from PIL import Image
 
     try:
-        value = Image.Image.getexif(image).get(EXIF_ORIENTATION, 1)
+        if image.format == "PNG" and image.tile:
+            probe = Image.new("1", (1, 1))
+            probe.info = {**image.info, **_png_tail(image)}
+            exif = probe.getexif()
+        else:
+            exif = Image.Image.getexif(image)
+        value = exif.get(EXIF_ORIENTATION, 1)
     except Exception:  # a malformed EXIF block: PIL's exif_transpose would not rotate either
         return 1
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def upright(image, orientation: int):
+    """A loaded copy of ``image`` with ``orientation`` (from ``orientation_of``) applied."""
+    from PIL import Image
+
+    name = UPRIGHT.get(orientation)
+    return image.transpose(getattr(Image.Transpose, name)) if name else image.copy()
 
 
 def read_header(path: str | Path) -> ImageHeader:
@@ -124,15 +174,15 @@ def to_rgb(image):
 
 
 def _decode(source, name: str, unreadable: str):
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     try:
         with Image.open(source) as im:
-            upright = ImageOps.exif_transpose(im)
+            shown = upright(im, orientation_of(im))
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise ImageRefError(f"{unreadable} ({exc})") from exc
     try:
-        return to_rgb(upright)
+        return to_rgb(shown)
     except ImageRefError as exc:
         raise ImageRefError(f"image {name}: {exc}") from None
 

@@ -8,6 +8,7 @@ a text rendering of the image (desc + coord tokens) so text-only models can lear
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def make_record(rng: random.Random, index: int, size: int, n_objects: int, poly_
 
 def generate(out_dir: str | Path, num_samples: int, seed: int = 0, min_objects: int = 1, max_objects: int = 4,
              image_size: int = 64, poly_fraction: float = 0.0, filename: str = "train.jsonl") -> Path:
-    """Write the synthetic dataset under ``out_dir``; returns the path of the JSONL (``filename``)."""
+    """Write the synthetic dataset under ``out_dir``; returns the path of the JSONL (``filename``). Each file appears
+    whole (written aside, then renamed). Under torchrun one rank per node calls this (``trainer.sft.run.load_samples``)."""
     if max_objects < min_objects:
         raise ValueError(f"max_objects ({max_objects}) < min_objects ({min_objects})")
     out = Path(out_dir)
@@ -75,8 +77,17 @@ def generate(out_dir: str | Path, num_samples: int, seed: int = 0, min_objects: 
     lines = []
     for i in range(num_samples):
         record, img = make_record(rng, i, image_size, rng.randint(min_objects, max_objects), poly_fraction)
-        img.save(out / record["images"][0], format="PNG")
+        _write_atomic(out / record["images"][0], lambda fh: img.save(fh, format="PNG"))
         lines.append(json.dumps(record, ensure_ascii=False))
     path = out / filename
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _write_atomic(path, lambda fh: fh.write(("\n".join(lines) + "\n").encode("utf-8")))
     return path
+
+
+def _write_atomic(path: Path, write) -> None:
+    """``write(fh)`` into a private temporary file beside ``path``, then rename it into place: a reader (another
+    node's rank on a shared filesystem) sees the old file or the whole new one, never half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        write(fh)
+    os.replace(tmp, path)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainer.losses.coord import check_coord_only_gate, coord_row_terms
-from trainer.losses.objective import LossWeights
+from trainer.losses.objective import LossWeights, denominators
 from trainer.losses.supervised_logits import project_coord_columns, supervised_hidden
 
 
@@ -60,12 +60,13 @@ def chunked_objective(hidden: torch.Tensor, head: torch.nn.Module, batch: dict[s
         return softce.sum(), w1.sum(), gate.sum()
 
     n_ce, n_coord = ce_hidden.shape[0], coord_hidden.shape[0]
+    ce_den, coord_den = denominators(batch, n_ce, n_coord)
     if n_ce:
-        ce = _chunk_sums(ce_sum, chunk_rows, ce_hidden, labels)[0] / n_ce
+        ce = _chunk_sums(ce_sum, chunk_rows, ce_hidden, labels)[0] / ce_den
     else:
         ce = head(ce_hidden).float().sum() * 0.0
     if n_coord:
-        softce, w1, gate = (s / n_coord for s in _chunk_sums(coord_sums, chunk_rows, coord_hidden, targets))
+        softce, w1, gate = (s / coord_den for s in _chunk_sums(coord_sums, chunk_rows, coord_hidden, targets))
     else:
         softce = w1 = gate = project(coord_hidden).float().sum() * 0.0
     coord = w.coord_softce * softce + w.coord_w1 * w1 + w.coord_gate * gate

@@ -20,18 +20,33 @@ class LossWeights:
     coord_sigma: float = 2.0
 
 
+def denominators(batch: dict[str, torch.Tensor], n_ce: int, n_coord: int) -> tuple[int, int]:
+    """The counts the CE and coord sums are divided by: the batch's own (a mean over it) or, when the batch is one
+    micro-batch of a step trained in several, the step's totals (``loss_ce_denominator`` / ``loss_coord_denominator``,
+    ``trainer.packing.step_rows.step_denominators``), so the micro-batches' losses sum to the step's mean."""
+    ce = batch.get("loss_ce_denominator")
+    coord = batch.get("loss_coord_denominator")
+    return (int(ce) if ce is not None else max(n_ce, 1)), (int(coord) if coord is not None else max(n_coord, 1))
+
+
 def objective_from_rows(rows: SupervisedRows, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor,
                         w: LossWeights) -> tuple[torch.Tensor, dict[str, float]]:
-    """Total loss (mean CE over CE tokens + mean coord loss over coord slots) and detached terms (no
-    ``loss/coord_gate`` term for coord-only rows: the gate is not computed there)."""
+    """Total loss (CE summed over CE tokens + coord loss summed over coord slots, each divided by ``denominators``:
+    the means over this batch unless the step's totals are given) and detached terms (no ``loss/coord_gate`` term for
+    coord-only rows: the gate is not computed there)."""
     ce_rows = rows.ce
     labels = batch["ce_labels"].to(ce_rows.device)
+    ce_den, coord_den = denominators(batch, ce_rows.shape[0], rows.coord.shape[0])
     if ce_rows.shape[0]:
-        ce = F.cross_entropy(ce_rows.float(), labels)
+        ce = F.cross_entropy(ce_rows.float(), labels, reduction="sum") / ce_den
     else:
         ce = ce_rows.sum() * 0.0 + rows.coord.sum() * 0.0
     coord = coord_loss(rows.coord, coord_ids.to(rows.coord.device), batch["coord_targets"].to(rows.coord.device),
                        w.coord_sigma, w.coord_softce, w.coord_w1, w.coord_gate, coord_only=rows.coord_only)
+    if coord.count and coord_den != coord.count:
+        scale = coord.count / coord_den
+        coord = type(coord)(coord.softce * scale, coord.w1 * scale, coord.gate * scale, coord.total * scale,
+                            coord.count)
     total = w.text_ce * ce + coord.total
     terms = {
         "loss/ce": float(ce.detach()),

@@ -1,4 +1,5 @@
-"""Rank-local FIFO carry buffer of post-rollout segments; one packed row per ``pop_pack``."""
+"""Rank-local FIFO carry buffer of post-rollout segments: one packed row per ``pop_pack``, or a whole optimizer step's
+rows per ``pop_rows`` (``trainer.packing.step_rows``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 from trainer.matching.targets import TrainTarget
 from trainer.packing.select import select_segments
+from trainer.packing.step_rows import plan_step_rows, rows_needed
 
 log = logging.getLogger(__name__)
 
@@ -18,10 +20,13 @@ class PackingBufferFull(RuntimeError):
 
 @dataclass(frozen=True)
 class PackStats:
+    """``capacity``: the tokens the popped rows can hold (rows x packing_length)."""
+
     segments: int
     tokens: int
     capacity: int
     carried: int
+    rows: int = 1
 
     @property
     def fill(self) -> float:
@@ -55,7 +60,7 @@ class PackingBuffer:
         if len(self.segments) + len(targets) > self.max_segments:
             raise PackingBufferFull(
                 f"packing buffer would hold {len(self.segments) + len(targets)} segments > training.packing_buffer "
-                f"{self.max_segments}; lower per_device_train_batch_size (raw samples per step), raise "
+                f"{self.max_segments}; lower training.records_per_step (raw samples per optimizer step), raise "
                 "training.packing_length, or raise packing_buffer"
             )
         self.segments.extend(targets)
@@ -71,3 +76,24 @@ class PackingBuffer:
             log.warning("packed row fill %.2f < training.packing_min_fill_ratio %.2f (%d segments, %d carried)",
                         stats.fill, self.min_fill_ratio, stats.segments, stats.carried)
         return picked, stats
+
+    def rows_needed(self) -> int:
+        """Rows ``pop_rows`` makes from what waits now when no other rank needs more (0 when empty)."""
+        return rows_needed([t.length for t in self.segments], self.capacity)
+
+    def pop_rows(self, min_rows: int = 1) -> tuple[list[list[TrainTarget]], PackStats]:
+        """One optimizer step's rows: at least ``min_rows`` while segments last, and every whole row's worth; the rest
+        (less than one row) stays. Rows in the order made, each in insertion order."""
+        plan = plan_step_rows([t.length for t in self.segments], self.capacity, min_rows)
+        rows = [[self.segments[i] for i in row] for row in plan.rows]
+        self.segments = [self.segments[i] for i in plan.carried]
+        tokens = sum(t.length for row in rows for t in row)
+        stats = PackStats(sum(len(r) for r in rows), tokens, self.capacity * max(len(rows), 1), len(self.segments),
+                          len(rows))
+        for row in rows:
+            fill = sum(t.length for t in row) / self.capacity
+            if fill < self.min_fill_ratio:
+                self.low_fill_packs += 1
+                log.warning("packed row fill %.2f < training.packing_min_fill_ratio %.2f (%d segments, %d carried)",
+                            fill, self.min_fill_ratio, len(row), stats.carried)
+        return rows, stats

@@ -11,7 +11,10 @@ Contracts:
 - weight sync: ``sync_full`` hands the learner's tensors (HF names, LoRA merged) to the engine's model in this
   process (``InProcessVllm.load_weights``: checked, then copied into the live parameters; no file); ``sync_adapter``
   serves the LoRA adapter through ``LoRARequest``; every rank syncs its own engine;
-- sleep mode: the engine sleeps after each ``generate`` and wakes only its weights for a sync.
+- sleep mode: the engine sleeps after each ``generate`` and wakes only its weights for a sync;
+- under torch.distributed (torchrun, any world size, 1 included) the engine runs under vLLM's external launcher on
+  the learner's process group (ranks beyond one TP group are vLLM's external data parallelism); without it, in a
+  plain process, vLLM's own single-process executor.
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ class VllmColocateEngine:
             gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
             enable_prefix_caching=enable_prefix_caching, sleep_level=sleep_level,
             seed=seed + (self.rank // self.tp if self.world_size > 1 else 0), dtype=dtype,
-            external_launcher=self.world_size > 1, allow_dtype_cast=allow_dtype_cast,
+            external_launcher=dist_on, allow_dtype_cast=allow_dtype_cast,
             engine_kwargs=dict(engine_kwargs or {}), key=KEY))
         self.timings: dict[str, float] = {}
 

@@ -11,7 +11,8 @@ from trainer.losses.objective import LossWeights, objective_from_rows
 from trainer.losses.supervised_logits import capture_lm_head_input, output_embedding, rows_from_logits, supervised_rows
 
 LOSS_KEYS = ("ce_index", "ce_labels", "ce_segment", "coord_index", "coord_targets", "coord_segment", "num_segments",
-             "sample_ids", "rollout_steps", "decode_steps", "packed_cu_seq_lens", "packed_max_length")
+             "sample_ids", "rollout_steps", "decode_steps", "packed_cu_seq_lens", "packed_max_length",
+             "loss_ce_denominator", "loss_coord_denominator", "loss_weight")
 
 
 def forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torch.Tensor, weights: LossWeights,
@@ -21,8 +22,22 @@ def forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torc
 
     ``model`` may be a wrapper (DDP, DeepSpeed); ``unwrapped`` is the module that owns the LM head (default:
     ``model``). With ``supervised_logits`` the returned outputs carry zero-length logits, and ``logit_chunk_rows``
-    projects and reduces the supervised rows that many at a time (``trainer.losses.chunked_objective``).
+    projects and reduces the supervised rows that many at a time (``trainer.losses.chunked_objective``). A batch
+    with ``loss_weight`` 0 (a rank's filler micro-batch, so every data-parallel rank makes the same number of backward
+    passes) returns a zero loss that still reaches every parameter the forward used.
     """
+    loss, terms, outputs = _forward_loss(model, inputs, coord_ids, weights, supervised_logits, unwrapped,
+                                         logit_chunk_rows)
+    if "loss_weight" in inputs:
+        loss = loss * float(inputs["loss_weight"])
+        if not float(inputs["loss_weight"]):
+            terms = {k: 0.0 for k in terms}
+    return loss, terms, outputs
+
+
+def _forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torch.Tensor, weights: LossWeights,
+                  supervised_logits: bool, unwrapped: torch.nn.Module | None,
+                  logit_chunk_rows: int | None) -> tuple[torch.Tensor, dict[str, float], Any]:
     model_inputs = {k: v for k, v in inputs.items() if k not in LOSS_KEYS}
     if supervised_logits:
         owner = model if unwrapped is None else unwrapped

@@ -42,13 +42,39 @@ class RunSummary:
     metrics_path: str
 
 
+def start_distributed() -> None:
+    """Under torchrun (``WORLD_SIZE`` set) join the process group and take this rank's GPU now, before any engine
+    starts: a colocated vLLM then runs under the external launcher on that group. (Started later, vLLM would open its
+    own ``tcp://`` rendezvous, which torchrun's agent-store setting turns into a client waiting for a server that
+    never comes: the hang at vLLM start.)"""
+    if "WORLD_SIZE" in os.environ:
+        from accelerate import PartialState
+
+        PartialState()
+
+
+def node_writes_first():
+    """Context: the node's local main process runs the block first, the other ranks after it (one writer per node)."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return contextlib.nullcontext()
+    from accelerate import PartialState
+
+    return PartialState().local_main_process_first()
+
+
 def load_samples(cfg: TrainConfig) -> JsonlDataset:
-    """The training records, checked in one streaming pass and indexed by line offset (each parsed when read)."""
+    """The training records, checked in one streaming pass and indexed by line offset (each parsed when read). The
+    synthetic set is written once per node (the local main rank; the others wait for it, then read it)."""
     d = cfg.data
     if d.synthetic is not None:
         s = d.synthetic
-        path = generate(Path(cfg.training.output_dir) / "data", s.num_samples, s.seed, s.min_objects,
-                        s.max_objects, s.image_size, s.poly_fraction)
+        with node_writes_first():
+            path = generate(Path(cfg.training.output_dir) / "data", s.num_samples, s.seed, s.min_objects,
+                            s.max_objects, s.image_size, s.poly_fraction)
         return index_jsonl(path)
     report = LoadReport()
     samples = index_jsonl(d.train_jsonl, d.image_root, on_bad_record=d.on_bad_record, report=report)
@@ -61,15 +87,42 @@ def load_samples(cfg: TrainConfig) -> JsonlDataset:
     return samples
 
 
-def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, learning_rate: float,
-                       batch_size: int, report_to: list[str], logging_steps: int | None = None) -> TrainingArguments:
+def data_parallel_world_size() -> int:
+    """The learner's data-parallel ranks: torchrun's ``WORLD_SIZE`` (1 for a plain ``python -m trainer train``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def records_per_rank(cfg: TrainConfig, batch_size: int, world_size: int) -> int:
+    """This rank's records per optimizer step: ``training.records_per_step / world_size``, or ``batch_size x
+    training.gradient_accumulation_steps``."""
     t = cfg.training
+    if t.records_per_step is None:
+        return batch_size * t.gradient_accumulation_steps
+    if t.records_per_step % world_size:
+        raise ValueError(f"training.records_per_step={t.records_per_step} is not a multiple of the data-parallel "
+                         f"world size {world_size}: every rank decodes the same share; use a multiple of {world_size}")
+    return t.records_per_step // world_size
+
+
+def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, learning_rate: float,
+                       batch_size: int, report_to: list[str], logging_steps: int | None = None,
+                       step_records: bool = False) -> TrainingArguments:
+    """HF's arguments; ``step_records``: for ``RolloutMatchingTrainer``, which gets a step's records as HF's one
+    micro-batch (``gradient_accumulation_steps`` 1) and accumulates the rows they fill itself."""
+    t = cfg.training
+    per_device, accumulation = batch_size, t.gradient_accumulation_steps
+    if step_records:
+        per_device, accumulation = records_per_rank(cfg, batch_size, data_parallel_world_size()), 1
     return TrainingArguments(
         output_dir=str(output_dir),
         max_steps=max_steps,
         num_train_epochs=t.num_train_epochs,
-        per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
         learning_rate=learning_rate,
         weight_decay=t.weight_decay,
         lr_scheduler_type=t.lr_scheduler_type,
@@ -137,6 +190,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     rm = cfg.rollout_matching
     if cfg.training.deepspeed:
         require("deepspeed", f"training.deepspeed ({cfg.training.deepspeed})")
+    start_distributed()
     out = Path(cfg.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "resolved_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
@@ -178,8 +232,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
         warm = RolloutMatchingTrainer(
             model=model, args=training_arguments(cfg, out / "stage1", max_steps=s1.steps,
                                                  learning_rate=s1.learning_rate, batch_size=s1.batch_size,
-                                                 report_to=report, logging_steps=s1.logging_steps),
-            engine=None, target_source="ground_truth", callbacks=stage1_callbacks,
+                                                 report_to=report, logging_steps=s1.logging_steps, step_records=True),
+            engine=None, target_source="ground_truth", callbacks=stage1_callbacks, micro_batch_rows=s1.batch_size,
             memory_settings=memory_settings(cfg, stage1=True), **common)
         warm.train()
     t = cfg.training
@@ -189,7 +243,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             model=model, args=training_arguments(cfg, out / "stage2", max_steps=cfg.training.max_steps,
                                                  learning_rate=cfg.training.learning_rate,
                                                  batch_size=cfg.training.per_device_train_batch_size,
-                                                 report_to=report),
+                                                 report_to=report, step_records=True),
+            micro_batch_rows=cfg.training.per_device_train_batch_size,
             engine=engine, target_source="rollout", packing=packing,
             rollout_buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1,
             packed_attn_implementation=cfg.model.attn_implementation,

@@ -1,8 +1,14 @@
 """``RolloutMatchingTrainer``: a ``transformers.Trainer`` whose inputs are raw samples.
 
-Per micro-batch: rollout (no grad) → strict parse → Hungarian match → one teacher-forced target per sample
-→ padded batch → one forward → masked CE + coord losses. The collator is the identity (the trainer needs the
-raw samples) and ``remove_unused_columns`` must be false. Works with plain models and peft adapters.
+Per optimizer step: every record of the step (``training.records_per_step`` over the data-parallel ranks; this
+rank's share arrives as HF's one micro-batch, ``gradient_accumulation_steps`` is 1 at HF's level) is decoded in one
+batched engine call → strict parse → Hungarian match → one teacher-forced target per sample → the targets are packed
+into as many rows as they fill (``trainer.packing.step_rows``; the carry keeps less than one row) or split into padded
+micro-batches → one forward + backward per row, gradients accumulated, the loss of each divided by the step's totals
+so the step equals one row holding every segment → one optimizer step. Data-parallel ranks agree on the row count
+(the largest any rank needs); a rank with fewer rows runs zero-weight filler micro-batches so the collectives line
+up. The collator is the identity (the trainer needs the raw samples) and ``remove_unused_columns`` must be false.
+Works with plain models, peft adapters, DDP and DeepSpeed.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from trainer.modeling.compile import eager_rollouts
 from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
+from trainer.packing.step_rows import chunk_rows, step_denominators
 from trainer.packing.varlen_attention import choose_packed_attention, packed_attention
 from trainer.profiling import profile_region
 from trainer.rollout.base import RolloutEngine
@@ -98,7 +105,7 @@ class RolloutMatchingTrainer(Trainer):
                  logit_chunk_rows: int | None = None,
                  eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None,
                  profile_steps: Sequence[int] = (), profile_trace: bool = False,
-                 memory_settings: MemorySettings | None = None, **kwargs: Any):
+                 memory_settings: MemorySettings | None = None, micro_batch_rows: int | None = None, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -107,6 +114,13 @@ class RolloutMatchingTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if self.args.remove_unused_columns:
             raise ValueError("RolloutMatchingTrainer needs TrainingArguments(remove_unused_columns=False)")
+        if self.args.gradient_accumulation_steps != 1:
+            raise ValueError(
+                "RolloutMatchingTrainer accumulates a step's rows itself: pass TrainingArguments("
+                "gradient_accumulation_steps=1) with per_device_train_batch_size = this rank's records per optimizer "
+                "step (trainer.sft.run.training_arguments folds training.gradient_accumulation_steps in)")
+        #: padded layout: targets per micro-batch (default: all of the step's records in one)
+        self.micro_batch_rows = micro_batch_rows or self.args.per_device_train_batch_size
         self.model_accepts_loss_kwargs = False
         self.pipeline = pipeline
         self.engine = engine
@@ -290,37 +304,61 @@ class RolloutMatchingTrainer(Trainer):
         self._steps_per_epoch = max(len(loader) // self.args.gradient_accumulation_steps, 1)
         return loader
 
-    def _prepare_inputs(self, inputs: Any) -> dict[str, Any]:
-        if isinstance(inputs, list) and self.rollout_buffer is not None:
+    def _step_micro_batches(self, samples: list[Sample]) -> list[dict[str, Any]]:
+        """This rank's micro-batches for the optimizer step of ``samples`` (fresh, or replayed by the rollout
+        buffer's M-steps)."""
+        if self.rollout_buffer is not None:
             prepared, fresh, staleness = self.rollout_buffer.prepare(
-                [s.sample_id for s in inputs], lambda: self._build_batch(inputs))
+                [s.sample_id for s in samples], lambda: self._build_batch(samples))
             self.counters.add({"buffer_fresh": int(fresh), "buffer_replay": int(not fresh)})
             self._max_staleness = max(self._max_staleness, staleness)
-            return super()._prepare_inputs(prepared)
-        if isinstance(inputs, list):
-            inputs = self._build_batch(inputs)
-        return super()._prepare_inputs(inputs)
+            return prepared
+        return self._build_batch(samples)
 
-    def _build_batch(self, samples: list[Sample]) -> dict[str, Any]:
-        """Rollout → targets → padded batch or one packed row (what an E-step caches)."""
+    def _rows_agreed(self, local: int) -> int:
+        """The largest row count any data-parallel rank needs this step (``local`` without torch.distributed)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return local
+        count = torch.tensor([local], device=self.args.device, dtype=torch.long)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count.item())
+
+    def _build_batch(self, samples: list[Sample]) -> list[dict[str, Any]]:
+        """Rollout → targets → packed rows (or padded micro-batches), each with the step's loss denominators; what an
+        E-step caches."""
         targets = self.make_targets(samples)
-        with self.timers.phase("target"):  # padding / packing the targets into the training row(s)
+        with self.timers.phase("target"):  # packing / padding the targets into the step's rows
             if self.packing is None:
-                inputs = pad_targets(targets, self.pipeline.tokenizer.pad_token_id, self.image_token_id)
-                self.counters.add({"rows": int(inputs["input_ids"].shape[0]),
-                                   "tokens_real": int(inputs["attention_mask"].sum()),
-                                   "tokens_padded": int(inputs["input_ids"].numel())})
+                groups = [[targets[i] for i in c] for c in chunk_rows(len(targets), self.micro_batch_rows)]
+                rows = self._rows_agreed(len(groups))
+                batches = [pad_targets(g, self.pipeline.tokenizer.pad_token_id, self.image_token_id) for g in groups]
+                self.counters.add({"rows": len(batches), "padded_steps": 1,
+                                   "tokens_real": sum(int(b["attention_mask"].sum()) for b in batches),
+                                   "tokens_padded": sum(int(b["input_ids"].numel()) for b in batches)})
             else:
                 self.packing.add(targets)
-                targets, stats = self.packing.pop_pack()
-                inputs = pack_targets(targets, self.packed_attn, self.accelerator.unwrap_model(self.model),
-                                      self.image_token_id)
-                self.counters.add({"rows": 1, "tokens_real": stats.tokens, "tokens_padded": stats.capacity,
-                                   "packed_segments": stats.segments, "packing_carried": stats.carried})
-        inputs["sample_ids"] = [t.sample_id for t in targets]
-        inputs["rollout_steps"] = [t.stats.get("rollout_step", -1) for t in targets]
-        inputs["decode_steps"] = [t.stats.get("decode_step", t.stats.get("rollout_step", -1)) for t in targets]
-        return inputs
+                rows = self._rows_agreed(self.packing.rows_needed())
+                groups, stats = self.packing.pop_rows(rows)
+                unwrapped = self.accelerator.unwrap_model(self.model)
+                batches = [pack_targets(g, self.packed_attn, unwrapped, self.image_token_id) for g in groups]
+                self.counters.add({"rows": len(batches), "tokens_real": stats.tokens, "tokens_padded": stats.capacity,
+                                   "packed_segments": stats.segments, "packing_carried": stats.carried,
+                                   "packing_steps": 1})
+            den = step_denominators([int(b["ce_labels"].numel()) for b in batches],
+                                    [int(b["coord_targets"].numel()) for b in batches])
+            for group, batch in zip(groups, batches):
+                batch["sample_ids"] = [t.sample_id for t in group]
+                batch["rollout_steps"] = [t.stats.get("rollout_step", -1) for t in group]
+                batch["decode_steps"] = [t.stats.get("decode_step", t.stats.get("rollout_step", -1)) for t in group]
+                batch["loss_ce_denominator"] = den.ce
+                batch["loss_coord_denominator"] = den.coord
+            fillers = [{**batches[-1], "loss_weight": 0.0, "sample_ids": [], "rollout_steps": [], "decode_steps": []}
+                       for _ in range(rows - len(batches))]
+            if fillers:
+                self.counters.add({"filler_rows": len(fillers)})
+        return batches + fillers
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         unwrapped = self.accelerator.unwrap_model(model)
@@ -454,34 +492,75 @@ class RolloutMatchingTrainer(Trainer):
             fh.writelines(rows)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        """One optimizer step's forward + backward passes: ``inputs`` is this rank's records of the step (HF's one
+        micro-batch); the rows they fill are accumulated, gradients synchronised on the last."""
         start = time.perf_counter()
         before = dict(self.timers.seconds)
-        with contextlib.ExitStack() as stack:
-            # the packed attention layout entered by compute_loss stays on through backward: activation
-            # checkpointing recomputes the forward there and must see the same segment-isolating attention
-            self._layout_stack = stack
-            self.timers.out_of_memory_in = None
-            try:
-                with self.timers.track_peak("step"):
-                    loss = super().training_step(model, inputs, num_items_in_batch)
-                    self.timers.record_peak("backward")  # since the forward ended: backward + optimizer bookkeeping
-            except torch.OutOfMemoryError as exc:
-                if isinstance(exc, TrainingOutOfMemory):
-                    raise
-                device_gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
-                              if torch.cuda.is_available() else None)
-                raise explain_out_of_memory(
-                    exc, self.timers.out_of_memory_in, self.state.global_step + 1, self.memory_settings,
-                    {k: v / 2**30 for k, v in self.timers.peak_bytes.items()}, device_gib) from exc
-            finally:
-                self._layout_stack = None
+        terms_before = len(self._loss_terms)
+        total = None
+        self.timers.out_of_memory_in = None
+        try:
+            with self.timers.track_peak("step"):
+                micro_batches = self._step_micro_batches(inputs) if isinstance(inputs, list) else [inputs]
+                for i, batch in enumerate(micro_batches):
+                    with self._accumulating(model, last=i == len(micro_batches) - 1), \
+                            contextlib.ExitStack() as stack:
+                        # the packed attention layout entered by compute_loss stays on through backward: activation
+                        # checkpointing recomputes the forward there and must see the same segment-isolating attention
+                        self._layout_stack = stack
+                        try:
+                            loss = super().training_step(model, batch, num_items_in_batch)
+                        finally:
+                            self._layout_stack = None
+                    total = loss if total is None else total + loss
+                self.timers.record_peak("backward")  # since the last forward ended: backward + bookkeeping
+        except torch.OutOfMemoryError as exc:
+            if isinstance(exc, TrainingOutOfMemory):
+                raise
+            raise self._explain_oom(exc, self.timers.out_of_memory_in) from exc
+        self._merge_step_terms(terms_before)
         spent = time.perf_counter() - start
         measured = sum(self.timers.seconds.get(k, 0.0) - before.get(k, 0.0) for k in STEP_PHASES[:-1])
         self.timers.seconds["backward"] += max(0.0, spent - measured)
         self.timers.seconds["step"] += spent
+        self._step_ended_at = time.perf_counter()
         if self.timeline is not None:
             self.timeline.append(("step", start, start + spent))
-        return loss
+        return total
+
+    def _explain_oom(self, exc: BaseException, phase: str | None) -> TrainingOutOfMemory:
+        device_gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+                      if torch.cuda.is_available() else None)
+        return explain_out_of_memory(exc, phase, self.state.global_step + 1, self.memory_settings,
+                                     {k: v / 2**30 for k, v in self.timers.peak_bytes.items()}, device_gib)
+
+    @contextlib.contextmanager
+    def _accumulating(self, model, last: bool):
+        """Gradients of a micro-batch that is not the step's last stay local: DDP's ``no_sync`` and accelerate's
+        ``sync_gradients`` off (DeepSpeed then neither crosses its accumulation boundary nor steps)."""
+        if last:
+            yield
+            return
+        from accelerate.utils import DistributedType
+
+        state = self.accelerator.gradient_state
+        state._set_sync_gradients(False)
+        try:
+            if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+                yield
+            else:
+                with self.accelerator.no_sync(model):
+                    yield
+        finally:
+            state._set_sync_gradients(True)
+
+    def _merge_step_terms(self, first: int) -> None:
+        """One entry of loss terms per optimizer step: the micro-batches' shares summed (each was divided by the
+        step's totals, so the sums are the step's means)."""
+        parts = self._loss_terms[first:]
+        if len(parts) > 1:
+            del self._loss_terms[first:]
+            self._loss_terms.append({k: sum(p.get(k, 0.0) for p in parts) for k in parts[0]})
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._loss_terms:
@@ -515,11 +594,15 @@ class RolloutMatchingTrainer(Trainer):
             if c.get("weight_syncs"):
                 logs["sync/weight_syncs"] = c["weight_syncs"]
             if c.get("buffer_fresh", 0) + c.get("buffer_replay", 0):
-                logs["buffer/replayed_microbatches"] = c.get("buffer_replay", 0.0)
+                logs["buffer/replayed_steps"] = c.get("buffer_replay", 0.0)
                 logs["buffer/max_staleness_steps"] = float(self._max_staleness)
                 self._max_staleness = 0
             if c.get("packed_segments"):
                 logs["packing/segments_per_row"] = c["packed_segments"] / c["rows"]
-                logs["packing/carried"] = c["packing_carried"] / c["rows"]
+                logs["packing/carried"] = c["packing_carried"] / c["packing_steps"]
+            if c.get("rows"):
+                steps = c.get("packing_steps") or c.get("padded_steps") or 1.0
+                logs["batch/rows_per_step"] = c["rows"] / steps
+                logs["batch/filler_rows"] = c.get("filler_rows", 0.0)
             logs.update(gpu_memory_snapshot(self.timers))
         super().log(logs, start_time)
