@@ -77,7 +77,7 @@ def generate(out_dir: str | Path, num_samples: int, seed: int = 0, min_objects: 
     lines = []
     for i in range(num_samples):
         record, img = make_record(rng, i, image_size, rng.randint(min_objects, max_objects), poly_fraction)
-        _write_atomic(out / record["images"][0], lambda fh: img.save(fh, format="PNG"))
+        _write_atomic(out / record["images"][0], lambda fh, img=img: img.save(fh, format="PNG"))
         lines.append(json.dumps(record, ensure_ascii=False))
     path = out / filename
     _write_atomic(path, lambda fh: fh.write(("\n".join(lines) + "\n").encode("utf-8")))

@@ -61,6 +61,11 @@ ROLLOUT_STATE = "rollout_state.pt"
 #: (a sleep-mode colocate engine around its decode) inside ``generate``.
 STEP_PHASES = ("weight_sync", "rollout", "target", "forward", "backward")
 LEDGER = "ledger.jsonl"
+
+
+def ledger_name(rank: int) -> str:
+    """Rank 0 writes ``ledger.jsonl``, rank r > 0 ``ledger.rank<r>.jsonl``: together every sample each rank trained."""
+    return LEDGER if rank == 0 else f"ledger.rank{rank}.jsonl"
 logger = logging.getLogger(__name__)
 
 
@@ -389,15 +394,15 @@ class RolloutMatchingTrainer(Trainer):
 
     def _record_ledger(self, sample_ids: list[str] | None, rollout_steps: list[int] | None,
                        decode_steps: list[int] | None = None) -> None:
-        """Append ``(epoch, sample_id, step, rollout_step, decode_step)`` per sample trained in this forward (main
-        process); ``rollout_step`` is the optimizer step whose rollout produced the target (older when
+        """Append ``(epoch, sample_id, step, rollout_step, decode_step)`` per sample trained in this forward to this
+        rank's ledger (``ledger_name``); ``rollout_step`` is the optimizer step whose rollout produced the target (older when
         carried/replayed), ``decode_step`` the optimizer step of the weights it was decoded with (older than
         ``rollout_step`` only with ``async_rollouts``)."""
-        if not sample_ids or not self.is_world_process_zero():
+        if not sample_ids:
             return
         epoch = self.state.global_step // self._steps_per_epoch
         rollout_steps = rollout_steps or [-1] * len(sample_ids)
-        with open(os.path.join(self.args.output_dir, LEDGER), "a", encoding="utf-8") as fh:
+        with open(os.path.join(self.args.output_dir, ledger_name(self.args.process_index)), "a", encoding="utf-8") as fh:
             for sid, rstep, dstep in zip(sample_ids, rollout_steps, decode_steps or rollout_steps):
                 fh.write(json.dumps({"epoch": epoch, "sample_id": sid, "step": self.state.global_step,
                                      "rollout_step": rstep, "decode_step": dstep}) + "\n")
@@ -483,8 +488,8 @@ class RolloutMatchingTrainer(Trainer):
 
     def _truncate_ledger(self, step: int) -> None:
         """Drop ledger rows written after the checkpoint (they will be trained again)."""
-        path = os.path.join(self.args.output_dir, LEDGER)
-        if not self.is_world_process_zero() or not os.path.isfile(path):
+        path = os.path.join(self.args.output_dir, ledger_name(self.args.process_index))
+        if not os.path.isfile(path):
             return
         with open(path, encoding="utf-8") as fh:
             rows = [line for line in fh if line.strip() and json.loads(line)["step"] < step]
