@@ -13,6 +13,7 @@ import pytest
 from tests.launch.conftest import REPO, child_env, free_port, start_trainer, stop
 from trainer.cli import build_parser
 from trainer.launch import cli as launch_cli
+from trainer.launch import ports
 from trainer.launch.health import process_exited, wait_until_healthy
 
 SUMMARY = str(REPO / "configs/summary_1024.yaml")
@@ -52,9 +53,11 @@ def test_print_command_does_not_start_anything():
     out = run_cli("launch", "server", "--engine", "swift", "--config", SUMMARY, "--print-command")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 swift rollout --model /models/Qwen3-VL-4B")
-    out = run_cli("launch", "learner", "--config", SUMMARY, "--print-command")
+    out = run_cli("launch", "learner", "--config", SUMMARY, "--print-command", "--master-port", "23456")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("CUDA_VISIBLE_DEVICES=6,7 NPROC_PER_NODE=2 ") and " swift rlhf " in out.stdout
+    assert out.stdout.startswith("CUDA_VISIBLE_DEVICES=6,7 MASTER_PORT=23456 NPROC_PER_NODE=2 ") and \
+        " swift rlhf " in out.stdout
+    assert "launch: rendezvous port 23456 (--master-port)" in out.stderr
 
 
 def test_invalid_config_lists_every_problem(tmp_path):
@@ -78,7 +81,7 @@ def test_learner_fails_naming_servers_that_never_became_healthy():
 
 def _learner_args(**kw) -> argparse.Namespace:
     base = dict(config=STAGE2, nproc_per_node=None, gpus=None, wait_for_servers=None, health_timeout_s=60.0,
-                health_interval_s=0.2, print_command=False, extra=[])
+                health_interval_s=0.2, master_port=None, print_command=False, extra=[])
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -105,6 +108,58 @@ def test_learner_wait_for_config_servers(monkeypatch, tmp_path):
     assert rc == launch_cli.EXIT_UNHEALTHY and executed == []
     rc = launch_cli.run_learner(_learner_args(config=STAGE2, wait_for_servers="config"))
     assert rc == launch_cli.EXIT_CONFIG  # the stage-2 template is not in server mode
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The commands ``run_learner`` would exec, with no MASTER_PORT / NNODES in the environment."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.delenv("NNODES", raising=False)
+    executed = []
+    monkeypatch.setattr(launch_cli, "_exec", lambda cmd: executed.append(cmd) or 0)
+    return executed
+
+
+def _master_port(cmd) -> int:
+    return int(cmd.env["MASTER_PORT"] if "MASTER_PORT" in cmd.env else cmd.argv[cmd.argv.index("--master-port") + 1])
+
+
+def test_each_learner_launch_gets_its_own_free_rendezvous_port(launched, capsys):
+    for config in (STAGE2, STAGE2, SUMMARY):  # torchrun takes --master-port; swift rlhf reads MASTER_PORT
+        assert launch_cli.run_learner(_learner_args(config=config)) == 0
+    chosen = [_master_port(cmd) for cmd in launched]
+    assert len(set(chosen)) == 3 and 29500 not in chosen, chosen
+    assert all(p < ports.ephemeral_range()[0] for p in chosen), chosen
+    err = capsys.readouterr().err
+    assert all(f"launch: rendezvous port {p} (free now; --master-port or MASTER_PORT chooses it)" in err
+               for p in chosen), err
+
+
+def test_an_explicit_rendezvous_port_is_kept(launched, monkeypatch, capsys):
+    assert launch_cli.run_learner(_learner_args(master_port=23456)) == 0
+    monkeypatch.setenv("MASTER_PORT", "23457")
+    assert launch_cli.run_learner(_learner_args(config=SUMMARY)) == 0
+    assert launch_cli.run_learner(_learner_args(master_port=23458)) == 0  # the flag beats the environment
+    assert [_master_port(cmd) for cmd in launched] == [23456, 23457, 23458]
+    err = capsys.readouterr().err
+    assert "rendezvous port 23456 (--master-port)" in err and "rendezvous port 23457 (MASTER_PORT)" in err
+
+
+@pytest.mark.parametrize("env, message", [({"MASTER_PORT": "29x00"}, "MASTER_PORT: '29x00' is not a port"),
+                                          ({"MASTER_PORT": "70000"}, "MASTER_PORT: '70000' is not a port"),
+                                          ({"NNODES": "2"}, "NNODES=2: every node's learner must use the same")])
+def test_a_rendezvous_port_that_cannot_work_is_refused(launched, monkeypatch, capsys, env, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launch_cli.run_learner(_learner_args()) == launch_cli.EXIT_CONFIG and launched == []
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "65536", "http"])
+def test_master_port_flag_must_be_a_port(value, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["launch", "learner", "--config", STAGE2, "--master-port", value])
+    assert "must be a port (1-65535)" in capsys.readouterr().err
 
 
 def test_learner_nproc_must_match_gpus(capsys):

@@ -123,6 +123,14 @@ def test_stage2_learner_is_torchrun():
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
 
 
+def test_learner_rendezvous_port_reaches_torchrun_and_swift(summary):
+    stage2 = learner_command(str(STAGE2), validate_config(resolve_yaml(STAGE2)), nproc=2, gpus=None, master_port=23456)
+    assert stage2.argv[3:7] == ["--nproc_per_node", "2", "--master-port", "23456"] and stage2.env == {}
+    grpo = learner_command(str(SUMMARY), summary, nproc=2, gpus=[6, 7], master_port=23457)
+    assert grpo.env["MASTER_PORT"] == "23457" and "--master-port" not in grpo.argv  # swift rlhf hands it to torchrun
+    assert "MASTER_PORT" not in learner_command(str(SUMMARY), summary, nproc=2, gpus=[6, 7]).env
+
+
 def test_config_server_urls(summary):
     assert config_server_urls(summary) == ["http://127.0.0.1:8080"]
     template = resolve_yaml(STAGE2)

@@ -3,7 +3,9 @@
 ``launch server`` checks the port is free, pins the server's GPUs and execs ``swift rollout`` or
 ``python -m trainer serve`` (so the exit code is the server's; 75: its engine died, restart it, see
 ``trainer.server.fatal``). ``launch learner`` optionally waits for every server's ``/health/`` (one
-deadline), then execs ``swift rlhf`` (``grpo_summary`` configs) or ``torchrun -m trainer train`` (stage 2).
+deadline), then execs ``swift rlhf`` (``grpo_summary`` configs) or ``torchrun -m trainer train`` (stage 2) on a
+rendezvous port of its own: ``--master-port``, else ``MASTER_PORT``, else a free port chosen then (and printed), so
+two learners on one node do not both take torchrun's 29500.
 ``--print-command`` prints the command instead of running it. Arguments after ``--`` go to that command.
 """
 
@@ -28,7 +30,7 @@ from trainer.launch.commands import (
 )
 from trainer.launch.gpus import parse_gpus
 from trainer.launch.health import ServersNotHealthyError, wait_until_healthy
-from trainer.launch.ports import PortInUseError, ensure_port_free
+from trainer.launch.ports import PortInUseError, ensure_port_free, listen_port
 
 EXIT_CONFIG = 2
 EXIT_PORT = 3
@@ -93,6 +95,25 @@ def run_server(args: argparse.Namespace) -> int:
     return _exec(cmd)
 
 
+def requested_master_port(flag: int | None) -> tuple[int | None, str]:
+    """The learner's rendezvous port the user asked for and where from: ``--master-port``, else ``MASTER_PORT``;
+    ``(None, "")`` when neither names one (the launcher then chooses a free port). Refuses a ``MASTER_PORT`` that
+    is no port, and a multi-node ``NNODES`` without a port (every node must use the same one)."""
+    if flag is not None:
+        return flag, "--master-port"
+    env = os.environ.get("MASTER_PORT", "").strip()
+    if env:
+        if not env.isdigit() or not 0 < int(env) < 65536:
+            raise ConfigError("MASTER_PORT", f"{env!r} is not a port (1-65535); fix or unset it (a free port is then "
+                                             "chosen), or pass --master-port")
+        return int(env), "MASTER_PORT"
+    nnodes = os.environ.get("NNODES", "1").strip()
+    if nnodes not in ("", "1"):
+        raise ConfigError("--master-port", f"NNODES={nnodes}: every node's learner must use the same rendezvous "
+                                           "port; pass --master-port (or set MASTER_PORT) on each node")
+    return None, ""
+
+
 def run_learner(args: argparse.Namespace) -> int:
     try:
         config = _load(args.config)
@@ -104,7 +125,9 @@ def run_learner(args: argparse.Namespace) -> int:
         if gpus is not None and nproc != len(gpus):
             raise ConfigError("--nproc-per-node", f"{nproc} process(es) for {len(gpus)} GPU(s) {gpus}; "
                                                   "one process per learner GPU")
-        cmd = learner_command(args.config, config, nproc, gpus, _split_extra(args.extra))
+        port, port_source = requested_master_port(args.master_port)
+        extra = _split_extra(args.extra)
+        cmd = learner_command(args.config, config, nproc, gpus, extra, master_port=port)
         urls: list[str] = []
         if args.wait_for_servers == "config":
             urls = config_server_urls(config)
@@ -115,16 +138,24 @@ def run_learner(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         _say(str(exc))
         return EXIT_CONFIG
-    if args.print_command:
-        print(cmd.shell())
-        return 0
-    if urls:
+    if urls and not args.print_command:
         _say(f"waiting up to {args.health_timeout_s:g}s for {len(urls)} server(s): {', '.join(urls)}")
         try:
             wait_until_healthy(urls, args.health_timeout_s, interval_s=args.health_interval_s, log=_say)
         except ServersNotHealthyError as exc:
             _say(str(exc))
             return EXIT_UNHEALTHY
+    if port is None:
+        try:
+            port, port_source = listen_port(), "free now; --master-port or MASTER_PORT chooses it"
+        except PortInUseError as exc:
+            _say(f"no free rendezvous port: {exc}")
+            return EXIT_PORT
+        cmd = learner_command(args.config, config, nproc, gpus, extra, master_port=port)
+    _say(f"rendezvous port {port} ({port_source})")
+    if args.print_command:
+        print(cmd.shell())
+        return 0
     return _exec(cmd)
 
 
@@ -133,6 +164,12 @@ def _positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port (1-65535), got {text}")
+    return int(text)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -170,6 +207,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     learner.add_argument("--health-timeout-s", type=_positive_float, default=600.0,
                          help="one deadline for all servers (default 600)")
     learner.add_argument("--health-interval-s", type=_positive_float, default=2.0, help="poll interval (default 2)")
+    learner.add_argument("--master-port", type=_port,
+                         help="rendezvous port of the learner's processes (default: $MASTER_PORT, else a free port "
+                              "below the ephemeral range, printed)")
     learner.add_argument("--print-command", action="store_true", help="print the command and exit")
     learner.add_argument("extra", nargs=argparse.REMAINDER, help="-- ARGS… passed to the learner command")
     learner.set_defaults(func=run_learner)

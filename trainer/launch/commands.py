@@ -139,8 +139,10 @@ def config_server_urls(config: TrainConfig) -> list[str]:
 
 
 def learner_command(config_path: str, config: TrainConfig, nproc: int, gpus: list[int] | None,
-                    extra: list[str] | None = None) -> LaunchCommand:
-    """``swift rlhf`` for ``grpo_summary`` configs, else ``torchrun -m trainer train`` (stage 2)."""
+                    extra: list[str] | None = None, master_port: int | None = None) -> LaunchCommand:
+    """``swift rlhf`` for ``grpo_summary`` configs, else ``torchrun -m trainer train`` (stage 2). ``master_port``:
+    the processes' rendezvous port (``MASTER_PORT`` for ``swift rlhf``, which hands it to its torchrun;
+    ``--master-port`` for torchrun); ``None`` leaves torchrun's default, 29500."""
     extra = list(extra or [])
     env = _gpu_env(gpus)
     if trainer_variant(config) == GRPO_VARIANT:
@@ -152,10 +154,13 @@ def learner_command(config_path: str, config: TrainConfig, nproc: int, gpus: lis
                               f"{gbs} must be divisible by per_device_train_batch_size × nproc_per_node = "
                               f"{s.per_device_train_batch_size} × {nproc} = {global_batch}")
         env["NPROC_PER_NODE"] = str(nproc)
+        if master_port is not None:
+            env["MASTER_PORT"] = str(master_port)
         train_jsonl = config.data.train_jsonl
         if train_jsonl:
             env[SCHEMA_DATASET_ENV] = os.path.abspath(str(train_jsonl))
         return LaunchCommand(["swift", "rlhf", *to_argv(rlhf_arguments(config)), *extra], env)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+    port = ["--master-port", str(master_port)] if master_port is not None else []
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *port,
             "-m", "trainer", "train", "--config", config_path, *extra]
     return LaunchCommand(argv, env)
