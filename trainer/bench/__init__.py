@@ -32,6 +32,10 @@ One module per benchmark, all building their random-weight models with ``trainer
 * ``lora-merge``: the LoRA merge of a full sync at a Qwen3-VL size, ``sync.merge_precision`` weight_dtype vs float32
   vs a plain copy, side by side, and how far the two merges differ (``lora_merge.json`` / ``.png``; GPU, or the CPU;
   ``--quick``: a tiny decoder on the CPU; ``trainer.bench.lora_merge``);
+* ``layouts``: the same stage-2 work (Qwen3-VL 2B/4B, 64 records per optimizer step) in every layout the machine's
+  GPUs allow: colocate-1/4/8 (DDP, ZeRO-2), colocate TP4, 3v1 sync/async, 2v2, 6v2, 7v1; trained samples/s, per-GPU
+  efficiency vs colocate-1, busy % of every GPU, sync, staleness, peak memory (``layouts.json`` / ``.png``;
+  ``--quick``: tiny model on the CPU; ``trainer.bench.layouts``);
 * ``scale``: whole stage-2 steps at Qwen3-VL 2B / 4B / 8B (random weights, 1024x1024 images, 40-80 objects), vLLM
   colocate, per-phase seconds, peak memory and MFU (``scale.json`` / ``.png``; GPU; ``trainer.bench.scale``).
 
@@ -48,10 +52,15 @@ from pathlib import Path
 
 ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "vllm-images", "async",
         "inband", "scale", "data", "fleet", "swift-peers", "sync-host",
-        "lora-merge")
+        "lora-merge", "layouts")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "only", "all") == "layouts":  # every learner/server layout the GPUs allow (CPU: --quick)
+        from trainer.bench.layouts import run as run_layouts
+
+        run_layouts(Path(args.out), quick=args.quick)
+        return 0
     if getattr(args, "only", "all") == "sync-host":  # CPU: host-side work of a weight sync per tensor count
         from trainer.bench.sync_host import run as run_sync_host
 
@@ -184,7 +193,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "--quick: 2,000 records; not part of 'all'); fleet: six vLLM server processes + the learner on one GPU "
                         "with faults (--engine scripted or a CPU: three scripted servers; not part of 'all'); sync-host: host-side "
                         "work of a weight sync per tensor count (CPU; not part of 'all'); lora-merge: the sync's LoRA merge per "
-                        "sync.merge_precision at Qwen3-VL RM_BENCH_MERGE_SIZE=2b|4b|8b (GPU, or the CPU; not part of 'all')")
+                        "sync.merge_precision at Qwen3-VL RM_BENCH_MERGE_SIZE=2b|4b|8b (GPU, or the CPU; not part of 'all'); layouts: "
+                        "the same work in every learner/server layout the GPUs allow (RM_BENCH_LAYOUTS, "
+                        "RM_BENCH_LAYOUT_SIZE=2b|4b; --quick: tiny model on the CPU; not part of 'all')")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--decode-s", type=float, default=None,
                    help="async: seconds per /infer/ call of the scripted servers (default: the measured train time "

@@ -1,0 +1,81 @@
+"""``bench --only layouts``: the layout table, the config each layout gets, the measurement from metrics + every
+rank's ledger, and (slow) the CPU quick run end to end through ``trainer serve`` and torchrun."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer.bench.layouts import LAYOUTS, QUICK_WORK, Layout, Work, compare, layout_config, measure, select
+from trainer.config.schema import validate_config
+
+
+def test_select_fits_the_gpus_and_names_unknown_layouts():
+    four = [x.name for x in select(LAYOUTS, 4, None)]
+    assert "colocate-4" in four and "3v1-async" in four and "colocate-8" not in four and "6v2-async" not in four
+    assert [x.name for x in select(LAYOUTS, 8, "6v2-async,colocate-1")] == ["colocate-1", "6v2-async"]
+    with pytest.raises(ValueError, match="unknown layout"):
+        select(LAYOUTS, 4, "5v3")
+
+
+@pytest.mark.parametrize("layout", [x for x in LAYOUTS if x.gpus <= 8])
+def test_every_layout_config_validates(layout, tmp_path):
+    urls = [f"http://127.0.0.1:{8000 + i}" for i in range(layout.servers)]
+    cfg = validate_config(layout_config(layout, Work(), tmp_path / "m", tmp_path / "out", urls, cuda=True))
+    t = cfg.training
+    assert t.records_per_step == (layout.records_per_step or 64)
+    assert t.packing and cfg.rollout_matching.rollout_generate_batch_size == t.records_per_step
+    v = cfg.rollout_matching.vllm
+    assert v.mode == layout.mode
+    if layout.servers:
+        assert len(v.server.base_urls()) == layout.servers
+        assert v.server.async_rollouts.enabled == layout.async_rollouts
+    else:
+        assert v.tensor_parallel_size == layout.tp and v.sleep_level == 2
+    assert (t.deepspeed == "zero2") == (layout.zero == 2)
+
+
+def _write_run(run: Path, times: list[float], per_rank: dict[int, list[list[str]]]) -> None:
+    (run / "stage2").mkdir(parents=True)
+    rows = [{"phase": "stage2", "step": i + 1, "loss": 1.0, "time": t, "time/weight_sync_s": 0.5 + i,
+             "batch/rows_per_step": 3.0} for i, t in enumerate(times)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    for rank, steps in per_rank.items():
+        name = "ledger.jsonl" if rank == 0 else f"ledger.rank{rank}.jsonl"
+        lines = [json.dumps({"epoch": 0, "sample_id": sid, "step": step}) for step, ids in enumerate(steps) for sid in ids]
+        (run / "stage2" / name).write_text("\n".join(lines) + "\n")
+
+
+def test_measure_counts_every_rank_after_the_warm_up(tmp_path):
+    _write_run(tmp_path, [100.0, 104.0, 106.0], {0: [["a", "b"], ["c"], ["d", "e"]], 1: [["f"], ["g", "h"], ["i"]]})
+    m = measure(tmp_path)
+    assert m["trained_samples"] == 6, "steps 2 and 3 on both ranks; step 1 is warm-up"
+    assert m["trained_samples_per_s"] == pytest.approx(6 / 6.0) and m["step_wall_s"] == pytest.approx(3.0)
+    assert m["means"]["time/weight_sync_s"] == pytest.approx(2.0), "mean over the measured steps only"
+    assert m["ledger"] == {"rows": 9, "duplicated": 0}
+
+
+def test_compare_is_per_gpu_against_colocate_1():
+    recs = [{"name": "colocate-1", "gpus": 1, "trained_samples_per_s": 2.0},
+            {"name": "3v1-async", "gpus": 4, "trained_samples_per_s": 6.0}, {"name": "x", "gpus": 4, "error": "e"}]
+    compare(recs)
+    assert recs[1]["speedup_vs_colocate_1"] == 3.0 and recs[1]["per_gpu_efficiency"] == 0.75
+    assert "per_gpu_efficiency" not in recs[2]
+
+
+@pytest.mark.slow
+def test_quick_run_on_the_cpu(tmp_path):
+    from trainer.bench.layouts import run
+
+    result = run(tmp_path / "out", quick=True, work_dir=tmp_path / "work")
+    assert result["work"]["size"] == QUICK_WORK.size
+    names = [r["name"] for r in result["layouts"]]
+    assert names == ["colocate-1", "colocate-2", "1v1-async"]
+    for r in result["layouts"]:
+        assert "error" not in r, (r["name"], r.get("error"), r.get("learner_log_tail", "")[-2000:])
+        assert r["trained_samples_per_s"] > 0 and r["ledger"]["duplicated"] == 0
+        assert r["ledger"]["rows"] >= QUICK_WORK.records_per_step, "every rank's ledger is read"
+    assert (tmp_path / "out" / "layouts_quick.json").is_file() and (tmp_path / "out" / "layouts_quick.png").is_file()
+    assert isinstance(Layout("a", 1).gpus, int)

@@ -1,0 +1,385 @@
+"""The same stage-2 work in every layout a machine allows (``python -m trainer bench --only layouts``;
+``docs/benchmarks/layouts.json`` / ``.png``).
+
+A layout places the learner ranks and the rollout servers on the machine's GPUs: ``colocate-N`` (N torchrun ranks,
+each with its own vLLM engine that sleeps while it trains; DDP, or ZeRO-2 with ``-zero2``), ``colocate-tpN`` (N ranks
+sharing one TP-N engine), ``SvL`` (S ``trainer serve --engine vllm`` processes on GPUs 0..S-1, one each, and an L-rank
+learner on the rest; NCCL weight sync; ``-async``: the next step's batch decodes while this one trains). Every layout
+runs the same work (``Work``: model, records per optimizer step, rollout length, images) through the product's own
+entry points (``trainer serve``, ``torch.distributed.run -m trainer train``), one after the other.
+
+Per layout: trained samples/s (ledger rows of every rank, i.e. samples that went through a backward pass, over the
+wall time of the measured steps; the first step is warm-up), that rate per GPU against ``colocate-1``'s, the busy %
+of every GPU (NVML utilisation sampled at 10 Hz over the measured steps), the learner's weight-sync seconds,
+staleness, rows per step, and the peak memory of every GPU (NVML, engine pools included) and of the learner
+(torch's counter). A layout that fails is recorded with its error and log tail; the others still run.
+``--quick``: a tiny Qwen3-VL on the CPU with the HF backend and gloo (colocate-1, colocate-2, 1v1), so CI runs the
+bench's code path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.launch.ports import listen_port, listen_ports
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    learner_gpus: int
+    servers: int = 0
+    tp: int = 1
+    zero: int = 0
+    async_rollouts: bool = False
+    records_per_step: int | None = None  # None: the work's
+
+    @property
+    def gpus(self) -> int:
+        return self.learner_gpus + self.servers
+
+    @property
+    def mode(self) -> str:
+        return "server" if self.servers else "colocate"
+
+
+@dataclass(frozen=True)
+class Work:
+    """What every layout trains: ``size`` of a random Qwen3-VL (``trainer.bench.scale``), ``records_per_step`` records
+    per optimizer step, ``steps`` optimizer steps (the first is warm-up), rollouts of ``max_new_tokens``."""
+
+    size: str = "2b"
+    records_per_step: int = 64
+    steps: int = 3
+    max_new_tokens: int = 1024
+    image_size: int = 1024
+    min_objects: int = 40
+    max_objects: int = 80
+    packing_length: int = 16384
+    colocate_util: float = 0.3
+    server_util: float = 0.85
+    sleep_level: int = 2
+    timeout_s: float = 900.0
+
+
+LAYOUTS = (
+    Layout("colocate-1", 1),
+    Layout("colocate-1-r8", 1, records_per_step=8),
+    Layout("colocate-4", 4),
+    Layout("colocate-4-zero2", 4, zero=2),
+    Layout("colocate-tp4", 4, tp=4),
+    Layout("3v1-sync", 1, servers=3),
+    Layout("3v1-async", 1, servers=3, async_rollouts=True),
+    Layout("2v2-async", 2, servers=2, async_rollouts=True),
+    Layout("colocate-8", 8),
+    Layout("6v2-async", 2, servers=6, async_rollouts=True),
+    Layout("7v1-async", 1, servers=7, async_rollouts=True),
+)
+QUICK_WORK = Work(size="tiny", records_per_step=4, steps=2, max_new_tokens=16, image_size=64, min_objects=1,
+                  max_objects=3, packing_length=4096, timeout_s=600.0)
+QUICK_LAYOUTS = (Layout("colocate-1", 1), Layout("colocate-2", 2), Layout("1v1-async", 1, servers=1,
+                                                                          async_rollouts=True))
+
+
+def gpu_count() -> int:
+    """GPUs NVML sees (0 without a driver); the bench process itself never opens a CUDA context."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:  # noqa: BLE001 - no NVML: a CPU machine
+        return 0
+
+
+class GpuSampler(threading.Thread):
+    """NVML utilisation and memory of every GPU, ``(time, [util %], [used GiB])`` every ``interval_s``."""
+
+    def __init__(self, interval_s: float = 0.1):
+        super().__init__(daemon=True)
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, list[int], list[float]]] = []
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        while not self._stop.is_set():
+            util = [int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in handles]
+            used = [pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30 for h in handles]
+            self.samples.append((time.time(), util, used))
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join(5)
+
+    def summary(self, start: float, end: float) -> dict[str, list[float]]:
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if not inside:
+            return {}
+        n = len(inside[0][1])
+        return {"busy_pct": [round(sum(s[1][i] for s in inside) / len(inside), 1) for i in range(n)],
+                "peak_used_gib": [round(max(s[2][i] for s in self.samples), 2) for i in range(n)]}
+
+
+def layout_config(layout: Layout, work: Work, model_dir: Path, out_dir: Path, urls: list[str], cuda: bool
+                  ) -> dict[str, Any]:
+    records = layout.records_per_step or work.records_per_step
+    rm: dict[str, Any] = {"rollout_backend": "vllm" if cuda else "hf", "rollout_generate_batch_size": records,
+                          "decoding": {"max_new_tokens": work.max_new_tokens, "temperature": 0.0}}
+    if cuda and layout.mode == "colocate":
+        rm["vllm"] = {"mode": "colocate", "max_model_len": 4096, "sleep_level": work.sleep_level,
+                      "tensor_parallel_size": layout.tp, "gpu_memory_utilization": work.colocate_util}
+    if layout.mode == "server":
+        rm["rollout_backend"] = "vllm"
+        rm["vllm"] = {"mode": "server", "server": {
+            "servers": [{"base_url": u} for u in urls], "timeout_s": 300, "infer_timeout_s": 900,
+            "async_rollouts": {"enabled": layout.async_rollouts, "max_staleness_steps": 1}},
+            "sync": {"mode": "full"}}
+    steps = work.steps
+    training: dict[str, Any] = {
+        "output_dir": str(out_dir), "max_steps": steps, "records_per_step": records, "learning_rate": 1e-5,
+        "logging_steps": 1, "seed": 0, "disable_tqdm": True, "report_to": ["jsonl"], "packing": True,
+        "packing_length": work.packing_length, "packing_buffer": 4 * records, "gradient_checkpointing": cuda,
+        "bf16": cuda, "save_steps": 0}
+    if layout.zero:
+        training["deepspeed"] = f"zero{layout.zero}"
+    return {
+        "model": {"path": str(model_dir), "torch_dtype": "bfloat16" if cuda else "float32"},
+        "data": {"synthetic": {"num_samples": records * (steps + 1), "seed": 0, "min_objects": work.min_objects,
+                               "max_objects": work.max_objects, "image_size": work.image_size}},
+        "training": training,
+        "custom": {"extra": {"rollout_matching": rm}},
+    }
+
+
+def _popen(argv: list[str], log: Path, gpus: list[int] | None) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["OMP_NUM_THREADS"] = "1"
+    fh = log.open("ab")
+    return subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.is_file() else ""
+
+
+def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
+    """Throughput and per-step means from a finished run's metrics (rank 0) and every rank's ledger, over the steps
+    after ``first_step`` - 1 (the warm-up steps before it are left out)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in rows if r.get("phase") == "stage2" and "loss" in r]
+    if len(steps) <= first_step:
+        raise RuntimeError(f"{len(steps)} steps logged; need more than {first_step} to measure")
+    ledger = [json.loads(x) for p in sorted((run_dir / "stage2").glob("ledger*.jsonl"))
+              for x in p.read_text().splitlines() if x.strip()]
+    start, end = steps[first_step - 1]["time"], steps[-1]["time"]
+    trained = sum(1 for r in ledger if r["step"] >= first_step)
+    timed = steps[first_step:]
+
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
+        return sum(vals) / len(vals) if vals else None
+
+    ids = [r["sample_id"] for r in ledger]
+    return {
+        "window": [start, end], "steps_measured": len(timed), "trained_samples": trained,
+        "trained_samples_per_s": trained / (end - start) if end > start else None,
+        "step_wall_s": (end - start) / len(timed),
+        "ledger": {"rows": len(ids), "duplicated": len(ids) - len(set(ids))},
+        "means": {k: mean(k) for k in ("time/step_s", "time/weight_sync_s", "time/rollout_s", "time/generate_s",
+                                       "time/forward_s", "time/backward_s", "rollout/samples", "rollout/staleness_mean",
+                                       "batch/rows_per_step", "batch/fill", "batch/filler_rows", "packing/carried")},
+        "learner_peak_gib": max((r.get("mem/step_peak_gib", 0.0) for r in steps), default=None),
+    }
+
+
+def save_model(work: Work, root: Path, cuda: bool) -> Path:
+    """The random Qwen3-VL directory (built in a subprocess, so this process opens no CUDA context)."""
+    out = root / f"qwen3-vl-{work.size}-random"
+    if (out / ".complete").is_file():
+        return out
+    code = ("import sys; from pathlib import Path; from trainer.bench.scale import save_random_vl_model; "
+            f"save_random_vl_model(Path({str(out)!r}), {work.size!r}, {'cuda' if cuda else 'cpu'!r})")
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   env={**os.environ, **({} if cuda else {"CUDA_VISIBLE_DEVICES": ""})})
+    return out
+
+
+def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bool) -> dict[str, Any]:
+    rec: dict[str, Any] = {"layout": asdict(layout), "name": layout.name, "gpus": layout.gpus}
+    run_dir = root / "runs" / layout.name
+    logs = root / "logs" / layout.name
+    logs.mkdir(parents=True, exist_ok=True)
+    servers: list[subprocess.Popen] = []
+    sampler = GpuSampler() if cuda else None
+    learner_gpus = list(range(layout.servers, layout.gpus)) if cuda else None
+    try:
+        ports = listen_ports(layout.servers) if layout.servers else []
+        for i, port in enumerate(ports):
+            argv = [sys.executable, "-m", "trainer", "serve", "--engine", "vllm" if cuda else "hf", "--model",
+                    str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+            if cuda:
+                argv += ["--max-model-len", "4096", "--gpu-memory-utilization", str(work.server_util)]
+            servers.append(_popen(argv, logs / f"server-{i}.log", [i] if cuda else None))
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        if urls:
+            from trainer.launch.health import wait_until_healthy
+
+            def abort() -> str | None:
+                dead = [i for i, s in enumerate(servers) if s.poll() is not None]
+                return f"server {dead[0]} exited: {_tail(logs / f'server-{dead[0]}.log', 2000)}" if dead else None
+
+            took = wait_until_healthy(urls, work.timeout_s, interval_s=1.0, abort=abort)
+            rec["servers_ready_s"] = max(took.values())
+        cfg_path = logs / "config.yaml"
+        cfg_path.write_text(yaml.safe_dump(layout_config(layout, work, model_dir, run_dir, urls, cuda)))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(layout.learner_gpus),
+                "--master-addr", "127.0.0.1", "--master-port", str(listen_port()), "-m", "trainer", "train",
+                "--config", str(cfg_path)]
+        if sampler is not None:
+            sampler.start()
+        t0 = time.perf_counter()
+        learner = _popen(argv, logs / "learner.log", learner_gpus)
+        try:
+            rc = learner.wait(work.timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(learner)
+            raise RuntimeError(f"learner did not finish in {work.timeout_s:.0f} s") from None
+        rec["learner_wall_s"] = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"learner exited with {rc}")
+        rec.update(measure(run_dir))
+        if sampler is not None:
+            sampler.stop()
+            rec["gpu"] = sampler.summary(*rec["window"])
+            busy = rec["gpu"].get("busy_pct")
+            if busy and learner_gpus:
+                rec["learner_idle_pct"] = round(100 - sum(busy[g] for g in learner_gpus) / len(learner_gpus), 1)
+    except Exception as exc:  # noqa: BLE001 - recorded; the other layouts still run
+        rec["error"] = f"{type(exc).__name__}: {str(exc)[:800]}"
+        rec["learner_log_tail"] = _tail(logs / "learner.log")
+    finally:
+        if sampler is not None and sampler.is_alive():
+            sampler.stop()
+        for s in servers:
+            _stop(s)
+    return rec
+
+
+def compare(records: list[dict[str, Any]]) -> None:
+    """``per_gpu_efficiency``: trained samples/s per GPU against colocate-1's; ``speedup_vs_colocate_1``."""
+    base = next((r.get("trained_samples_per_s") for r in records if r["name"] == "colocate-1"), None)
+    for r in records:
+        sps = r.get("trained_samples_per_s")
+        if base and sps:
+            r["speedup_vs_colocate_1"] = round(sps / base, 3)
+            r["per_gpu_efficiency"] = round(sps / base / r["gpus"], 3)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in result["layouts"] if r.get("trained_samples_per_s")]
+    if not ok:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    names = [r["name"] for r in ok]
+    a.bar(names, [r["trained_samples_per_s"] for r in ok], color="tab:blue")
+    a.set_ylabel("trained samples / s")
+    a.set_title(f"{result['work']['size']}, {result['work']['records_per_step']} records/step")
+    b.bar(names, [r.get("per_gpu_efficiency") or 0 for r in ok], color="tab:green")
+    b.axhline(1.0, color="grey", lw=0.8)
+    b.set_ylabel("per-GPU efficiency vs colocate-1")
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=45)
+    fig.suptitle(result.get("device", ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def select(layouts: tuple[Layout, ...], gpus: int, names: str | None) -> list[Layout]:
+    """The layouts that fit ``gpus`` (``names``: a comma-separated subset, by name)."""
+    wanted = [n.strip() for n in names.split(",")] if names else None
+    picked = [lay for lay in layouts if lay.gpus <= max(gpus, 1) and (wanted is None or lay.name in wanted)]
+    if wanted:
+        unknown = sorted(set(wanted) - {lay.name for lay in layouts})
+        if unknown:
+            raise ValueError(f"RM_BENCH_LAYOUTS: unknown layout(s) {unknown}; known: {[x.name for x in layouts]}")
+    return picked
+
+
+def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = None) -> dict[str, Any]:
+    """``RM_BENCH_LAYOUTS``: layout names to run (default: every one that fits); ``RM_BENCH_LAYOUT_SIZE``: 2b | 4b;
+    ``RM_BENCH_LAYOUT_RECORDS`` / ``_STEPS`` / ``_NEW_TOKENS``: the work."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gpus = gpu_count()
+    cuda = gpus > 0 and not quick
+    work = QUICK_WORK if not cuda else Work()
+    env = os.environ
+    overrides = {"size": env.get("RM_BENCH_LAYOUT_SIZE"), "records_per_step": env.get("RM_BENCH_LAYOUT_RECORDS"),
+                 "steps": env.get("RM_BENCH_LAYOUT_STEPS"), "max_new_tokens": env.get("RM_BENCH_LAYOUT_NEW_TOKENS")}
+    work = replace(work, **{k: (v if k == "size" else int(v)) for k, v in overrides.items() if v})
+    layouts = select(LAYOUTS if cuda else QUICK_LAYOUTS, gpus if cuda else 2, env.get("RM_BENCH_LAYOUTS"))
+    root = Path(work_dir or env.get("RM_BENCH_WORK", "/tmp/rm-bench-layouts"))
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir = save_model(work, root, cuda)
+    result: dict[str, Any] = {"work": asdict(work), "gpus": gpus, "layouts": [],
+                              "device": _device_name() if cuda else "cpu (quick: tiny model, HF backend, gloo)"}
+    name = "layouts.json" if cuda else "layouts_quick.json"
+    for layout in layouts:
+        print(f"bench layouts: {layout.name} ({layout.gpus} GPU(s)) ...", flush=True)
+        rec = run_layout(layout, work, model_dir, root, cuda)
+        result["layouts"].append(rec)
+        compare(result["layouts"])
+        (out / name).write_text(json.dumps(result, indent=2))
+        print(f"bench layouts: {layout.name}: " + (rec.get("error") or
+              f"{rec['trained_samples_per_s']:.2f} samples/s, step {rec['step_wall_s']:.2f} s, "
+              f"rows/step {rec['means'].get('batch/rows_per_step')}, busy {rec.get('gpu', {}).get('busy_pct')}"),
+              flush=True)
+    plot(result, out / name.replace(".json", ".png"))
+    return result
+
+
+def _device_name() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        return f"{n} x {pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))}"
+    except Exception:  # noqa: BLE001
+        return "unknown"
