@@ -69,3 +69,37 @@ def test_out_of_memory_while_decoding_names_the_rollout_batch(tmp_path, monkeypa
     assert err.advice == [f"{RM}.rollout_generate_batch_size (now 2) or {RM}.decoding.max_new_tokens (now 16): HF "
                           "generate keeps a KV cache for every sequence of a batch"]
     assert "no checkpoint was written before this step" in str(err)
+
+
+def test_out_of_memory_in_the_optimizer_step_names_the_optimizer_state_settings(tmp_path, monkeypatch):
+    """AdamW's first ``step`` allocates its states: an OOM there gets the phase, step, advice and checkpoint too
+    (before, it escaped ``training_step`` as a bare torch error)."""
+    calls = []
+    real = torch.optim.AdamW.step
+
+    def step_that_runs_out(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError(TORCH_MESSAGE)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_that_runs_out)
+    with pytest.raises(TrainingOutOfMemory) as info:
+        run_training(validate_config(config(tmp_path)))
+    err = info.value
+    assert (err.phase, err.step) == ("optimizer", 2)
+    assert err.advice[0].startswith("training.deepspeed: zero2 (now none)")
+    assert any(a.startswith("tuner.train_type: lora (now full)") for a in err.advice)
+    assert str(err).endswith(f"resume from {tmp_path / 'run' / 'stage2' / 'checkpoint-1'} with the change "
+                             "(--resume-from-checkpoint latest).")
+
+
+def test_optimizer_phase_and_step_wall_are_logged(tmp_path):
+    from trainer.telemetry import read_jsonl
+
+    summary = run_training(validate_config(config(tmp_path)))
+    rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["time/optimizer_s"] > 0, "clip + optimizer.step + zero_grad, outside time/step_s"
+        assert r["time/step_wall_s"] >= r["time/step_s"] + r["time/optimizer_s"] - 1e-6

@@ -22,6 +22,8 @@ TRAIN_PHASES = frozenset({"forward", "backward"})
 SYNC_PHASES = frozenset({"weight_sync", "sync_learner_check", "sync_collect", "sync_check", "sync_wake", "sync_load",
                          "sync_identity", "sync_push", "sync_wait_decodes"})
 ROLLOUT_PHASES = frozenset({"rollout", "generate", "wake", "sleep"})
+#: ``optimizer.step()`` (AdamW's first call allocates its two states for every trained parameter)
+OPTIMIZER_PHASES = frozenset({"optimizer"})
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,8 @@ def _train_advice(s: MemorySettings) -> list[str]:
         out.append(f"training.packing_length (now {s.packing_length}): fewer tokens per packed forward; the "
                    "activations of every packed token are held until the backward")
     else:
-        out.append(f"{s.batch_key} (now {s.batch_size}): fewer samples per forward (raise "
-                   "training.gradient_accumulation_steps to keep the samples per optimizer step)")
+        out.append(f"{s.batch_key} (now {s.batch_size}): fewer targets per padded forward (set "
+                   "training.records_per_step to keep the records per optimizer step)")
     if not s.gradient_checkpointing:
         out.append("training.gradient_checkpointing: true (now false): keep one activation per layer, recompute the "
                    "rest in the backward")
@@ -140,6 +142,22 @@ def _rollout_advice(s: MemorySettings) -> list[str]:
     return out
 
 
+def _optimizer_advice(s: MemorySettings) -> list[str]:
+    out = []
+    if s.tuner == "full":
+        if not s.deepspeed:
+            out.append("training.deepspeed: zero2 (now none): AdamW's two states and the gradients are sharded over "
+                       "the data-parallel ranks; zero2_offload keeps the states in CPU memory")
+        elif "offload" not in s.deepspeed:
+            out.append(f"training.deepspeed: {s.deepspeed.split('_')[0]}_offload (now {s.deepspeed}): the optimizer "
+                       "states live in CPU memory")
+        out.append("tuner.train_type: lora (now full): optimizer states for the adapter's parameters only")
+    if s.colocate and s.sleep_level == 0:
+        out.append(f"{RM}.vllm.sleep_level: 2 (now 0): the colocated engine keeps gpu_memory_utilization="
+                   f"{s.gpu_memory_utilization:g} of the GPU through the optimizer step; asleep it gives it back")
+    return out
+
+
 def advice(phase: str | None, s: MemorySettings) -> list[str]:
     """The settings that lower ``phase``'s GPU memory (``None``: outside any named phase, i.e. the backward and the
     optimizer step), most effective first; never empty."""
@@ -149,6 +167,8 @@ def advice(phase: str | None, s: MemorySettings) -> list[str]:
         out = _sync_advice(s)
     elif phase in ROLLOUT_PHASES:
         out = _rollout_advice(s)
+    elif phase in OPTIMIZER_PHASES:
+        out = _optimizer_advice(s)
     else:
         out = []
     return out or [f"nothing in the configuration sizes the {phase} phase's memory: it ran out because the rest of the "

@@ -60,6 +60,9 @@ ROLLOUT_STATE = "rollout_state.pt"
 #: ``sync_identity`` (which servers still hold the frozen weights) and ``sync_push``, inside ``weight_sync``; ``sleep`` and ``wake``
 #: (a sleep-mode colocate engine around its decode) inside ``generate``.
 STEP_PHASES = ("weight_sync", "rollout", "target", "forward", "backward")
+#: after ``training_step``, outside ``time/step_s``: ``optimizer`` (gradient clipping, ``optimizer.step()``, the
+#: scheduler and ``zero_grad``, until HF's step ends) and ``step_wall`` (optimizer step to optimizer step, everything
+#: included: the number to compare with another trainer's step)
 LEDGER = "ledger.jsonl"
 
 
@@ -97,6 +100,26 @@ class JsonlMetricsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             self.writer.write({"phase": self.phase, "step": state.global_step, "time": time.time(), **logs})
+
+
+class _StepClock(TrainerCallback):
+    """Ends the ``optimizer`` phase and the ``step_wall`` interval at each optimizer step's end (before HF logs)."""
+
+    def __init__(self, trainer: RolloutMatchingTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._last_step_end = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        now = time.perf_counter()
+        if t._step_ended_at is not None:
+            t.timers.seconds["optimizer"] += now - t._step_ended_at
+            t._step_ended_at = None
+        if t._last_step_end is not None:
+            t.timers.seconds["step_wall"] += now - t._last_step_end
+        t._last_step_end = now
 
 
 class RolloutMatchingTrainer(Trainer):
@@ -174,6 +197,9 @@ class RolloutMatchingTrainer(Trainer):
         #: optional timeline for benchmarks: (kind, start, end) with kind "wait" (learner waits on rollouts), "sync"
         #: (weight push, inside a step) or "step"
         self.timeline: list[tuple[str, float, float]] | None = None
+        self._step_ended_at: float | None = None
+        self._last_step_end: float | None = None
+        self.add_callback(_StepClock(self))
 
     def rollout_params(self, step: int | None = None) -> DecodingParams:
         """Decoding params for this optimizer step (sampling seed advances with the step)."""
@@ -532,6 +558,28 @@ class RolloutMatchingTrainer(Trainer):
         if self.timeline is not None:
             self.timeline.append(("step", start, start + spent))
         return total
+
+    def create_optimizer(self, model=None):
+        """HF's optimizer, its ``step`` timed under its own peak (``mem/optimizer_peak_gib``) and an out-of-memory
+        error inside it explained as the steps' are (phase ``optimizer``: AdamW's first step allocates its states)."""
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        if getattr(optimizer.step, "_rm_explained", False):
+            return optimizer
+        inner = optimizer.step
+
+        def step(*args, **kwargs):
+            self.timers.out_of_memory_in = None
+            try:
+                with self.timers.track_peak("optimizer"):
+                    return inner(*args, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                if isinstance(exc, TrainingOutOfMemory):
+                    raise
+                raise self._explain_oom(exc, "optimizer") from exc
+
+        step._rm_explained = True
+        optimizer.step = step
+        return optimizer
 
     def _explain_oom(self, exc: BaseException, phase: str | None) -> TrainingOutOfMemory:
         device_gib = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
