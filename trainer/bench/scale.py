@@ -9,7 +9,10 @@ objects each, so the ground-truth answer that stage 2 trains on is 1-2k tokens. 
 parse, so every rollout runs to ``decoding.max_new_tokens`` (the worst case of a real run) and every target is built
 from the ground truth, as stage 2 does for an unparseable rollout.
 
-Per configuration: seconds per phase (``time/<phase>_s``), peak GPU memory per phase (``mem/<phase>_peak_gib``),
+Per configuration: seconds per phase (``time/<phase>_s``; ``step_s`` is HF's ``training_step``: weight sync, rollout,
+targets, forward, backward; ``optimizer_s`` the optimizer step after it, in no phase before issue 37; ``step_wall_s``
+one optimizer step's end to the next, everything: the figure compared with TRL's), peak GPU memory per phase
+(``mem/<phase>_peak_gib``),
 the weight sync split into its parts (``sync_parts_s``: learner check, collect + LoRA merge, update check, wake,
 load) and the sleep + wake + sync price per step (``sleep_wake_sync_s``), rollout tokens/s, trained tokens/s, and
 fwd+bwd MFU and HFU (``fwd_bwd_flops``; the record's ``flop_count`` names the count): MFU counts model FLOPs, 6 per
@@ -316,35 +319,56 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
     if run.profile_step and (profiled / f"step{run.profile_step}_weight_sync.json").is_file():
         rec["profile_weight_sync"] = json.loads((profiled / f"step{run.profile_step}_weight_sync.json").read_text())
     rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
-    # the first step pays CUDA-graph capture, compilation and first allocations; a profiled step pays the profiler
+    rec.update(summarise_steps(run, rows, device, cfg["training"]["gradient_checkpointing"]))
+    return rec
+
+
+#: the phases inside HF's ``training_step`` (``time/step_s``); ``time/backward_s`` is the backward plus HF's
+#: bookkeeping inside ``training_step``, never the optimizer step (``time/optimizer_s``, after it)
+TRAINING_STEP_PHASES = ("weight_sync", "rollout", "target", "forward", "backward")
+
+
+def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str, checkpointing: bool) -> dict[str, Any]:
+    """The record's timing fields from the stage-2 metrics rows (one per optimizer step; means leave out the first
+    step, which pays CUDA-graph capture, compilation and first allocations, and a profiled step).
+
+    ``step_s``: HF's ``training_step`` (``split``: each of ``TRAINING_STEP_PHASES`` as a share of it);
+    ``optimizer_s``: clipping + ``optimizer.step()`` + scheduler + ``zero_grad``, after ``training_step``;
+    ``step_wall_s``: one optimizer step's end to the next, everything (``wall_split``: the training_step phases, the
+    ``optimizer`` and ``other`` (logging, callbacks, data loading) as shares of it). Metrics written before the
+    trainer timed the optimizer give ``None`` for both and no ``wall_split``."""
     timed = [r for i, r in enumerate(rows) if i > 0 and i + 1 != run.profile_step] or rows
     avg = {k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in sorted({k for r in timed for k in r})
            if isinstance(timed[0].get(k), (int, float))}
     peaks = {k: max(r.get(k, 0.0) for r in rows) for k in sorted({k for r in rows for k in r})
              if k.startswith("mem/") or k == "gpu_mem_peak_gib"}
     step_s = avg.get("time/step_s", 0.0)
+    step_wall_s = avg.get("time/step_wall_s")
+    optimizer_s = avg.get("time/optimizer_s")
     tokens = avg.get("batch/tokens", 0.0)
     patches = (run.image_size // 16) ** 2
-    flops = fwd_bwd_flops(run.size, tokens, run.batch, patches, run.tuner, run.lora_rank,
-                          checkpointing=cfg["training"]["gradient_checkpointing"])
+    flops = fwd_bwd_flops(run.size, tokens, run.batch, patches, run.tuner, run.lora_rank, checkpointing=checkpointing)
     fb_s = avg.get("time/forward_s", 0.0) + avg.get("time/backward_s", 0.0)
     on_gpu = bool(fb_s) and device != "cpu"
     generated = run.batch * run.max_new_tokens
-    rec.update(
+    wall_split: dict[str, float] = {}
+    if step_wall_s:
+        wall_split = {p: avg.get(f"time/{p}_s", 0.0) / step_wall_s for p in TRAINING_STEP_PHASES}
+        wall_split["optimizer"] = (optimizer_s or 0.0) / step_wall_s
+        wall_split["other"] = max(0.0, step_wall_s - step_s - (optimizer_s or 0.0)) / step_wall_s
+    return dict(
         steps=len(rows), per_step={k: v for k, v in avg.items() if k.startswith(("time/", "batch/", "rollout/"))},
-        peak_gib=peaks, step_s=step_s,
+        peak_gib=peaks, step_s=step_s, optimizer_s=optimizer_s, step_wall_s=step_wall_s,
         rollout_tokens_per_s=generated / avg["time/generate_s"] if avg.get("time/generate_s") else None,
         train_tokens_per_s=tokens / fb_s if fb_s else None,
         fwd_bwd_tflops=flops["model"] / fb_s / 1e12 if fb_s else None,
         mfu=flops["model"] / fb_s / 1e12 / H100_BF16_TFLOPS if on_gpu else None,
         hfu=flops["hardware"] / fb_s / 1e12 / H100_BF16_TFLOPS if on_gpu else None,
         flops=flops, flop_count=FLOP_COUNT,
-        split={k[len("time/"):-2]: avg.get(k, 0.0) / step_s for k in
-               ("time/weight_sync_s", "time/rollout_s", "time/target_s", "time/forward_s", "time/backward_s")}
-        if step_s else {},
+        split={p: avg.get(f"time/{p}_s", 0.0) / step_s for p in TRAINING_STEP_PHASES} if step_s else {},
+        wall_split=wall_split,
         **sync_breakdown(avg),
     )
-    return rec
 
 
 #: the sub-phases of a colocate ``weight_sync`` (``telemetry.phase``), in the order they run
@@ -399,23 +423,37 @@ def trl_side_by_side(run: ScaleRun, model_dir: Path, data: Path, work: Path, our
     if proc.returncode or not out.is_file():
         return {"error": f"trl_peer exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"}
     trl = json.loads(out.read_text())
-    blocks = {k.split(".", 1)[-1]: v for k, v in trl["blocks_s"].items()}  # "GRPOTrainerSubclass.vLLM.generate"
+    trl["trl_over_ours"] = trl_over_ours(trl, ours)
+    return trl
+
+
+def trl_over_ours(trl: dict[str, Any], ours: dict[str, Any]) -> dict[str, float | None]:
+    """TRL seconds / ours per part (> 1: we are faster; ``None`` where a side lacks the figure).
+
+    ``step_wall``: one optimizer step's end to the next on both sides (``step_wall_s``: everything, the ratio to
+    quote); ``training_step``: HF's ``training_step`` on both sides (generation, sync, forward, backward; no optimizer
+    on either side: the ratio published under ``step`` before ``step_wall`` existed); ``generate``; ``weight_sync``;
+    ``train_fwd_bwd``: TRL's ``training_step`` less its ``_prepare_inputs`` (generation, sync, rewards) against our
+    forward + backward (no optimizer on either side; published as ``train_fwd_bwd_opt`` before, a wrong name);
+    ``optimizer``: the optimizer step (``optimizer_s``)."""
+    blocks = {k.split(".", 1)[-1]: v for k, v in trl.get("blocks_s", {}).items()}  # "GRPOTrainerSubclass.vLLM.generate"
     step = ours.get("per_step", {})
     trl_generate = blocks.get("vLLM.generate", 0.0)
     trl_sync = blocks.get("sync_weights", 0.0)
     trl_train = trl["step_s"] - blocks.get("_prepare_inputs", trl_generate + trl_sync)
     ours_train = step.get("time/forward_s", 0.0) + step.get("time/backward_s", 0.0)
 
-    def ratio(a: float, b: float) -> float | None:
+    def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
 
-    trl["trl_over_ours"] = {
-        "step": ratio(trl["step_s"], ours.get("step_s", 0.0)),
-        "generate": ratio(trl_generate, step.get("time/generate_s", 0.0)),
-        "weight_sync": ratio(trl_sync, step.get("time/weight_sync_s", 0.0)),
-        "train_fwd_bwd_opt": ratio(trl_train, ours_train),
+    return {
+        "step_wall": ratio(trl.get("step_wall_s"), ours.get("step_wall_s")),
+        "training_step": ratio(trl["step_s"], ours.get("step_s")),
+        "generate": ratio(trl_generate, step.get("time/generate_s")),
+        "weight_sync": ratio(trl_sync, step.get("time/weight_sync_s")),
+        "train_fwd_bwd": ratio(trl_train, ours_train),
+        "optimizer": ratio(trl.get("optimizer_s"), ours.get("optimizer_s")),
     }
-    return trl
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -426,7 +464,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     runs = [r for r in result["runs"] if "per_step" in r]
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-    parts = ("weight_sync", "rollout", "target", "forward", "backward")
+    parts = (*TRAINING_STEP_PHASES, "optimizer")
     for i, r in enumerate(runs):
         bottom = 0.0
         for j, part in enumerate(parts):
@@ -527,7 +565,8 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
             raise SystemExit(f"RM_BENCH_SCALE_PROFILE={cfg.profile_step} is past the run's {cfg.steps} steps")
         print(f"bench scale: {cfg.name} ...", flush=True)
         rec = run_one(cfg, work, device) if device == "cpu" else run_isolated(cfg, work)
-        print(json.dumps({k: rec.get(k) for k in ("name", "step_s", "split", "peak_gib", "mfu", "hfu", "error")}),
+        print(json.dumps({k: rec.get(k) for k in ("name", "step_s", "optimizer_s", "step_wall_s", "split", "peak_gib",
+                                                  "mfu", "hfu", "error")}),
               flush=True)
         print(json.dumps({k: rec.get(k) for k in ("sync_parts_s", "sleep_wake_sync_s")}), flush=True)
         if "profile" in rec:
@@ -539,7 +578,9 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
             print(json.dumps({"sync_profile_wall_s": p["wall_s"], "busy_fraction": p["busy_fraction"],
                               "by_category_s": p["by_category_s"],
                               "top": [(k["name"][:70], round(k["seconds"], 4)) for k in p["top"][:12]]}), flush=True)
-        print(json.dumps({"trl_over_ours": rec.get("trl", {}).get("trl_over_ours"),
+        print(json.dumps({"trl_step_wall_s": rec.get("trl", {}).get("step_wall_s"),
+                          "trl_optimizer_s": rec.get("trl", {}).get("optimizer_s"),
+                          "trl_over_ours": rec.get("trl", {}).get("trl_over_ours"),
                           "trl_error": rec.get("trl", {}).get("error", "")[-1500:]}), flush=True)
         result["runs"] = [r for r in result["runs"] if r.get("name") != rec["name"]] + [rec]
         path.write_text(json.dumps(result, indent=2))

@@ -2,8 +2,12 @@
 records (images), batch and generation length, in its own process (``python -m trainer.bench.trl_peer``).
 
 TRL is what a user would pick instead of this project. Its step is timed the way ours is: whole ``training_step``
-seconds (generation, weight sync, forward, backward), with TRL's own profiling blocks (``sync_weights``,
-``vLLM.generate``, ``compute_loss``) read from its ``ProfilingContext``. Same work as ours: ``batch`` completions of
+seconds (generation, weight sync, forward, backward: ``step_s``), with TRL's own profiling blocks (``sync_weights``,
+``vLLM.generate``, ``compute_loss``) read from its ``ProfilingContext``; HF runs the optimizer step after
+``training_step``, so it is timed apart as ours is (``optimizer_s``: the end of ``training_step`` to the callback's
+``on_step_end``: clipping, ``optimizer.step()``, the scheduler, ``zero_grad``), and so is the wall time from one
+optimizer step's end to the next (``step_wall_s``, the first from ``on_train_begin``: everything, the number the
+scale bench compares with our ``time/step_wall_s``). Same work as ours: ``batch`` completions of
 exactly ``max_new_tokens`` (random weights never stop), one optimizer step per batch, bf16, gradient checkpointing,
 no KL term (``beta=0``: stage 2 has no reference model), vLLM sleep mode on. The reward is a constant: it does not
 change the time of anything but the advantage arithmetic.
@@ -51,6 +55,59 @@ def processor_for(model_dir: Path):
                             chat_template=CHAT_TEMPLATE)
 
 
+class StepClock:
+    """Per optimizer step: ``optimizer_s`` (the last ``training_step``'s end to ``on_step_end``) and ``step_wall_s``
+    (one ``on_step_end`` to the next, the first from ``on_train_begin``), taken as the trainer's ``_StepClock`` takes
+    ours (``time.perf_counter`` at the callback, no device synchronization there). ``clock`` is injectable (tests)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.optimizer_s: list[float] = []
+        self.step_wall_s: list[float] = []
+        self._last_step_end: float | None = None
+        self._training_step_end: float | None = None
+
+    def train_begin(self) -> None:
+        self._last_step_end = self.clock()
+
+    def training_step_end(self) -> None:
+        """Called as ``training_step`` returns (each micro-batch's; the last one before the optimizer counts)."""
+        self._training_step_end = self.clock()
+
+    def step_end(self) -> None:
+        now = self.clock()
+        if self._training_step_end is not None:
+            self.optimizer_s.append(now - self._training_step_end)
+            self._training_step_end = None
+        if self._last_step_end is not None:
+            self.step_wall_s.append(now - self._last_step_end)
+        self._last_step_end = now
+
+
+def step_clock_callback(clock: StepClock, on_step_end=None):
+    """A ``TrainerCallback`` that drives ``clock`` (``on_train_begin``, ``on_step_end``); ``on_step_end`` is called
+    after the clock has ticked (the optimizer's peak memory)."""
+    from transformers import TrainerCallback
+
+    class _Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock.train_begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_end()
+            if on_step_end is not None:
+                on_step_end()
+
+    return _Clock()
+
+
+def steady_mean(xs: list[float]) -> float:
+    """Mean without the first step (CUDA-graph capture, compilation, first allocations), as the scale bench takes ours;
+    a single step is its own mean."""
+    xs = xs[1:] if len(xs) > 1 else xs
+    return sum(xs) / len(xs) if xs else 0.0
+
+
 def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_new_tokens: int, vllm_util: float,
         use_vllm: bool, lora_rank: int) -> dict[str, Any]:
     import torch
@@ -70,6 +127,8 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
     profiling.ProfilingContext._log_metrics = record
     steps_s: list[float] = []
     peaks: list[float] = []
+    optimizer_peaks: list[float] = []
+    clock = StepClock()
 
     class TimedGRPOTrainer(GRPOTrainer):
         def training_step(self, *args, **kwargs):
@@ -82,7 +141,14 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
                 torch.cuda.synchronize()
                 peaks.append(torch.cuda.max_memory_allocated() / 2**30)
             steps_s.append(time.perf_counter() - t0)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()  # from here to on_step_end: the optimizer's peak
+            clock.training_step_end()
             return loss
+
+    def optimizer_peak() -> None:
+        if torch.cuda.is_available():
+            optimizer_peaks.append(torch.cuda.max_memory_allocated() / 2**30)
 
     on_gpu = torch.cuda.is_available()
     args = GRPOConfig(
@@ -105,6 +171,7 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
     trainer = TimedGRPOTrainer(model=model, args=args, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                train_dataset=records_dataset(data, DEFAULT_INSTRUCTION),
                                processing_class=processor_for(model_dir), peft_config=peft_config)
+    trainer.add_callback(step_clock_callback(clock, optimizer_peak))
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
@@ -114,7 +181,10 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
         return sum(xs) / len(xs) if xs else 0.0
 
     result = {"trl": trl.__version__, "wall_s": wall, "steps": len(steps_s), "step_s_runs": steps_s,
-              "step_s": mean(steps_s[timed]), "peak_gib_runs": peaks,
+              "step_s": steady_mean(steps_s), "step_wall_s_runs": clock.step_wall_s,
+              "step_wall_s": steady_mean(clock.step_wall_s), "optimizer_s_runs": clock.optimizer_s,
+              "optimizer_s": steady_mean(clock.optimizer_s), "peak_gib_runs": peaks,
+              "optimizer_peak_gib_runs": optimizer_peaks,
               "blocks_s": {k: mean(v[timed] if len(v) == len(steps_s) else v) for k, v in blocks.items()},
               "blocks_s_runs": dict(blocks), "completions_per_step": batch, "max_new_tokens": max_new_tokens}
     out.write_text(json.dumps(result, indent=2))
@@ -135,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     res = run(a.model_dir, a.data, a.out, steps=a.steps, batch=a.batch, max_new_tokens=a.max_new_tokens,
               vllm_util=a.vllm_util, use_vllm=not a.no_vllm, lora_rank=a.lora_rank)
-    print(json.dumps({k: res[k] for k in ("trl", "steps", "step_s", "blocks_s")}))
+    print(json.dumps({k: res[k] for k in ("trl", "steps", "step_s", "step_wall_s", "optimizer_s", "blocks_s")}))
     return 0
 
 
