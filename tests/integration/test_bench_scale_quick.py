@@ -26,6 +26,11 @@ def test_scale_quick_records_the_step_from_its_raw_timers(tmp_path, monkeypatch)
         assert raw[f"time/{phase}_s"] > 0, phase
         assert rec["split"][phase] * rec["step_s"] == pytest.approx(raw[f"time/{phase}_s"], rel=1e-9), phase
     assert "time/weight_sync_s" not in raw and rec["split"]["weight_sync"] == 0.0, "the HF backend syncs nothing"
+    # the optimizer step (after training_step, outside step_s) and the step-to-step wall, as the trainer logged them
+    assert rec["optimizer_s"] == raw["time/optimizer_s"] > 0 and "optimizer" not in rec["split"]
+    assert rec["step_wall_s"] == raw["time/step_wall_s"] >= rec["step_s"] + rec["optimizer_s"] - 1e-6
+    assert sum(rec["wall_split"].values()) == pytest.approx(1.0, rel=1e-9)
+    assert rec["wall_split"]["optimizer"] * rec["step_wall_s"] == pytest.approx(raw["time/optimizer_s"], rel=1e-9)
     tokens, fb_s = raw["batch/tokens"], raw["time/forward_s"] + raw["time/backward_s"]
     assert tokens > 0 and rec["train_tokens_per_s"] == pytest.approx(tokens / fb_s, rel=1e-9)
     assert rec["rollout_tokens_per_s"] == pytest.approx(2 * 8 / raw["time/generate_s"], rel=1e-9)

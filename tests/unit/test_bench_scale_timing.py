@@ -1,0 +1,122 @@
+"""The scale bench's step timings beside TRL's (issue 37 item 2): our ``training_step``, optimizer step and
+step-to-step wall time from the metrics rows, TRL's from ``trl_peer``'s callback clock, and the ratio on wall time."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.bench import scale, trl_peer
+
+
+def _row(step_s: float, optimizer_s: float, wall_s: float, **extra: float) -> dict[str, float]:
+    phases = {"time/weight_sync_s": 0.1 * step_s, "time/rollout_s": 0.6 * step_s, "time/target_s": 0.05 * step_s,
+              "time/forward_s": 0.1 * step_s, "time/backward_s": 0.15 * step_s}
+    return {"phase": "stage2", "loss": 1.0, "time/step_s": step_s, "time/optimizer_s": optimizer_s,
+            "time/step_wall_s": wall_s, "time/generate_s": 0.5 * step_s, "batch/tokens": 1000.0, **phases, **extra}
+
+
+def test_summary_reports_the_optimizer_and_the_wall_beside_the_training_step_and_skips_the_first_step():
+    run = scale.QUICK
+    rows = [_row(50.0, 9.0, 70.0), _row(10.0, 1.0, 12.0), _row(12.0, 3.0, 16.0)]  # the first: warm-up, left out
+    out = scale.summarise_steps(run, rows, "cpu", checkpointing=True)
+    assert out["steps"] == 3
+    assert out["step_s"] == pytest.approx(11.0) and out["optimizer_s"] == pytest.approx(2.0)
+    assert out["step_wall_s"] == pytest.approx(14.0)
+    assert out["per_step"]["time/optimizer_s"] == pytest.approx(2.0)
+    assert out["per_step"]["time/step_wall_s"] == pytest.approx(14.0)
+    # split: shares of training_step (the optimizer is not in it); wall_split: shares of the wall, optimizer apart
+    assert list(out["split"]) == list(scale.TRAINING_STEP_PHASES) and "optimizer" not in out["split"]
+    assert sum(out["split"].values()) == pytest.approx(1.0)
+    wall = out["wall_split"]
+    assert list(wall) == [*scale.TRAINING_STEP_PHASES, "optimizer", "other"]
+    assert wall["optimizer"] == pytest.approx(2.0 / 14.0) and wall["other"] == pytest.approx(1.0 / 14.0)
+    assert sum(wall.values()) == pytest.approx(1.0)
+    assert wall["backward"] == pytest.approx(0.15 * 11.0 / 14.0)
+    fb_s = 0.25 * 11.0
+    assert out["train_tokens_per_s"] == pytest.approx(1000.0 / fb_s), "fwd + bwd only: the optimizer is not in it"
+
+
+def test_metrics_from_before_the_optimizer_phase_give_none_not_zero():
+    rows = [{k: v for k, v in _row(10.0, 0.0, 0.0).items() if k not in ("time/optimizer_s", "time/step_wall_s")}]
+    out = scale.summarise_steps(scale.QUICK, rows, "cpu", checkpointing=False)
+    assert out["step_s"] == pytest.approx(10.0)
+    assert out["optimizer_s"] is None and out["step_wall_s"] is None and out["wall_split"] == {}
+
+
+def _trl(step_s: float = 12.0, wall_s: float | None = 15.0, optimizer_s: float | None = 2.5) -> dict:
+    trl = {"step_s": step_s, "blocks_s": {"GRPOTrainerSubclass.vLLM.generate": 8.0,
+                                          "GRPOTrainerSubclass.sync_weights": 0.3,
+                                          "GRPOTrainerSubclass._prepare_inputs": 9.0}}
+    if wall_s is not None:
+        trl["step_wall_s"] = wall_s
+    if optimizer_s is not None:
+        trl["optimizer_s"] = optimizer_s
+    return trl
+
+
+def test_trl_ratio_is_on_step_to_step_wall_time_and_keeps_the_training_step_ratio_apart():
+    ours = scale.summarise_steps(scale.QUICK, [_row(10.0, 2.0, 13.0), _row(10.0, 2.0, 12.0)], "cpu", True)
+    r = scale.trl_over_ours(_trl(), ours)
+    assert set(r) == {"step_wall", "training_step", "generate", "weight_sync", "train_fwd_bwd", "optimizer"}
+    assert "train_fwd_bwd_opt" not in r and "step" not in r
+    assert r["step_wall"] == pytest.approx(15.0 / 12.0)
+    assert r["training_step"] == pytest.approx(12.0 / 10.0)
+    assert r["optimizer"] == pytest.approx(2.5 / 2.0)
+    assert r["generate"] == pytest.approx(8.0 / 5.0) and r["weight_sync"] == pytest.approx(0.3 / 1.0)
+    # TRL's training_step less _prepare_inputs (generation, sync, rewards) against our forward + backward
+    assert r["train_fwd_bwd"] == pytest.approx((12.0 - 9.0) / 2.5)
+
+
+def test_trl_ratio_without_wall_times_on_either_side_is_none():
+    ours = scale.summarise_steps(scale.QUICK, [_row(10.0, 2.0, 12.0)], "cpu", True)
+    old_trl = _trl(wall_s=None, optimizer_s=None)  # a TRL JSON written before trl_peer timed the wall
+    r = scale.trl_over_ours(old_trl, ours)
+    assert r["step_wall"] is None and r["optimizer"] is None and r["training_step"] == pytest.approx(1.2)
+    old_ours = {**ours, "step_wall_s": None, "optimizer_s": None}
+    r = scale.trl_over_ours(_trl(), old_ours)
+    assert r["step_wall"] is None and r["optimizer"] is None
+
+
+class _FakeClock:
+    def __init__(self, times: list[float]):
+        self.times = iter(times)
+
+    def __call__(self) -> float:
+        return next(self.times)
+
+
+def test_trl_step_clock_times_the_optimizer_and_the_wall_from_train_begin():
+    # train_begin 0; step 1: training_step ends 5, step ends 6; step 2: micro-batches end 8 and 10, step ends 10.5;
+    # step 3: no training_step end seen (the clock still ticks the wall), ends 14
+    clock = trl_peer.StepClock(_FakeClock([0.0, 5.0, 6.0, 8.0, 10.0, 10.5, 14.0]))
+    clock.train_begin()
+    clock.training_step_end()
+    clock.step_end()
+    clock.training_step_end()
+    clock.training_step_end()  # the last micro-batch's end is the optimizer's start
+    clock.step_end()
+    clock.step_end()
+    assert clock.step_wall_s == pytest.approx([6.0, 4.5, 3.5])
+    assert clock.optimizer_s == pytest.approx([1.0, 0.5])
+
+
+def test_trl_step_clock_runs_as_a_trainer_callback():
+    pytest.importorskip("transformers")
+    from transformers import TrainerCallback
+
+    clock = trl_peer.StepClock(_FakeClock([1.0, 3.0, 3.25, 7.0, 7.5]))
+    peaks: list[int] = []
+    cb = trl_peer.step_clock_callback(clock, lambda: peaks.append(len(clock.step_wall_s)))
+    assert isinstance(cb, TrainerCallback)
+    cb.on_train_begin(None, None, None)
+    clock.training_step_end()
+    cb.on_step_end(None, None, None)
+    clock.training_step_end()
+    cb.on_step_end(None, None, None)
+    assert clock.step_wall_s == pytest.approx([2.25, 4.25]) and clock.optimizer_s == pytest.approx([0.25, 0.5])
+    assert peaks == [1, 2], "the after-step hook runs once per step, after the clock ticked"
+
+
+def test_trl_steady_mean_leaves_out_the_first_step():
+    assert trl_peer.steady_mean([9.0, 2.0, 4.0]) == pytest.approx(3.0)
+    assert trl_peer.steady_mean([5.0]) == 5.0 and trl_peer.steady_mean([]) == 0.0
