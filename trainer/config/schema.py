@@ -122,7 +122,20 @@ class TrainingConfig(Section):
     save_steps: int = Field(0, ge=0)
     save_total_limit: int | None = Field(None, ge=1)
     bf16: bool = False
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False, description="true: checkpoint every decoder layer (gradient_checkpointing_policy: full); "
+                           "gradient_checkpointing_policy, when set, supersedes it (so a config extending one that "
+                           "sets the bool only needs the policy)")
+    gradient_checkpointing_policy: Literal["full", "selective", "off", "auto"] | None = Field(
+        None, description="full: recompute every decoder layer in the backward (HF's checkpointing); selective: only "
+        "every gradient_checkpointing_every_n_layers-th layer (HF's every_n_layers), the others keep their "
+        "activations; off: none; auto: chosen at start-up from an activation estimate against the GPU's memory "
+        "after weights, gradients and optimizer states (trainer.modeling.checkpointing.choose_checkpointing): off "
+        "where it fits, selective where it almost does, full otherwise. The policy that ran is the first metrics "
+        "row's train/checkpointing_policy. null: follow gradient_checkpointing (true: full, false: off)")
+    gradient_checkpointing_every_n_layers: int | None = Field(
+        None, ge=2, description="selective: checkpoint every n-th decoder layer (null: 2, i.e. half the layers); "
+                                "auto: the only selective spacing it considers (null: 4, 3 and 2)")
     compile_decoder_layers: bool = Field(
         False, description="torch.compile each decoder layer (dynamic shapes) for the teacher-forced step; HF-backend "
                            "rollouts stay eager unless rollout_matching.hf.compile is on")
@@ -145,6 +158,21 @@ class TrainingConfig(Section):
                                      "(step timers, rollout counts, quarantines) on this port; null: off")
     metrics_host: str = Field("127.0.0.1", description="bind address of metrics_port (environment variables such "
                                                        "as ${POD_IP} are expanded)")
+
+    @model_validator(mode="after")
+    def _one_checkpointing_switch(self) -> TrainingConfig:
+        if self.gradient_checkpointing_every_n_layers is not None and self.checkpointing_policy not in ("selective",
+                                                                                                        "auto"):
+            raise ValueError(f"gradient_checkpointing_every_n_layers only applies with gradient_checkpointing_policy "
+                             f"selective or auto, not {self.checkpointing_policy}; drop it or set the policy")
+        return self
+
+    @property
+    def checkpointing_policy(self) -> str:
+        """The requested policy: ``gradient_checkpointing_policy``, else the bool (true: full, false: off)."""
+        if self.gradient_checkpointing_policy is not None:
+            return self.gradient_checkpointing_policy
+        return "full" if self.gradient_checkpointing else "off"
 
 
 class Stage1Config(Section):

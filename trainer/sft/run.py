@@ -17,7 +17,9 @@ from trainer.data.synthetic import generate
 from trainer.extras import require
 from trainer.losses.objective import LossWeights
 from trainer.memory.oom import memory_settings
+from trainer.modeling.checkpointing import training_arguments_kwargs
 from trainer.modeling.compile import compile_decoder_layers
+from trainer.modeling.levers import apply_model_levers
 from trainer.modeling.loading import LoadedModel, apply_tuner, load_model
 from trainer.modeling.prompts import PromptEncoder
 from trainer.packing.buffer import PackingBuffer
@@ -112,7 +114,9 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
                        batch_size: int, report_to: list[str], logging_steps: int | None = None,
                        step_records: bool = False) -> TrainingArguments:
     """HF's arguments; ``step_records``: for ``RolloutMatchingTrainer``, which gets a step's records as HF's one
-    micro-batch (``gradient_accumulation_steps`` 1) and accumulates the rows they fill itself."""
+    micro-batch (``gradient_accumulation_steps`` 1) and accumulates the rows they fill itself. Checkpointing follows
+    ``training.gradient_checkpointing_policy`` (``auto`` resolved first: ``trainer.modeling.levers``; the keyword is
+    ``activation_checkpointing`` from transformers 5.2x)."""
     t = cfg.training
     per_device, accumulation = batch_size, t.gradient_accumulation_steps
     if step_records:
@@ -134,7 +138,7 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         save_total_limit=t.save_total_limit,
         seed=t.seed,
         bf16=t.bf16,
-        **_checkpointing_kwarg(t.gradient_checkpointing),
+        **training_arguments_kwargs(t, TrainingArguments.__dataclass_fields__),
         remove_unused_columns=False,
         dataloader_num_workers=t.dataloader_num_workers,
         report_to=report_to,
@@ -142,14 +146,6 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         deepspeed=deepspeed_config.resolve(t.deepspeed),
         use_cpu=not torch.cuda.is_available(),
     )
-
-
-def _checkpointing_kwarg(enabled: bool) -> dict[str, bool]:
-    """transformers renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (5.2x); pass the one this
-    version's ``TrainingArguments`` has."""
-    fields = TrainingArguments.__dataclass_fields__
-    key = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    return {key: enabled}
 
 
 def build_pipeline(cfg: TrainConfig, loaded: LoadedModel) -> Stage2Pipeline:
@@ -198,6 +194,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     samples = load_samples(cfg)
     loaded = load_model(cfg.model, out)
     model = apply_tuner(loaded.model, cfg.tuner, loaded.multimodal)
+    # Liger kernels, the checkpointing policy that runs (auto resolved), recorded as metrics.jsonl's setup row
+    cfg, _ = apply_model_levers(cfg, model, out, data_parallel_world_size())
     if cfg.training.compile_decoder_layers:
         log.info("compiled %d decoder layers (training.compile_decoder_layers)", compile_decoder_layers(model))
     pipeline = build_pipeline(cfg, loaded)

@@ -1,0 +1,285 @@
+"""``training.gradient_checkpointing_policy``: which decoder layers recompute their forward in the backward.
+
+``full``: every layer (HF's gradient checkpointing, what ``gradient_checkpointing: true`` always did). ``selective``:
+every ``gradient_checkpointing_every_n_layers``-th layer (default 2), through HF's own ``every_n_layers`` (transformers
+5.17 and 5.19: ``TrainingArguments.gradient_checkpointing_kwargs={"every_n_layers": n}``, popped by the Trainer
+before ``torch.utils.checkpoint``); the layers in between keep their activations, so a step recomputes 1/n of the
+forward instead of all of it and holds about (1 - 1/n) of the un-checkpointed activations. HF counts every
+``GradientCheckpointingLayer`` of the model in module order, vision blocks included (frozen, they save nothing), so
+on Qwen3-VL the checkpointed text layers are every n-th from an offset (``checkpointed_decoder_layers`` names them).
+``off``: none. ``auto``: ``choose_checkpointing`` at start-up, from the estimate below.
+
+The estimate (``choose_checkpointing``, pure). Activations a decoder layer keeps for its backward, per token, in the
+activation dtype (``activation_bytes_per_token_per_layer``), counting the tensors autograd saves in HF's Qwen3 /
+Qwen3-VL layer with SDPA / flash attention (no attention-score matrix)::
+
+    bytes = dtype_bytes x (8 h + 8 q + 7 kv + 4 i)
+
+h: hidden size (two RMSNorms save their fp32 input, rsqrt and output: 3 h each, plus the projections' shared input:
+h each), q = heads x head_dim (q_norm 3 q, RoPE 2 q, attention's q and output, o_proj's input), kv = kv heads x
+head_dim (k_norm 3 kv, RoPE 2 kv, attention's k and v), i: intermediate size (gate, up, silu(gate), their product).
+Qwen3-VL at 16k packed tokens, bf16: 2B 126 KiB a token a layer, 55 GiB for its 28 layers; 4B 194 KiB, 109 GiB
+(36); 8B 238 KiB, 134 GiB (36).
+
+A forward over ``tokens`` with ``c`` of the ``L`` layers checkpointed keeps ``(L - c) x per_layer`` plus ``c`` layer
+inputs (``h x dtype_bytes`` a token) plus, when ``c > 0``, one layer's activations rebuilt at a time in the backward.
+The budget is the device's memory less ``headroom`` (10 %: allocator fragmentation, CUDA context, NCCL), less the
+weights, gradients and AdamW's two states (``resident_bytes``; DeepSpeed ZeRO shards or offloads them), less a
+colocated vLLM engine that stays awake through the step (``sleep_level: 0``: its ``gpu_memory_utilization`` share; a
+sleeping one: ``SLEEPING_ENGINE_GIB`` for its CUDA graphs and workspace), less the loss's logits (3 fp32 copies of
+``logit_chunk_rows`` x vocabulary; every supervised row, bounded by the tokens, without chunking). ``auto`` takes
+the first that fits of: off, selective every 4, 3, 2 layers, full (full also when nothing fits).
+
+Uncalibrated: the formula counts saved tensors; it has not been checked against measured per-phase peaks on a GPU
+(``RM_BENCH_SCALE_CKPT=auto`` records the choice beside ``mem/backward_peak_gib``; see docs/benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("full", "selective", "off", "auto")
+#: ``selective`` without ``gradient_checkpointing_every_n_layers``: every other layer
+DEFAULT_EVERY_N = 2
+#: the selective spacings ``auto`` tries, fewest checkpointed layers first
+AUTO_SPACINGS = (4, 3, 2)
+HEADROOM = 0.10
+SLEEPING_ENGINE_GIB = 2.0
+#: packing off: prompt tokens assumed per target beside ``decoding.max_new_tokens`` (a 1024-visual-token image prompt)
+PROMPT_TOKENS = 2048
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class TextShape:
+    """The language model's dimensions that size its activations."""
+
+    layers: int
+    hidden: int
+    q_dim: int
+    kv_dim: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> TextShape:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        return cls(text.num_hidden_layers, text.hidden_size, text.num_attention_heads * head_dim, kv_heads * head_dim,
+                   text.intermediate_size, text.vocab_size)
+
+
+def activation_bytes_per_token_per_layer(shape: TextShape, dtype_bytes: int) -> int:
+    """What one decoder layer keeps for its backward per token (module docstring)."""
+    return dtype_bytes * (8 * shape.hidden + 8 * shape.q_dim + 7 * shape.kv_dim + 4 * shape.intermediate)
+
+
+def checkpointed_count(layers: int, policy: str, every_n: int | None = None) -> int:
+    """Decoder layers a policy checkpoints (``selective``: every ``every_n``-th, rounded up)."""
+    if policy == "full":
+        return layers
+    if policy == "off":
+        return 0
+    if policy == "selective":
+        return math.ceil(layers / (every_n or DEFAULT_EVERY_N))
+    raise ValueError(f"policy {policy!r}: resolve auto first; one of full, selective, off")
+
+
+def activation_bytes(shape: TextShape, tokens: int, dtype_bytes: int, checkpointed: int) -> float:
+    """Peak activation bytes of a forward + backward over ``tokens`` with ``checkpointed`` layers recomputed."""
+    per_layer = activation_bytes_per_token_per_layer(shape, dtype_bytes) * tokens
+    inputs = checkpointed * shape.hidden * dtype_bytes * tokens
+    return (shape.layers - checkpointed) * per_layer + inputs + (per_layer if checkpointed else 0)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The inputs of ``auto`` (bytes): device size, what the step holds beside activations, the forward's tokens."""
+
+    shape: TextShape
+    tokens: int
+    dtype_bytes: int
+    device_bytes: float
+    resident_bytes: float
+    engine_bytes: float = 0.0
+    loss_bytes: float = 0.0
+    headroom: float = HEADROOM
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.device_bytes * (1 - self.headroom) - self.resident_bytes - self.engine_bytes - self.loss_bytes
+
+
+@dataclass(frozen=True)
+class CheckpointingChoice:
+    """The policy that runs (``full`` | ``selective`` | ``off``) and, for ``auto``, the numbers behind it."""
+
+    policy: str
+    every_n_layers: int | None = None
+    requested: str = ""
+    estimates_gib: dict[str, float] = field(default_factory=dict)
+    budget_gib: float | None = None
+    reason: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"selective/{self.every_n_layers}" if self.policy == "selective" else self.policy
+
+
+def choose_checkpointing(plan: MemoryPlan, spacings: tuple[int, ...] = AUTO_SPACINGS) -> CheckpointingChoice:
+    """``auto``: the first of off, selective every ``spacings`` (fewest checkpointed first), full whose activation
+    estimate fits ``plan.budget_bytes``; full when none does."""
+    L = plan.shape.layers
+    options = [("off", None)] + sorted((("selective", k) for k in spacings), key=lambda o: math.ceil(L / o[1])) + [
+        ("full", None)]
+    estimates: dict[str, float] = {}
+    for policy, k in options:
+        label = f"selective/{k}" if k else policy
+        if label not in estimates:
+            estimates[label] = activation_bytes(plan.shape, plan.tokens, plan.dtype_bytes,
+                                                checkpointed_count(L, policy, k)) / GIB
+    budget = plan.budget_bytes / GIB
+    for policy, k in options:
+        label = f"selective/{k}" if k else policy
+        if estimates[label] <= budget:
+            why = (f"activations ~{estimates[label]:.1f} GiB fit the {budget:.1f} GiB left ("
+                   f"{plan.device_bytes / GIB:.1f} GiB x {1 - plan.headroom:.2f} - weights/grads/optimizer "
+                   f"{plan.resident_bytes / GIB:.1f} - engine {plan.engine_bytes / GIB:.1f} - loss "
+                   f"{plan.loss_bytes / GIB:.1f}) at {plan.tokens} tokens")
+            if label != "off":
+                why += f"; off would need ~{estimates['off']:.1f} GiB"
+            return CheckpointingChoice(policy, k, "auto", estimates, budget, why)
+    return CheckpointingChoice("full", None, "auto", estimates, budget,
+                               f"nothing fits the {budget:.1f} GiB left (full needs ~{estimates['full']:.1f} GiB): "
+                               "full, the least memory; lower training.packing_length if it runs out")
+
+
+def _deepspeed_stage(deepspeed: str | None) -> tuple[int, bool]:
+    """(ZeRO stage, offloaded) of a preset name (``zero2_offload``...); a JSON path counts as no sharding."""
+    if deepspeed and deepspeed.startswith("zero") and deepspeed[4:5].isdigit():
+        return int(deepspeed[4]), deepspeed.endswith("_offload")
+    return 0, False
+
+
+def resident_bytes(model: torch.nn.Module, deepspeed: str | None = None, world_size: int = 1) -> float:
+    """Weights + gradients of the trained parameters + AdamW's two states (in the parameter dtype, as torch's AdamW
+    keeps them). ZeRO: fp32 master + states (12 bytes a trained parameter) / world size from stage 1 (0 offloaded),
+    gradients / world size from stage 2, weights / world size at stage 3 (0 offloaded)."""
+    params = list(model.parameters())
+    weights = float(sum(p.numel() * p.element_size() for p in params))
+    trained = [p for p in params if p.requires_grad]
+    grads = float(sum(p.numel() * p.element_size() for p in trained))
+    stage, offloaded = _deepspeed_stage(deepspeed)
+    if stage == 0:
+        return weights + grads + 2 * grads
+    states = 0.0 if offloaded else 12.0 * sum(p.numel() for p in trained) / world_size
+    if stage >= 2:
+        grads /= world_size
+    if stage == 3:
+        weights = 0.0 if offloaded else weights / world_size
+    return weights + grads + states
+
+
+def device_bytes() -> float:
+    """The training device's memory: the current CUDA device's, else the host's physical memory."""
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def forward_tokens(cfg) -> int:
+    """Tokens of one forward: ``packing_length`` (packing), else ``per_device_train_batch_size`` x
+    (``vllm.max_model_len`` or ``decoding.max_new_tokens`` + ``PROMPT_TOKENS``)."""
+    t = cfg.training
+    if t.packing and t.packing_length:
+        return t.packing_length
+    rm = cfg.custom.extra.rollout_matching
+    if rm is None:
+        return t.per_device_train_batch_size * PROMPT_TOKENS
+    per_target = (rm.vllm.max_model_len if rm.rollout_backend == "vllm" and rm.vllm.max_model_len
+                  else rm.decoding.max_new_tokens + PROMPT_TOKENS)
+    return t.per_device_train_batch_size * per_target
+
+
+def memory_plan(cfg, model: torch.nn.Module, world_size: int = 1, device: float | None = None) -> MemoryPlan:
+    """``MemoryPlan`` of a validated config and its (tuned) model; ``device``: bytes (default ``device_bytes()``)."""
+    t = cfg.training
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    shape = TextShape.from_config(base.config)
+    dtype = next(base.parameters()).dtype
+    dtype_bytes = 2 if (t.bf16 or dtype in (torch.bfloat16, torch.float16)) else 4
+    tokens = forward_tokens(cfg)
+    total = device_bytes() if device is None else device
+    rm = cfg.custom.extra.rollout_matching
+    engine = 0.0
+    if rm is not None and rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate":
+        engine = rm.vllm.gpu_memory_utilization * total if rm.vllm.sleep_level == 0 else SLEEPING_ENGINE_GIB * GIB
+    chunk = rm.loss.logit_chunk_rows if rm is not None and rm.loss.supervised_logits_only else None
+    loss = 3 * 4 * min(chunk or tokens, tokens) * shape.vocab
+    return MemoryPlan(shape, tokens, dtype_bytes, total, resident_bytes(model, t.deepspeed, world_size), engine,
+                      float(loss))
+
+
+def resolve_checkpointing(cfg, model: torch.nn.Module, world_size: int = 1,
+                          device: float | None = None) -> CheckpointingChoice:
+    """The policy that runs: the configured one, or ``auto``'s choice (``choose_checkpointing``)."""
+    t = cfg.training
+    policy = t.checkpointing_policy
+    if policy == "auto":
+        spacings = (t.gradient_checkpointing_every_n_layers,) if t.gradient_checkpointing_every_n_layers else \
+            AUTO_SPACINGS
+        return choose_checkpointing(memory_plan(cfg, model, world_size, device), spacings)
+    every = (t.gradient_checkpointing_every_n_layers or DEFAULT_EVERY_N) if policy == "selective" else None
+    return CheckpointingChoice(policy, every, policy)
+
+
+def resolved_config(cfg, choice: CheckpointingChoice):
+    """A copy of ``cfg`` whose training section names the policy that runs (``auto`` resolved), for
+    ``trainer.sft.run.training_arguments``; ``gradient_checkpointing`` is true only for full."""
+    t = cfg.training.model_copy(update={"gradient_checkpointing_policy": choice.policy,
+                                        "gradient_checkpointing_every_n_layers": choice.every_n_layers,
+                                        "gradient_checkpointing": choice.policy == "full"})
+    return cfg.model_copy(update={"training": t})
+
+
+def training_arguments_kwargs(t, fields: dict[str, Any]) -> dict[str, Any]:
+    """``TrainingArguments`` keywords of ``t``'s (resolved) policy; ``fields``: ``TrainingArguments``'s dataclass
+    fields (transformers 5.2x renames ``gradient_checkpointing`` to ``activation_checkpointing``)."""
+    prefix = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    policy = t.checkpointing_policy
+    if policy == "auto":
+        raise ValueError("training.gradient_checkpointing_policy: auto is resolved at start-up "
+                         "(trainer.modeling.checkpointing.resolve_checkpointing) before the training arguments")
+    if policy == "selective":
+        every = t.gradient_checkpointing_every_n_layers or DEFAULT_EVERY_N
+        return {prefix: True, f"{prefix}_kwargs": {"use_reentrant": False, "every_n_layers": every}}
+    return {prefix: policy == "full"}
+
+
+def checkpointed_decoder_layers(model: torch.nn.Module, policy: str, every_n: int | None = None) -> list[int]:
+    """Indices of the language model's decoder layers that ``policy`` checkpoints, counted as HF's
+    ``_set_gradient_checkpointing(every_n_layers=...)`` counts: every ``GradientCheckpointingLayer`` of the model in
+    module order (vision blocks too), index % n == 0."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from trainer.modeling.compile import decoder_layers
+
+    layers = list(decoder_layers(model))
+    if policy == "off":
+        return []
+    if policy == "full":
+        return list(range(len(layers)))
+    every = every_n or DEFAULT_EVERY_N
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    counted = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
+    chosen = {id(m) for i, m in enumerate(counted) if i % every == 0}
+    return [i for i, layer in enumerate(layers) if id(layer) in chosen]

@@ -1,0 +1,49 @@
+"""The learner's model-level speed levers, applied once after the tuner (``trainer.sft.run.run_training``) and
+recorded as the first row of ``metrics.jsonl`` (``phase: setup``), so every run says which ones ran:
+
+- ``training.gradient_checkpointing_policy`` (``trainer.modeling.checkpointing``; ``auto`` resolved here):
+  ``train/checkpointing_policy`` (full | selective | off), ``train/checkpointing_requested``,
+  ``train/checkpointing_every_n_layers``, ``train/checkpointed_layers`` of ``train/decoder_layers``, and for ``auto``
+  its estimates (``train/checkpointing_estimate_gib``, ``train/checkpointing_budget_gib``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.modeling.checkpointing import checkpointed_decoder_layers, resolve_checkpointing, resolved_config
+from trainer.modeling.compile import decoder_layers
+from trainer.telemetry import JsonlWriter
+
+log = logging.getLogger(__name__)
+
+
+def apply_model_levers(cfg, model: torch.nn.Module, out: Path | None = None, world_size: int = 1,
+                       device_bytes: float | None = None):
+    """Resolve the checkpointing policy, write the ``setup`` metrics row under ``out`` (rank 0)
+    and return ``(cfg with the policy that runs, the row)``."""
+    t = cfg.training
+    row: dict[str, Any] = {}
+    choice = resolve_checkpointing(cfg, model, world_size, device_bytes)
+    try:
+        counted = (len(checkpointed_decoder_layers(model, choice.policy, choice.every_n_layers)),
+                   len(decoder_layers(model)))
+    except ValueError:  # no decoder layers found on this model: nothing to count
+        counted = (None, None)
+    row.update({"train/checkpointing_policy": choice.policy, "train/checkpointing_requested": t.checkpointing_policy,
+                "train/checkpointing_every_n_layers": choice.every_n_layers,
+                "train/checkpointed_layers": counted[0], "train/decoder_layers": counted[1]})
+    if choice.requested == "auto":
+        row.update({"train/checkpointing_estimate_gib": choice.estimates_gib,
+                    "train/checkpointing_budget_gib": choice.budget_gib})
+        log.info("gradient checkpointing auto: %s (%s)", choice.label, choice.reason)
+    log.info("model levers: %s", row)
+    if out is not None and int(os.environ.get("RANK", "0")) == 0:
+        JsonlWriter(Path(out) / "metrics.jsonl").write({"phase": "setup", "step": 0, "time": time.time(), **row})
+    return resolved_config(cfg, choice), row
