@@ -136,6 +136,10 @@ class TrainingConfig(Section):
     gradient_checkpointing_every_n_layers: int | None = Field(
         None, ge=2, description="selective: checkpoint every n-th decoder layer (null: 2, i.e. half the layers); "
                                 "auto: the only selective spacing it considers (null: 4, 3 and 2)")
+    use_liger_kernel: bool = Field(
+        False, description="Liger Kernel's fused RMSNorm, SwiGLU and RoPE in the Qwen3 / Qwen3-VL text model (its "
+        "loss kernels stay off: the loss is the chunked objective over supervised rows); needs the 'liger' extra "
+        "(Triton, a CUDA GPU): pip install 'rollout-matching[liger]'")
     compile_decoder_layers: bool = Field(
         False, description="torch.compile each decoder layer (dynamic shapes) for the teacher-forced step; HF-backend "
                            "rollouts stay eager unless rollout_matching.hf.compile is on")

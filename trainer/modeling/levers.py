@@ -1,6 +1,7 @@
 """The learner's model-level speed levers, applied once after the tuner (``trainer.sft.run.run_training``) and
 recorded as the first row of ``metrics.jsonl`` (``phase: setup``), so every run says which ones ran:
 
+- ``training.use_liger_kernel`` (``trainer.modeling.liger``): ``train/use_liger_kernel``;
 - ``training.gradient_checkpointing_policy`` (``trainer.modeling.checkpointing``; ``auto`` resolved here):
   ``train/checkpointing_policy`` (full | selective | off), ``train/checkpointing_requested``,
   ``train/checkpointing_every_n_layers``, ``train/checkpointed_layers`` of ``train/decoder_layers``, and for ``auto``
@@ -26,10 +27,15 @@ log = logging.getLogger(__name__)
 
 def apply_model_levers(cfg, model: torch.nn.Module, out: Path | None = None, world_size: int = 1,
                        device_bytes: float | None = None):
-    """Resolve the checkpointing policy, write the ``setup`` metrics row under ``out`` (rank 0)
+    """Apply Liger (when on), resolve the checkpointing policy, write the ``setup`` metrics row under ``out`` (rank 0)
     and return ``(cfg with the policy that runs, the row)``."""
     t = cfg.training
-    row: dict[str, Any] = {}
+    row: dict[str, Any] = {"train/use_liger_kernel": t.use_liger_kernel}
+    if t.use_liger_kernel:
+        from trainer.modeling.liger import apply_liger_kernel
+
+        applied = apply_liger_kernel(model)
+        row["train/liger_swiglu_mlps"] = applied["swiglu_mlps"]
     choice = resolve_checkpointing(cfg, model, world_size, device_bytes)
     try:
         counted = (len(checkpointed_decoder_layers(model, choice.policy, choice.every_n_layers)),
