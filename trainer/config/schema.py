@@ -140,6 +140,10 @@ class TrainingConfig(Section):
         False, description="Liger Kernel's fused RMSNorm, SwiGLU and RoPE in the Qwen3 / Qwen3-VL text model (its "
         "loss kernels stay off: the loss is the chunked objective over supervised rows); needs the 'liger' extra "
         "(Triton, a CUDA GPU): pip install 'rollout-matching[liger]'")
+    optim: Literal["adamw_torch", "adamw_torch_fused"] = Field(
+        "adamw_torch_fused", description="HF TrainingArguments.optim: adamw_torch_fused (torch's fused AdamW, "
+        "transformers' own default with torch >= 2.8, so what every run before this key used) or adamw_torch "
+        "(the for-each implementation)")
     compile_decoder_layers: bool = Field(
         False, description="torch.compile each decoder layer (dynamic shapes) for the teacher-forced step; HF-backend "
                            "rollouts stay eager unless rollout_matching.hf.compile is on")

@@ -5,7 +5,8 @@ recorded as the first row of ``metrics.jsonl`` (``phase: setup``), so every run 
 - ``training.gradient_checkpointing_policy`` (``trainer.modeling.checkpointing``; ``auto`` resolved here):
   ``train/checkpointing_policy`` (full | selective | off), ``train/checkpointing_requested``,
   ``train/checkpointing_every_n_layers``, ``train/checkpointed_layers`` of ``train/decoder_layers``, and for ``auto``
-  its estimates (``train/checkpointing_estimate_gib``, ``train/checkpointing_budget_gib``).
+  its estimates (``train/checkpointing_estimate_gib``, ``train/checkpointing_budget_gib``);
+- ``training.optim`` (HF ``TrainingArguments.optim``): ``train/optim``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def apply_model_levers(cfg, model: torch.nn.Module, out: Path | None = None, wor
     """Apply Liger (when on), resolve the checkpointing policy, write the ``setup`` metrics row under ``out`` (rank 0)
     and return ``(cfg with the policy that runs, the row)``."""
     t = cfg.training
-    row: dict[str, Any] = {"train/use_liger_kernel": t.use_liger_kernel}
+    row: dict[str, Any] = {"train/use_liger_kernel": t.use_liger_kernel, "train/optim": t.optim}
     if t.use_liger_kernel:
         from trainer.modeling.liger import apply_liger_kernel
 

@@ -116,7 +116,7 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
     """HF's arguments; ``step_records``: for ``RolloutMatchingTrainer``, which gets a step's records as HF's one
     micro-batch (``gradient_accumulation_steps`` 1) and accumulates the rows they fill itself. Checkpointing follows
     ``training.gradient_checkpointing_policy`` (``auto`` resolved first: ``trainer.modeling.levers``; the keyword is
-    ``activation_checkpointing`` from transformers 5.2x)."""
+    ``activation_checkpointing`` from transformers 5.2x), ``optim`` is ``training.optim``."""
     t = cfg.training
     per_device, accumulation = batch_size, t.gradient_accumulation_steps
     if step_records:
@@ -139,6 +139,7 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         seed=t.seed,
         bf16=t.bf16,
         **training_arguments_kwargs(t, TrainingArguments.__dataclass_fields__),
+        optim=t.optim,
         remove_unused_columns=False,
         dataloader_num_workers=t.dataloader_num_workers,
         report_to=report_to,
