@@ -35,7 +35,8 @@ def test_the_policy_and_the_old_bool(training, policy):
 
 @pytest.mark.parametrize("training, fragment", [
     ({"gradient_checkpointing_policy": "some"}, "'full', 'selective', 'off' or 'auto'"),
-    ({"gradient_checkpointing_policy": "selective", "gradient_checkpointing_every_n_layers": 1}, "greater than or equal to 2"),
+    ({"gradient_checkpointing_policy": "selective", "gradient_checkpointing_every_n_layers": 1},
+     "greater than or equal to 2"),
     ({"gradient_checkpointing_every_n_layers": 3}, "only applies with gradient_checkpointing_policy selective or auto"),
     ({"gradient_checkpointing": True, "gradient_checkpointing_every_n_layers": 3}, "not full"),
 ])

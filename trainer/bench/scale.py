@@ -93,6 +93,14 @@ class ScaleRun:
     logit_chunk_rows: int | None = 1024
     #: ``vllm.sync.merge_precision`` (``RM_BENCH_SCALE_MERGE``; ``float32`` adds the name suffix ``-mergef32``)
     merge_precision: str = "weight_dtype"
+    #: ``training.use_liger_kernel`` (``RM_BENCH_SCALE_LIGER=1``, name suffix ``-liger``)
+    liger: bool = False
+    #: ``training.gradient_checkpointing_policy`` (``RM_BENCH_SCALE_CKPT``: full | selective | off | auto; suffix
+    #: ``-ckpt<policy>`` unless full, what every earlier row ran)
+    checkpointing: str = "full"
+    #: ``training.optim`` (``RM_BENCH_SCALE_OPTIM``: adamw_torch_fused, the default, or adamw_torch, suffix
+    #: ``-unfusedadam``)
+    optim: str = "adamw_torch_fused"
 
     @property
     def name(self) -> str:
@@ -102,8 +110,11 @@ class ScaleRun:
         chunks = "-allrows" if self.logit_chunk_rows is None else (
             "" if self.logit_chunk_rows == 1024 else f"-chunk{self.logit_chunk_rows}")
         merge = "-mergef32" if self.merge_precision == "float32" else ""
+        levers = ("-liger" if self.liger else "") + (
+            "" if self.checkpointing == "full" else f"-ckpt{self.checkpointing}") + (
+            "-unfusedadam" if self.optim == "adamw_torch" else "")
         return (f"{self.size}-{tuner}{served}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}{compiled}"
-                f"{chunks}{merge}")
+                f"{chunks}{merge}{levers}")
 
 
 #: the configurations of issue 30 on one 80 GB H100 (``RM_BENCH_SCALE`` picks some by name prefix, e.g. ``2b,8b-lora``)
@@ -219,7 +230,7 @@ FLOP_COUNT = ("mfu: model FLOPs of the forward + backward / fwd+bwd seconds / pe
 
 
 def fwd_bwd_flops(size: str, tokens: float, samples: float, patches_per_image: int, tuner: str = "full",
-                  lora_rank: int = 0, checkpointing: bool = False) -> dict[str, float]:
+                  lora_rank: int = 0, checkpointing: bool | float = False) -> dict[str, float]:
     """FLOPs of one packed forward + backward over ``tokens`` in ``samples`` segments of equal length:
     ``model`` (what MFU counts) and ``hardware`` (what HFU counts; ``model`` plus the recompute of every block's
     forward when ``checkpointing``), with the parameter counts behind them.
@@ -228,7 +239,8 @@ def fwd_bwd_flops(size: str, tokens: float, samples: float, patches_per_image: i
     weight gradient: 6 per trained, 4 per frozen parameter-token. ``tuner`` ``lora`` / ``dora``: the blocks are
     frozen and the adapter (``adapter_params``) trains at 6 (DoRA's weight-norm work is per step, not per token).
     Causal attention: 2 * L * heads * head_dim * s^2 forward, twice that backward. The frozen vision tower: forward
-    only, 2 per parameter per patch and full attention 4 * depth * hidden * P^2 per image."""
+    only, 2 per parameter per patch and full attention 4 * depth * hidden * P^2 per image. ``checkpointing`` may be
+    the fraction of the blocks recomputed (selective checkpointing, ``recomputed_fraction``)."""
     if tuner not in ("full", "lora", "dora"):
         raise ValueError(f"tuner {tuner!r}: one of full, lora, dora")
     if tuner != "full" and lora_rank <= 0:
@@ -244,7 +256,7 @@ def fwd_bwd_flops(size: str, tokens: float, samples: float, patches_per_image: i
     vis = samples * (2 * counts["vision"] * patches_per_image
                      + 4 * vision["depth"] * vision["hidden_size"] * patches_per_image ** 2)
     model = 6 * trained * tokens + 4 * frozen * tokens + 3 * attn_fwd + vis
-    recompute = 2 * (trained + frozen) * tokens + attn_fwd if checkpointing else 0.0
+    recompute = float(checkpointing) * (2 * (trained + frozen) * tokens + attn_fwd)
     return {"model": model, "hardware": model + recompute, "trained_params": trained, "frozen_block_params": frozen,
             "checkpointing": checkpointing}
 
@@ -270,6 +282,12 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
         rm["vllm"]["sync"] = {"merge_precision": run.merge_precision}
     if run.compile_layers:
         cfg["training"]["compile_decoder_layers"] = True
+    if run.liger:
+        cfg["training"]["use_liger_kernel"] = True
+    if run.checkpointing != "full":
+        cfg["training"]["gradient_checkpointing_policy"] = run.checkpointing
+    if run.optim != "adamw_torch_fused":
+        cfg["training"]["optim"] = run.optim
     if run.profile_step:
         cfg["training"]["profile_steps"] = [run.profile_step]
     if run.tuner != "full" and backend == "vllm" and run.vllm_lora:
@@ -318,8 +336,11 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
         rec["profile"] = json.loads((profiled / f"step{run.profile_step}_train.json").read_text())
     if run.profile_step and (profiled / f"step{run.profile_step}_weight_sync.json").is_file():
         rec["profile_weight_sync"] = json.loads((profiled / f"step{run.profile_step}_weight_sync.json").read_text())
+    setup = next((r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "setup"), {})
+    rec["levers"] = {k.removeprefix("train/"): v for k, v in setup.items() if k.startswith("train/")}
     rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
-    rec.update(summarise_steps(run, rows, device, cfg["training"]["gradient_checkpointing"]))
+    rec.update(summarise_steps(run, rows, device,
+                               recomputed_fraction(rec["levers"], cfg["training"]["gradient_checkpointing"])))
     return rec
 
 
@@ -328,7 +349,8 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
 TRAINING_STEP_PHASES = ("weight_sync", "rollout", "target", "forward", "backward")
 
 
-def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str, checkpointing: bool) -> dict[str, Any]:
+def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str,
+                    checkpointing: bool | float) -> dict[str, Any]:
     """The record's timing fields from the stage-2 metrics rows (one per optimizer step; means leave out the first
     step, which pays CUDA-graph capture, compilation and first allocations, and a profiled step).
 
@@ -520,6 +542,47 @@ def logit_and_merge_knobs(chunk: str | None, merge: str | None) -> dict[str, Any
     return out
 
 
+def recomputed_fraction(levers: dict[str, Any], default: bool) -> bool | float:
+    """The fraction of the decoder layers a run recomputed in its backward, from its ``setup`` metrics row
+    (``train/checkpointed_layers`` of ``train/decoder_layers``, ``levers`` without the prefix); ``default`` (the
+    config's bool) without one."""
+    done, layers = levers.get("checkpointed_layers"), levers.get("decoder_layers")
+    if done is None or not layers:
+        return default
+    return True if done == layers else done / layers
+
+
+#: the values each lever knob takes (``lever_knobs``); the first is the default
+LEVER_VALUES = {"RM_BENCH_SCALE_LIGER": ("0", "1"), "RM_BENCH_SCALE_CKPT": ("full", "selective", "off", "auto"),
+                "RM_BENCH_SCALE_OPTIM": ("adamw_torch_fused", "adamw_torch")}
+
+
+def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None) -> list[dict[str, Any]]:
+    """``ScaleRun`` overrides from ``RM_BENCH_SCALE_LIGER`` (``training.use_liger_kernel``), ``RM_BENCH_SCALE_CKPT``
+    (``training.gradient_checkpointing_policy``) and ``RM_BENCH_SCALE_OPTIM`` (``training.optim``): each takes one
+    value or a comma-separated list, and every combination runs (``RM_BENCH_SCALE_LIGER=0,1`` measures Liger beside
+    the default in one call). Unset: ``[{}]``, nothing overridden."""
+    import itertools
+
+    axes: list[list[tuple[str, Any]]] = []
+    for env, field, value, convert in (("RM_BENCH_SCALE_LIGER", "liger", liger, lambda v: v == "1"),
+                                       ("RM_BENCH_SCALE_CKPT", "checkpointing", ckpt, str),
+                                       ("RM_BENCH_SCALE_OPTIM", "optim", optim, str)):
+        if not value:
+            continue
+        values = [v.strip() for v in value.split(",") if v.strip()]
+        bad = [v for v in values if v not in LEVER_VALUES[env]]
+        if bad or not values:
+            raise SystemExit(f"{env}={value!r}: one or more (comma-separated) of {', '.join(LEVER_VALUES[env])}")
+        axes.append([(field, convert(v)) for v in dict.fromkeys(values)])
+    return [dict(combo) for combo in itertools.product(*axes)]
+
+
+def with_levers(runs: list[ScaleRun], knobs: list[dict[str, Any]]) -> list[ScaleRun]:
+    """Each run once per ``lever_knobs`` combination, in that order."""
+    return [replace(r, **k) for r in runs for k in knobs]
+
+
 def with_utilisations(runs: list[ScaleRun], utils: str | None) -> list[ScaleRun]:
     """Each run once per ``gpu_memory_utilization`` of the comma-separated ``utils`` (``RM_BENCH_SCALE_UTILS``, for
     the memory table: model x tuner x sleep level x utilisation), in that order; ``runs`` as they are without."""
@@ -558,6 +621,8 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     compile_layers = os.environ.get("RM_BENCH_SCALE_COMPILE", "0") == "1"
     runs = [QUICK] if quick else with_utilisations(selected(os.environ.get("RM_BENCH_SCALE")),
                                                    os.environ.get("RM_BENCH_SCALE_UTILS"))
+    runs = with_levers(runs, lever_knobs(os.environ.get("RM_BENCH_SCALE_LIGER"), os.environ.get("RM_BENCH_SCALE_CKPT"),
+                                         os.environ.get("RM_BENCH_SCALE_OPTIM")))
     for cfg in runs:
         cfg = replace(cfg, steps=steps) if steps else cfg
         cfg = replace(cfg, profile_step=profile_step, compile_layers=compile_layers or cfg.compile_layers, **knobs)
@@ -569,6 +634,7 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
                                                   "mfu", "hfu", "error")}),
               flush=True)
         print(json.dumps({k: rec.get(k) for k in ("sync_parts_s", "sleep_wake_sync_s")}), flush=True)
+        print(json.dumps({"levers": rec.get("levers")}), flush=True)
         if "profile" in rec:
             p = rec["profile"]
             print(json.dumps({"profile_busy_fraction": p["busy_fraction"], "by_category_s": p["by_category_s"],

@@ -1,0 +1,85 @@
+"""The scale bench's lever knobs (``RM_BENCH_SCALE_LIGER`` / ``_CKPT`` / ``_OPTIM``): the names, the stage-2 config
+each produces, several values beside the default in one call, and (``--quick`` on the CPU) the record of what ran."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainer.bench import scale
+from trainer.config.schema import validate_config
+
+
+def test_unset_knobs_leave_every_run_as_it_was(tmp_path):
+    assert scale.lever_knobs(None, None, None) == [{}] and scale.lever_knobs("", "", "") == [{}]
+    runs = scale.selected("2b,8b-lora64-sleep2-util0.35")
+    assert scale.with_levers(runs, [{}]) == runs
+    training = validate_config(scale.stage2_config(runs[0], tmp_path / "m", tmp_path / "o", "vllm")).training
+    assert (training.checkpointing_policy, training.optim, training.use_liger_kernel) == \
+        ("full", "adamw_torch_fused", False), "the rows measured so far: full checkpointing, fused AdamW, no Liger"
+    assert "gradient_checkpointing_policy" not in training.model_fields_set
+
+
+@pytest.mark.parametrize("liger, ckpt, optim, suffix, expected", [
+    ("1", None, None, "-liger", dict(use_liger_kernel=True)),
+    (None, "selective", None, "-ckptselective", dict(checkpointing_policy="selective")),
+    (None, "off", None, "-ckptoff", dict(checkpointing_policy="off")),
+    (None, "auto", None, "-ckptauto", dict(checkpointing_policy="auto")),
+    (None, "full", None, "", dict(checkpointing_policy="full")),
+    (None, None, "adamw_torch", "-unfusedadam", dict(optim="adamw_torch")),
+    (None, None, "adamw_torch_fused", "", dict(optim="adamw_torch_fused")),
+    ("1", "selective", "adamw_torch", "-liger-ckptselective-unfusedadam",
+     dict(use_liger_kernel=True, checkpointing_policy="selective", optim="adamw_torch")),
+])
+def test_each_knob_names_the_run_and_reaches_its_config(tmp_path, liger, ckpt, optim, suffix, expected):
+    for base in scale.selected("2b,4b,8b-lora64-sleep2-util0.35"):
+        (knob,) = scale.lever_knobs(liger, ckpt, optim)
+        run = dataclasses.replace(base, **knob)
+        assert run.name == base.name + suffix
+        t = validate_config(scale.stage2_config(run, tmp_path / "m", tmp_path / "o", "vllm")).training
+        assert {k: getattr(t, k) for k in expected} == expected
+
+
+def test_several_values_run_beside_the_default_in_one_call():
+    runs = scale.with_levers(scale.selected("2b"), scale.lever_knobs("0,1", "full,selective", None))
+    assert [r.name for r in runs] == ["2b-full-sleep2-util0.3", "2b-full-sleep2-util0.3-ckptselective",
+                                      "2b-full-sleep2-util0.3-liger", "2b-full-sleep2-util0.3-liger-ckptselective"]
+    knobs = scale.lever_knobs(None, None, "adamw_torch_fused,adamw_torch")
+    names = [r.name for r in scale.with_levers(scale.selected("4b"), knobs)]
+    assert names == ["4b-full-sleep2-util0.2", "4b-full-sleep2-util0.2-unfusedadam"]
+
+
+@pytest.mark.parametrize("liger, ckpt, optim, env", [("yes", None, None, "RM_BENCH_SCALE_LIGER"),
+                                                     (None, "partial", None, "RM_BENCH_SCALE_CKPT"),
+                                                     (None, "full,sometimes", None, "RM_BENCH_SCALE_CKPT"),
+                                                     (None, None, "adafactor", "RM_BENCH_SCALE_OPTIM"),
+                                                     (None, ",", None, "RM_BENCH_SCALE_CKPT")])
+def test_bad_knob_values_are_refused_with_the_variable(liger, ckpt, optim, env):
+    with pytest.raises(SystemExit, match=env):
+        scale.lever_knobs(liger, ckpt, optim)
+
+
+def test_hfu_counts_the_recompute_of_the_layers_that_ran_checkpointed():
+    assert scale.recomputed_fraction({}, True) is True and scale.recomputed_fraction({}, False) is False
+    assert scale.recomputed_fraction({"checkpointed_layers": 28, "decoder_layers": 28}, False) is True
+    assert scale.recomputed_fraction({"checkpointed_layers": 14, "decoder_layers": 28}, True) == 0.5
+    assert scale.recomputed_fraction({"checkpointed_layers": 0, "decoder_layers": 28}, True) == 0.0
+    full = scale.fwd_bwd_flops("2b", 16_000, 8, 4096, checkpointing=True)
+    half = scale.fwd_bwd_flops("2b", 16_000, 8, 4096, checkpointing=0.5)
+    none = scale.fwd_bwd_flops("2b", 16_000, 8, 4096, checkpointing=0.0)
+    assert full["model"] == half["model"] == none["model"] == none["hardware"]
+    assert half["hardware"] - half["model"] == pytest.approx((full["hardware"] - full["model"]) / 2, rel=1e-12)
+
+
+def test_quick_bench_records_the_levers_that_ran(tmp_path, monkeypatch):
+    monkeypatch.setenv("RM_BENCH_WORK", str(tmp_path / "work"))
+    monkeypatch.setenv("RM_BENCH_SCALE_CKPT", "selective")
+    monkeypatch.setenv("RM_BENCH_SCALE_OPTIM", "adamw_torch")
+    (rec,) = scale.run(tmp_path / "out", quick=True)["runs"]
+    assert rec["name"] == "tiny-full-sleep2-util0.3-ckptselective-unfusedadam" and "error" not in rec, rec
+    levers = rec["levers"]
+    assert (levers["checkpointing_policy"], levers["checkpointed_layers"], levers["decoder_layers"]) == \
+        ("selective", 1, 2)
+    assert (levers["optim"], levers["use_liger_kernel"]) == ("adamw_torch", False)
+    assert rec["flops"]["checkpointing"] == 0.5, "HFU counts the recompute of half the layers"
