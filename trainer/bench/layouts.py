@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,21 +111,21 @@ class GpuSampler(threading.Thread):
         super().__init__(daemon=True)
         self.interval_s = interval_s
         self.samples: list[tuple[float, list[int], list[float]]] = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         import pynvml
 
         pynvml.nvmlInit()
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             util = [int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in handles]
             used = [pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30 for h in handles]
             self.samples.append((time.time(), util, used))
-            self._stop.wait(self.interval_s)
+            self._halt.wait(self.interval_s)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(5)
 
     def summary(self, start: float, end: float) -> dict[str, list[float]]:
@@ -238,6 +239,8 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
     rec: dict[str, Any] = {"layout": asdict(layout), "name": layout.name, "gpus": layout.gpus}
     run_dir = root / "runs" / layout.name
     logs = root / "logs" / layout.name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True, exist_ok=True)
     servers: list[subprocess.Popen] = []
     sampler = GpuSampler() if cuda else None
