@@ -87,6 +87,10 @@ class VllmSyncConfig(Section):
     nccl_backend: Literal["auto", "pynccl", "torch"] = "auto"
     group_port: int = Field(51216, ge=1024, le=65535)
     bucket_mb: int = Field(512, ge=1)
+    broadcast_timeout_s: float = Field(
+        120.0, gt=0, description="nccl transport: one bucket's broadcast to one server must complete within this; a "
+        "server killed or stalled mid-broadcast then fails that push (communicator aborted, server quarantined, "
+        "re-admitted with the current weights when it answers) instead of hanging the learner")
     allow_dtype_cast: bool = False
     shm_dir: str | None = None
     resend_frozen: bool = False

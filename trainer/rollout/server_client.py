@@ -176,6 +176,7 @@ class ServerRolloutEngine:
                  inline_images: bool = False, wait: bool = True, max_retries: int = 1,
                  readmit_after_s: float | None = None, readmit_max_interval_s: float = 300.0,
                  clock: Any = time.monotonic, nccl_backend: str = "auto", shm_dir: str | None = None,
+                 broadcast_timeout_s: float = 120.0,
                  resend_frozen: bool = False, merge_precision: str = "weight_dtype"):
         import torch.distributed as dist
 
@@ -199,6 +200,7 @@ class ServerRolloutEngine:
         self._engine_types: list[dict[str, Any]] | None = None
         self.max_retries = max_retries
         self.nccl_backend = nccl_backend
+        self.broadcast_timeout_s = broadcast_timeout_s
         self.shm_dir = shm_dir
         #: merged full syncs send the frozen weights (vision tower, norms, frozen base) to a server once: at its
         #: first full sync and again at every re-admission; ``resend_frozen`` sends them at every sync
@@ -375,7 +377,8 @@ class ServerRolloutEngine:
                 choice = "nccl" if torch.cuda.is_available() else "inband"
             if choice == "nccl":
                 self._transport = NcclTransport(self.servers, self.group_port, self.timeout_s, self.bucket_bytes,
-                                                backend=self.nccl_backend)
+                                                backend=self.nccl_backend,
+                                                broadcast_timeout_s=self.broadcast_timeout_s)
             elif choice == "inband":
                 self._transport = InbandTransport(timeout_s=max(self.timeout_s, 600.0), shm_dir=self.shm_dir)
             else:
@@ -557,6 +560,7 @@ def engine_from_config(rm, loaded, model) -> ServerRolloutEngine:
     engine = ServerRolloutEngine(
         endpoints_from_config(v.server), timeout_s=v.server.timeout_s, infer_timeout_s=v.server.infer_timeout_s,
         transport=sync.transport, nccl_backend=sync.nccl_backend, group_port=sync.group_port, shm_dir=sync.shm_dir,
+        broadcast_timeout_s=sync.broadcast_timeout_s,
         bucket_bytes=sync.bucket_mb * 2**20, resend_frozen=sync.resend_frozen, merge_precision=sync.merge_precision,
         max_retries=v.server.max_retries, readmit_after_s=v.server.readmit_after_s,
         readmit_max_interval_s=v.server.readmit_max_interval_s)

@@ -193,7 +193,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     (out / "resolved_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     torch.manual_seed(cfg.training.seed)
     samples = load_samples(cfg)
-    loaded = load_model(cfg.model, out)
+    with node_writes_first():  # the embedded tiny model is saved under output_dir once per node
+        loaded = load_model(cfg.model, out)
     model = apply_tuner(loaded.model, cfg.tuner, loaded.multimodal)
     # Liger kernels, the checkpointing policy that runs (auto resolved), recorded as metrics.jsonl's setup row
     cfg, _ = apply_model_levers(cfg, model, out, data_parallel_world_size())

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+import threading
+import time
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -24,6 +26,11 @@ from trainer.sync.buckets import FlatTensorMeta, torch_dtype, unflatten
 
 class NcclSetupError(ValueError):
     """The requested NCCL backend cannot be built here; the message says which one works instead."""
+
+
+class BroadcastTimeout(RuntimeError):
+    """A broadcast did not complete in time (a peer was killed or stalled mid-transfer); the communicator was aborted
+    and must not be used again."""
 
 
 NcclBackend = Literal["pynccl", "torch"]
@@ -133,15 +140,94 @@ class TorchStatelessCommunicator:
         else:
             self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, timedelta(seconds=timeout_s))
 
-    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None, timeout_s: float | None = None) -> None:
         """``tensor`` from rank ``src`` to every rank, in place; returns once it is complete on this rank's stream
-        (``stream`` is accepted for ``PyNcclCommunicator`` compatibility and unused)."""
+        (``stream`` is accepted for ``PyNcclCommunicator`` compatibility and unused). ``timeout_s``: past it the
+        process group is aborted and ``BroadcastTimeout`` raised."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self.pg.broadcast([tensor], opts).wait()
+        work = self.pg.broadcast([tensor], opts)
+        if timeout_s is None:
+            work.wait()
+            return
+        try:
+            done = work.wait(timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # gloo: "Timed out" or the peer's connection closed
+            self.abort()
+            raise BroadcastTimeout(f"broadcast failed or timed out after {timeout_s:g} s: {exc}") from exc
+        if done is False:
+            self.abort()
+            raise BroadcastTimeout(f"broadcast did not complete within {timeout_s:g} s")
+
+    def abort(self) -> None:
+        """Tear down the process group (NCCL: ``ncclCommAbort``, which ends a kernel waiting on a dead peer)."""
+        abort = getattr(self.pg, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 - the group is being thrown away
+                pass
+
+
+def bounded_broadcast(comm: Any, tensor: torch.Tensor, timeout_s: float, poll_s: float = 0.001) -> None:
+    """Broadcast ``tensor`` from ``comm``'s own rank (the learner's) and return when it is complete, or abort the
+    communicator and raise ``BroadcastTimeout`` after ``timeout_s`` (an NCCL kernel never returns when a peer dies
+    mid-transfer: without the bound the sync, and the learner, hang). ``comm``: our ``TorchStatelessCommunicator``
+    (the process group's own timed wait) or vLLM's ``PyNcclCommunicator`` (a CUDA event polled against the deadline,
+    then ``ncclCommAbort``)."""
+    if isinstance(comm, TorchStatelessCommunicator):
+        comm.broadcast(tensor, src=comm.rank, timeout_s=timeout_s)
+        return
+    if not tensor.is_cuda:
+        comm.broadcast(tensor, src=comm.rank)
+        return
+    stream = torch.cuda.current_stream()
+    comm.broadcast(tensor, src=comm.rank, stream=stream)
+    done = torch.cuda.Event()
+    done.record(stream)
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            abort_pynccl(comm)
+            raise BroadcastTimeout(f"broadcast did not complete within {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
+def barrier_within(group: Any, timeout_s: float) -> None:
+    """``group.barrier()`` bounded by ``timeout_s`` (``BroadcastTimeout`` past it). A ``TCPStore`` client waiting on a
+    store whose host is stopped never returns (its socket poll times out and is retried), so the barrier runs in a
+    daemon thread that is left behind when the deadline passes; the caller drops the group."""
+    outcome: list[BaseException | None] = []
+    worker = threading.Thread(target=lambda: outcome.append(_run(group.barrier)), daemon=True,
+                              name="rm-sync-barrier")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise BroadcastTimeout(f"the barrier after the broadcast did not complete within {timeout_s:g} s")
+    if outcome and outcome[0] is not None:
+        raise outcome[0]
+
+
+def _run(fn: Any) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+        return exc
+    return None
+
+
+def abort_pynccl(comm: Any) -> None:
+    """``ncclCommAbort`` on a ``PyNcclCommunicator`` (the in-flight kernel returns) and mark it unusable."""
+    nccl, handle = getattr(comm, "nccl", None), getattr(comm, "comm", None)
+    if nccl is not None and handle is not None and hasattr(nccl, "ncclCommAbort"):
+        try:
+            nccl.ncclCommAbort(handle)
+        except Exception:  # noqa: BLE001 - the communicator is being thrown away
+            pass
+    comm.disabled = True
 
 
 def communicator(backend: NcclBackend, group: Any, device: torch.device) -> Any:

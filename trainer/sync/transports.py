@@ -29,8 +29,11 @@ import torch
 from trainer.sync.buckets import DEFAULT_BUCKET_BYTES, flatten, plan_buckets
 from trainer.sync.http import server_http_client
 from trainer.sync.nccl import (  # noqa: F401 - re-exported for callers of the transport layer
+    BroadcastTimeout,
     StoreGroup,
     TorchStatelessCommunicator,
+    barrier_within,
+    bounded_broadcast,
     join_group,
     resolve_nccl_backend,
     vllm_available,
@@ -215,6 +218,9 @@ class InbandTransport:
             self.shm.close()
 
 
+BROADCAST_TIMEOUT_KEY = "custom.extra.rollout_matching.vllm.sync.broadcast_timeout_s"
+
+
 class NcclTransport:
     """ms-swift-compatible NCCL weight sync (see module docstring); server ``i`` of ``servers`` (the full list, fixed
     for the run) forms its group on ``group_port + i``.
@@ -226,7 +232,10 @@ class NcclTransport:
     name = "nccl"
 
     def __init__(self, servers: Sequence[ServerHandle], group_port: int = 51216, timeout_s: float = 240.0,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: int | None = None, backend: str = "auto"):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: int | None = None, backend: str = "auto",
+                 broadcast_timeout_s: float = 120.0):
+        #: one bucket's broadcast to one server must complete within this (``BROADCAST_TIMEOUT_KEY``)
+        self.broadcast_timeout_s = broadcast_timeout_s
         self.backend = resolve_nccl_backend(backend)
         if self.backend == "pynccl" and not vllm_available():
             raise WeightTransportError("sync.nccl_backend pynccl needs vLLM on the learner (not importable here); "
@@ -243,6 +252,7 @@ class NcclTransport:
         self.client = server_http_client(timeout_s)
         self.bucket_bytes = bucket_bytes
         self.comms: dict[str, Any] = {}
+        self.dropped_comms: list[Any] = []
         self.last_push: dict[str, Any] = {}
         self._broadcast_s = 0.0
 
@@ -291,12 +301,19 @@ class NcclTransport:
         return [s for s in targets if s.base_url not in failed], failed
 
     def _broadcast(self, url: str, tensor: torch.Tensor) -> None:
+        """One bucket to ``url``, bounded by ``broadcast_timeout_s``: a server killed or stalled mid-broadcast fails
+        this push (its communicator aborted, the error naming the key) instead of hanging the learner."""
         comm = self.comms[url]
         t0 = time.perf_counter()
-        comm.broadcast(tensor, src=comm.rank, stream=torch.cuda.current_stream() if tensor.is_cuda else None)
-        if tensor.is_cuda:
-            torch.cuda.synchronize()
-        comm.group.barrier()
+        try:
+            bounded_broadcast(comm, tensor, self.broadcast_timeout_s)
+            barrier_within(comm.group, self.broadcast_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - BroadcastTimeout, or the store's timeout / a closed connection
+            raise WeightTransportError(
+                f"NCCL broadcast to {url} did not finish within {BROADCAST_TIMEOUT_KEY}={self.broadcast_timeout_s:g} s "
+                f"({type(exc).__name__}: {str(exc)[:200]}): the server died or stalled mid-update; its communicator was "
+                "aborted, it is quarantined, and it is re-admitted with the current weights once it answers again. "
+                "Raise the key if a healthy broadcast of one bucket (sync.bucket_mb) can take that long") from exc
         self._broadcast_s += time.perf_counter() - t0
 
     def _each(self, targets: list[ServerHandle], fn: Callable[[ServerHandle], Any],
@@ -342,8 +359,11 @@ class NcclTransport:
     def disconnect(self, url: str) -> None:
         """Forget ``url``'s communicator and ask the server to close its side (best effort, short timeout: the
         server is usually dead or stalled); the next push to it connects afresh."""
-        if self.comms.pop(url, None) is None:
+        comm = self.comms.pop(url, None)
+        if comm is None:
             return
+        # never destroyed while the run lasts: a process group whose peer died or stalled can block in its destructor
+        self.dropped_comms.append(comm)
         try:
             self.client.post(url + "/close_communicator/", timeout=2.0)
         except httpx.HTTPError as exc:
