@@ -8,14 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit.test_supervised_logits import _setup
 from trainer.losses.objective import LossWeights
 from trainer.matching.targets import TrainTarget
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
 from trainer.packing.step_rows import chunk_rows, plan_step_rows, rows_needed, step_denominators
 from trainer.sft.forward import forward_loss
-
-from tests.unit.test_supervised_logits import _setup
 
 
 @settings(max_examples=300, deadline=None)

@@ -71,6 +71,7 @@ class Work:
     colocate_util: float = 0.3
     server_util: float = 0.85
     sleep_level: int = 2
+    tuner: str = "full"  # full | lora
     timeout_s: float = 900.0
 
 
@@ -159,7 +160,10 @@ def layout_config(layout: Layout, work: Work, model_dir: Path, out_dir: Path, ur
         "bf16": cuda, "save_steps": 0}
     if layout.zero:
         training["deepspeed"] = f"zero{layout.zero}"
-    return {
+    extra: dict[str, Any] = {}
+    if work.tuner != "full":
+        extra["tuner"] = {"train_type": work.tuner, "lora_rank": 16, "lora_alpha": 32}
+    return {**extra,
         "model": {"path": str(model_dir), "torch_dtype": "bfloat16" if cuda else "float32"},
         "data": {"synthetic": {"num_samples": records * (steps + 1), "seed": 0, "min_objects": work.min_objects,
                                "max_objects": work.max_objects, "image_size": work.image_size}},

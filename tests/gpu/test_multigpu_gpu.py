@@ -1,0 +1,136 @@
+"""Issue 36 on several GPUs (deselected on CPU; run on a multi-GPU kind with the vLLM bundle):
+``python -m pytest -m gpu tests/gpu/test_multigpu_gpu.py``.
+
+A: a step's records decoded in one call and trained as every row they fill, on several ranks (ledger of every rank:
+each sample once). B: colocate under torchrun at 1, 2 and 4 ranks, vLLM TP 1 per rank and a TP group, sleep levels
+1 and 2, full and LoRA. D: a vLLM server stalled, then SIGKILLed, in the middle of an NCCL broadcast: the push ends
+within ``vllm.sync.broadcast_timeout_s`` naming it, and the restarted server gets the current weights. Every case runs
+through the product's own entry points (``trainer serve``, ``torch.distributed.run -m trainer train``) via
+``trainer.bench.layouts``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from trainer.bench.layouts import QUICK_WORK, Layout, run_layout, save_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs: run on a multi-GPU device machine")]
+
+GPUS = torch.cuda.device_count()
+TINY = replace(QUICK_WORK, records_per_step=16, steps=3, max_new_tokens=64, packing_length=2048, timeout_s=600.0,
+               colocate_util=0.2, server_util=0.3)
+
+
+def _need(n: int) -> None:
+    if GPUS < n:
+        pytest.skip(f"needs {n} GPUs, this machine has {GPUS}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_model(TINY, tmp_path_factory.mktemp("model"), cuda=True)
+
+
+def _ok(rec: dict) -> dict:
+    assert "error" not in rec, (rec.get("error"), rec.get("learner_log_tail", "")[-3000:])
+    assert rec["ledger"]["duplicated"] == 0 and rec["ledger"]["rows"] > 0
+    assert rec["trained_samples_per_s"] > 0
+    return rec
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_step_trains_every_row_on_every_rank(model_dir, tmp_path, ranks):
+    _need(ranks)
+    work = replace(TINY, packing_length=512)  # a step's 16 records fill several 512-token rows
+    rec = _ok(run_layout(Layout(f"colocate-{ranks}", ranks), work, model_dir, tmp_path, cuda=True))
+    assert rec["means"]["batch/rows_per_step"] > 1
+    assert rec["means"]["rollout/samples"] == 16 / ranks, "each rank decoded its share of the step at once"
+
+
+@pytest.mark.parametrize(("ranks", "tp", "sleep", "tuner"), [
+    (1, 1, 2, "full"), (1, 1, 1, "lora"), (2, 1, 2, "lora"), (2, 2, 2, "full"), (4, 1, 1, "full"), (4, 4, 2, "full"),
+])
+def test_colocate_under_torchrun(model_dir, tmp_path, ranks, tp, sleep, tuner):
+    _need(ranks)
+    work = replace(TINY, sleep_level=sleep, tuner=tuner)
+    _ok(run_layout(Layout(f"colocate-{ranks}-tp{tp}", ranks, tp=tp), work, model_dir, tmp_path, cuda=True))
+
+
+def test_server_layout_with_two_learner_ranks(model_dir, tmp_path):
+    _need(4)
+    rec = _ok(run_layout(Layout("2v2-async", 2, servers=2, async_rollouts=True), TINY, model_dir, tmp_path,
+                         cuda=True))
+    assert rec["means"]["rollout/staleness_mean"] <= 1
+
+
+def test_vllm_server_killed_mid_broadcast(model_dir, tmp_path):
+    """Two vLLM servers (GPUs 0 and 1) and this process as the learner (GPU 2 when there is one)."""
+    _need(2)
+    import httpx
+    from transformers import AutoModelForImageTextToText
+
+    from trainer.bench.layouts import _popen, _stop
+    from trainer.launch.health import wait_until_healthy
+    from trainer.launch.ports import listen_port, listen_ports
+    from trainer.modeling.loading import load_model  # noqa: F401 - the model dir loads as the product loads it
+    from trainer.rollout.server_client import ServerEndpoint
+    from trainer.sync.transports import BROADCAST_TIMEOUT_KEY, NcclTransport
+    from trainer.sync.weights import full_weights
+
+    def start(i: int, port: int):
+        argv = ["python3", "-m", "trainer", "serve", "--engine", "vllm", "--model", str(model_dir), "--port", str(port),
+                "--max-model-len", "4096", "--gpu-memory-utilization", "0.3", "--enforce-eager"]
+        return _popen(argv, tmp_path / f"server-{i}.log", [i])
+
+    ports = listen_ports(2)
+    procs = [start(i, p) for i, p in enumerate(ports)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        wait_until_healthy(urls, 600)
+        device = min(2, GPUS - 1)
+        torch.cuda.set_device(device)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+        tensors = full_weights(model)
+        servers = [ServerEndpoint(u) for u in urls]
+        transport = NcclTransport(servers, group_port=listen_port(), timeout_s=120, broadcast_timeout_s=10.0,
+                                  device=device)
+        assert transport.push_full(tensors, servers) == {}
+        stopped = []
+
+        def stall(response):
+            if str(response.request.url).startswith(urls[1]) and response.request.url.path == "/update_flattened_params/":
+                response.read()
+                os.kill(procs[1].pid, signal.SIGSTOP)
+                stopped.append(1)
+
+        transport.client.event_hooks["response"].append(stall)
+        t0 = time.monotonic()
+        try:
+            failed = transport.push_full(tensors, servers)
+        finally:
+            if stopped:
+                os.killpg(procs[1].pid, signal.SIGKILL)
+        assert stopped and list(failed) == [urls[1]] and BROADCAST_TIMEOUT_KEY in failed[urls[1]]
+        assert time.monotonic() - t0 < 120
+        transport.client.event_hooks["response"].clear()
+        procs[1].wait(30)
+        procs[1] = start(1, ports[1])
+        wait_until_healthy([urls[1]], 600)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        tensors = full_weights(model)
+        assert transport.push_full(tensors, servers) == {}, "the restarted server is re-admitted"
+        with httpx.Client(timeout=60) as http:
+            sums = [http.get(u + "/rm/weights_checksum/").json()["checksums"] for u in urls]
+        assert sums[0] == sums[1], "both servers hold the current weights"
+        transport.close()
+    finally:
+        for p in procs:
+            _stop(p)
