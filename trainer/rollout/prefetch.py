@@ -1,9 +1,9 @@
 """One rollout in flight ahead of the learner (``vllm.server.async_rollouts``).
 
-The trainer knows its next micro-batch (``RolloutMatchingTrainer.get_batch_samples`` reads one batch ahead of the
-dataloader, which changes no sample order). After the current batch's rollouts are in hand it ``issue``\\ s the next
-batch's requests with the weights of its last sync (``version`` = that optimizer step) and trains while the servers
-decode. At the next batch's turn ``take`` returns the results if they belong to exactly these samples and decoding
+The trainer knows its next optimizer step's batch (``RolloutMatchingTrainer.get_batch_samples`` reads one batch ahead
+of the dataloader, which changes no sample order). After the current batch's rollouts are in hand it ``issue``\\ s the
+next batch's requests (or a builder of them, run in the engine's background thread before the decode) with the
+weights of its last sync (``version`` = that optimizer step) and trains while the servers decode. At the next batch's turn ``take`` returns the results if they belong to exactly these samples and decoding
 parameters and ``step - version <= max_staleness_steps``; otherwise they are discarded and the caller decodes afresh
 on current weights. Every decision depends on step counts only, never on timing, so runs are deterministic.
 
@@ -13,6 +13,7 @@ results the uninterrupted run trained (same weights version, same answers).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,18 +23,26 @@ from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 
 @dataclass
 class Prefetch:
+    """``requests``: what was decoded, when the prefetch built them (``issue`` with a builder); else None."""
+
     sample_ids: tuple[str, ...]
     params: DecodingParams
     version: int
     step: int
     future: Future | None = None
     results: list[RolloutResult] | None = None
+    requests: list[RolloutRequest] | None = None
+    built: bool = False
 
     def wait(self) -> list[RolloutResult]:
         if self.results is None:
             assert self.future is not None
-            self.results = self.future.result()
+            out = self.future.result()
             self.future = None
+            if self.built:
+                self.requests, self.results = out
+            else:
+                self.results = out
         return self.results
 
 
@@ -50,22 +59,33 @@ class RolloutPrefetcher:
     def would_exceed(self, step: int, version: int) -> bool:
         return step - version > self.max_staleness_steps
 
-    def issue(self, requests: list[RolloutRequest], params: DecodingParams, version: int, step: int) -> bool:
+    def issue(self, requests: list[RolloutRequest] | Callable[[], list[RolloutRequest]], params: DecodingParams,
+              version: int, step: int, sample_ids: Sequence[str] | None = None) -> bool:
         """Start decoding ``requests`` (for optimizer step ``step``) on the weights of step ``version``. Not issued
-        (False) when it would exceed the staleness bound at its turn: that batch is decoded fresh then."""
+        (False) when it would exceed the staleness bound at its turn: that batch is decoded fresh then.
+        ``requests`` may be a builder (with ``sample_ids``): the engine runs it in its background thread before the
+        decode (``generate_async_built``), so encoding the batch overlaps the learner's step."""
         self.discard()
         if self.would_exceed(step, version):
             self._count("prefetch_skipped")
             return False
-        self.pending = Prefetch(tuple(r.sample_id for r in requests), params, version, step,
-                                future=self.engine.generate_async(requests, params))
+        if callable(requests):
+            if sample_ids is None:
+                raise ValueError("issue with a request builder needs the batch's sample_ids")
+            self.pending = Prefetch(tuple(sample_ids), params, version, step,
+                                    future=self.engine.generate_async_built(requests, params), built=True)
+        else:
+            self.pending = Prefetch(tuple(r.sample_id for r in requests), params, version, step,
+                                    future=self.engine.generate_async(requests, params), requests=list(requests))
         self._count("prefetch_issued")
         return True
 
-    def take(self, sample_ids: list[str], params: DecodingParams, step: int) -> tuple[list[RolloutResult], int] | None:
-        """The prefetched results for these samples and the weights version they were decoded with, or None (none
-        pending, other samples or params, or too stale: discarded after it finishes, so no push tears it). A failed
-        background decode raises here, as the synchronous ``generate`` would have."""
+    def take(self, sample_ids: list[str], params: DecodingParams, step: int
+             ) -> tuple[list[RolloutResult], int, list[RolloutRequest] | None] | None:
+        """The prefetched results for these samples, the weights version they were decoded with and the requests
+        they were decoded from (None when not kept, e.g. after a resume), or None (none pending, other samples or
+        params, or too stale: discarded after it finishes, so no push tears it). A failed background decode raises
+        here, as the synchronous ``generate`` would have."""
         p, self.pending = self.pending, None
         if p is None:
             return None
@@ -74,7 +94,7 @@ class RolloutPrefetcher:
             self._count("prefetch_discarded")
             return None
         self._count("prefetch_used")
-        return results, p.version
+        return results, p.version, p.requests
 
     def discard(self) -> None:
         """Drop the rollout in flight (waiting for it, so no request outlives its weight version)."""

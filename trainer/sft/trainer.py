@@ -14,6 +14,7 @@ Works with plain models, peft adapters, DDP and DeepSpeed.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -193,7 +194,7 @@ class RolloutMatchingTrainer(Trainer):
         self._lookahead: tuple[Any, Any] | None = None  # (epoch iterator, the micro-batch read ahead of it)
         self._plan: list[tuple[int, list[Sample]]] = []  # micro-batches still to come, with their optimizer step
         self._staleness: list[int] = []
-        self._encoded: tuple[list[str], list[Any]] | None = None  # (sample ids, requests) of the batch issued ahead
+        self._background_codec: Stage2Pipeline | None = None  # the pipeline's copy that encodes batches issued ahead
         #: optional timeline for benchmarks: (kind, start, end) with kind "wait" (learner waits on rollouts), "sync"
         #: (weight push, inside a step) or "step"
         self.timeline: list[tuple[str, float, float]] | None = None
@@ -219,19 +220,13 @@ class RolloutMatchingTrainer(Trainer):
 
     def _rollout_targets(self, samples: Sequence[Sample]) -> list[TrainTarget]:
         step = self.state.global_step
-        prefetched = requests = next_requests = None
+        prefetched = requests = upcoming = None
         if self.prefetcher is not None:
             upcoming = self._next_planned(samples)
-            with self.timers.phase("rollout"):
-                # encode before waiting on the decode in flight, so that right after the push the next micro-batch
-                # is posted at once; this batch's requests were encoded when it was issued (encoding is pure)
-                with self.timers.phase("encode"):
-                    requests = self._encoded_requests(samples)
-                    if upcoming is not None:
-                        next_requests = self._encoded_requests(upcoming[1])
-                        self._encoded = ([s.sample_id for s in upcoming[1]], next_requests)
             with self.timers.phase("rollout"), self.timers.phase("generate"), self._timeline("wait"):
                 prefetched = self.prefetcher.take([s.sample_id for s in samples], self.rollout_params(), step)
+            if prefetched is not None:
+                requests = prefetched[2]  # encoded in the background with the decode (None after a resume)
         if self.weight_sync is not None:
             profiled = contextlib.nullcontext()
             if step + 1 in self.profile_steps and step + 1 not in self._sync_profiled and self.is_world_process_zero():
@@ -242,12 +237,12 @@ class RolloutMatchingTrainer(Trainer):
                 if self.weight_sync.ensure_fresh(self.accelerator.unwrap_model(self.model), step):
                     self.counters.add({"weight_syncs": 1})
         with self.timers.phase("rollout"):
+            if prefetched is not None:
+                results, version = prefetched[0], prefetched[1]
             if requests is None:
                 with self.timers.phase("encode"):
                     requests, _ = self.pipeline.requests(samples)
-            if prefetched is not None:
-                results, version = prefetched
-            else:
+            if prefetched is None:
                 offload = (offload_for_rollout(self.model_wrapped, self.optimizer, *self.offload) if self.offload
                            else contextlib.nullcontext(None))
                 with self.timers.phase("generate"), self._timeline("wait"), offload as moved, \
@@ -258,11 +253,11 @@ class RolloutMatchingTrainer(Trainer):
                     self.counters.add({"offload_param_bytes": moved.moved_param_bytes,
                                        "offload_optimizer_bytes": moved.moved_optimizer_bytes})
             if self.prefetcher is not None and upcoming is not None:
-                # the servers decode the next micro-batch, on the weights just synced, while this one trains
+                # the servers decode the next step's batch, on the weights just synced, while this one trains; its
+                # chat template and image processing run in the engine's background thread first
                 synced = self.weight_sync.last_step if self.weight_sync is not None else step
-                next_step, _ = upcoming
-                self.prefetcher.issue(next_requests, self.rollout_params(next_step),
-                                      synced if synced is not None else step, next_step)
+                next_step, batch = upcoming
+                self._issue_ahead(batch, next_step, synced if synced is not None else step)
         with self.timers.phase("target"):  # sub-phases parse / match / build_target
             targets = self.pipeline.targets(samples, requests, results, self.timers)
         self.counters.add({"samples": len(samples)})
@@ -273,12 +268,21 @@ class RolloutMatchingTrainer(Trainer):
             self.counters.add({k: v for k, v in t.stats.items() if k not in ("rollout_step", "decode_step")})
         return targets
 
-    def _encoded_requests(self, samples: list[Sample]) -> list[Any]:
-        """``pipeline.requests(samples)``, reusing the encoding made when these samples were issued ahead."""
-        ids = [s.sample_id for s in samples]
-        if self._encoded is not None and self._encoded[0] == ids:
-            return self._encoded[1]
-        return self.pipeline.requests(samples)[0]
+    def _issue_ahead(self, batch: list[Sample], step: int, version: int) -> None:
+        """Prefetch ``batch`` (optimizer step ``step``) on the weights of ``version``. Its requests are built in the
+        engine's background thread by a private copy of the pipeline (a fast tokenizer must not be used by two
+        threads at once) when the engine can (``generate_async_built``); else here, on the critical path."""
+        params = self.rollout_params(step)
+        if not hasattr(self.engine, "generate_async_built"):
+            with self.timers.phase("encode"):
+                requests = self.pipeline.requests(batch)[0]
+            self.prefetcher.issue(requests, params, version, step)
+            return
+        if self._background_codec is None:
+            self._background_codec = copy.deepcopy(self.pipeline)
+        codec = self._background_codec
+        self.prefetcher.issue(lambda: codec.requests(batch)[0], params, version, step,
+                              sample_ids=[s.sample_id for s in batch])
 
     @contextlib.contextmanager
     def _timeline(self, kind: str):
@@ -502,7 +506,7 @@ class RolloutMatchingTrainer(Trainer):
         finally:
             if self.prefetcher is not None:  # a batch read ahead past max_steps is never trained
                 self.prefetcher.discard()
-            self._lookahead, self._plan, self._encoded = None, [], None
+            self._lookahead, self._plan = None, []
 
     def _skip_repeated_batches(self, step: int) -> None:
         """HF's resume skips batches of the raw loader, not of the window repeater: skip in the repeater instead."""
