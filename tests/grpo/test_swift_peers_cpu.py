@@ -307,3 +307,116 @@ def test_template_ids_plugin_points_swift_qwen_vl_templates_at_the_tokenizer(tmp
     image, video = tok.convert_tokens_to_ids("<|image_pad|>"), tok.convert_tokens_to_ids("<|video_pad|>")
     assert out.stdout.split()[-3:] == [str(image), str(video), str(image)]
     assert image != 151655
+
+
+# -- a learning signal at random weights (issue 36 item E) ---------------------------------------------------------
+
+SESSION12 = sp.REPO / "docs/benchmarks/runs/h100x2-session12/swift_peers_4b"
+# ms-swift's console lines, as in SESSION12/logs/swift_rlhf.log (progress bar, then the step's dict; trimmed keys)
+SWIFT_LOG = (
+    "\rTrain:   0%|          | 0/3 [00:00<?, ?it/s]\rTrain:  33%|###3      | 1/3 [00:18<00:36, 18.40s/it]"
+    "                                                    {'loss': '0', 'grad_norm': '0', 'learning_rate': '1e-05', "
+    "'completions/mean_length': '2048', 'reward': '-5.5', 'reward_std': '0', 'frac_reward_zero_std': '1', 'kl': '0', "
+    "'rewards/SummaryFormatReward/mean': '0', 'rewards/SummaryFormatReward/std': '0', 'step_time': '18.31', "
+    "'epoch': '0.0625', 'global_step/max_steps': '1/3', 'elapsed_time': '18s', 'remaining_time': '37s', "
+    "'memory(GiB)': '47.7', 'train_speed(s/it)': '18.41'}\n"
+    "\rTrain:  67%|######6   | 2/3 [00:33<00:16, 16.34s/it]                                                    "
+    "{'loss': '0.0123', 'grad_norm': '0.8731', 'learning_rate': '5e-06', 'reward': '-4.912', 'reward_std': '0.1375', "
+    "'frac_reward_zero_std': '0', 'kl': '0.0004', 'rewards/SummaryFormatReward/mean': '0', "
+    "'rewards/SummaryFormatReward/std': '0', 'rewards/LengthDistinctReward/mean': '0.588', "
+    "'rewards/LengthDistinctReward/std': '0.1375', 'global_step/max_steps': '2/3', 'elapsed_time': '33s', "
+    "'memory(GiB)': '47.71', 'train_speed(s/it)': '16.65'}\n"
+    "{'train_runtime': '48.33', 'train_samples_per_second': '0.248', 'train_loss': '0.006', 'epoch': '0.1875', "
+    "'global_step/max_steps': '3/3', 'elapsed_time': '48s'}\n")
+
+
+def _random_completions(n: int, tokens: int = 512, seed: int = 0) -> list[str]:
+    """What a random-weight model over Qwen's 151,936 ids writes through the embedded tokenizer."""
+    import random
+
+    from trainer.modeling.fixtures import tiny_tokenizer
+
+    tok, rng = tiny_tokenizer(), random.Random(seed)
+    return [tok.decode([rng.randrange(151936) for _ in range(tokens)]) for _ in range(n)]
+
+
+def test_signal_reward_varies_between_completions_of_one_prompt_and_is_deterministic(summary_dataset):
+    from trainer.grpo import signal_reward as sr
+
+    ref = json.loads(summary_dataset.read_text().splitlines()[0])["summary_ref"]
+    completions = _random_completions(4)
+    scores = [sr.length_distinct_score(c, ref) for c in completions]
+    assert len(set(scores)) == 4, scores  # 4 samples of one prompt: 4 different rewards, std > 0
+    assert scores == [sr.length_distinct_score(c, ref) for c in completions]  # deterministic
+    assert all(0.0 <= s <= 1.0 for s in scores)
+    assert sr.length_distinct_score(ref, ref) > 0.5 + 0.5 * 0.5  # the reference itself: length 1, mostly distinct
+    assert sr.length_distinct_score("a" * len(ref), ref) < sr.length_distinct_score(ref, ref)  # a repetition loop
+    assert sr.length_closeness(0, 0) == 1.0 and sr.length_closeness(0, 5) == 0.0 and sr.length_closeness(5, 10) == 0.5
+    assert sr.distinct_ratio("ab") == 0.0 and sr.distinct_ratio("abcabc") == 0.75
+
+
+def test_signal_reward_is_an_ms_swift_orm():
+    pytest.importorskip("swift", reason="ms-swift is not installed (make setup installs it via mk/grpo.mk)")
+    from swift.rewards import orms
+
+    from trainer.grpo import signal_reward as sr
+
+    orm = orms[sr.NAME]()
+    got = orm(["x", "a summary line"], summary_ref=["a summary line"] * 2, metadata=[None, None])
+    assert got == [sr.length_distinct_score("x", "a summary line"), sr.length_distinct_score("a summary line",
+                                                                                             "a summary line")]
+    with pytest.raises(KeyError, match="summary_ref"):
+        orm(["x"])
+
+
+@pytest.mark.parametrize("size", ["text", "4b"])
+def test_rlhf_argv_samples_at_temperature_1_and_scores_the_signal_reward(tmp_path, size):
+    shape = sp.RLHF_SHAPES[size]
+    argv, _ = sp.rlhf_command(sp.grpo_config(tmp_path, MODEL, 8124, 51300, shape=shape))
+    argv = sp.with_signal_reward(argv)
+    if shape.images:
+        argv = sp.with_template_ids_plugin(argv)
+    assert _after(argv, "--temperature") == "1.0" and sp.GRPO_TEMPERATURE > 0
+
+    def values(flag):
+        rest = argv[argv.index(flag) + 1:]
+        return rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
+
+    funcs, weights, plugins = values("--reward_funcs"), values("--reward_weights"), values("--external_plugins")
+    assert funcs[-1] == sp.SIGNAL_REWARD and "summary.attr_key_recall" in funcs  # added, the summary ones kept
+    assert len(weights) == len(funcs) and weights[-1] == "1"
+    assert plugins[0].endswith("swift_plugin.py") and plugins[1] == str(sp.SIGNAL_PLUGIN) and sp.SIGNAL_PLUGIN.is_file()
+    assert plugins[2:] == ([str(Path(sp.__file__).with_name("swift_template_ids.py"))] if shape.images else [])
+    assert sp.extend_list_flag(["a", "--x", "1"], "--y", ["2"]) == ["a", "--x", "1", "--y", "2"]
+
+
+def test_swift_log_lines_give_per_step_metrics_and_a_learning_signal():
+    steps = sp.step_metrics(sp.log_records(SWIFT_LOG))
+    assert [s["step"] for s in steps] == [1, 2]  # the train_runtime summary is not a step
+    assert steps[0]["reward"] == -5.5 and steps[0]["reward_std"] == 0.0 and steps[0]["grad_norm"] == 0.0
+    assert steps[1] == {"step": 2, "reward": -4.912, "reward_std": 0.1375, "frac_reward_zero_std": 0.0,
+                        "loss": 0.0123, "grad_norm": 0.8731, "kl": 0.0004, "signal_reward_mean": 0.588,
+                        "signal_reward_std": 0.1375, "varying_rewards": ["LengthDistinctReward"]}
+    sig = sp.learning_signal(steps)
+    assert sig == {"steps": 2, "checked_steps": "2..2", "reward_std_min": 0.0, "reward_std_max": 0.1375,
+                   "nonzero_grad_norm_steps": 1, "ok": True}
+    assert sp.learning_signal_line(sig, steps).startswith("rlhf learning signal ok")
+    flat = sp.learning_signal(steps[:1])  # one step: it is the one checked
+    assert not flat["ok"] and "reward_std 0.0" in flat["reason"] and "grad_norm 0.0" in flat["reason"]
+    assert not sp.learning_signal([])["ok"] and sp.learning_signal([])["reason"] == "no GRPO step was logged"
+    # batch-scaled reward_std > 0 across prompts while every prompt's group is flat: no advantage, not ok
+    flat_groups = [{**steps[1], "frac_reward_zero_std": 1.0}] * 2
+    assert "frac_reward_zero_std 1" in sp.learning_signal(flat_groups)["reason"]
+
+
+@pytest.mark.skipif(not (SESSION12 / "logs/swift_rlhf.log").is_file(), reason="session-12 run logs not present")
+def test_the_session12_4b_run_is_flagged_as_learning_nothing():
+    text = (SESSION12 / "logs/swift_rlhf.log").read_text(errors="replace")
+    steps = sp.step_metrics(sp.log_records(text))
+    jsonl = [json.loads(x) for x in (SESSION12 / "logs/grpo_logging.jsonl").read_text().splitlines() if x.strip()]
+    assert steps == sp.step_metrics(jsonl)  # the console log and logging.jsonl agree
+    assert [s["step"] for s in steps] == [1, 2, 3] and all(s["reward"] == -5.5 for s in steps)
+    sig = sp.learning_signal(steps)
+    assert sig["ok"] is False and sig["reward_std_max"] == 0.0 and sig["nonzero_grad_norm_steps"] == 0
+    assert "NO LEARNING SIGNAL" in sp.learning_signal_line(sig, steps)
+    assert "NO LEARNING SIGNAL" in sp.learning_signal_line(None, [])  # the learner never ran

@@ -10,7 +10,13 @@ swift-peers --out DIR``) writes ``DIR/swift_peers.json`` and keeps every subproc
   fresh one);
 * ``rlhf``: ms-swift's GRPO trainer (``swift rlhf``, argv built by our launcher from
   ``configs/summary_1024_attr_key_recall.yaml`` shrunk to the tiny model, ``use_vllm: true``, ``vllm_mode: server``)
-  against OUR server (``python -m trainer serve --engine vllm``), 2 steps.
+  against OUR server (``python -m trainer serve --engine vllm``), 2 steps. Sampling at ``GRPO_TEMPERATURE`` (1.0),
+  and besides the config's summary rewards (constant at random weights: no parseable summary) the run scores
+  ``signal.length_distinct`` (``trainer/grpo/signal_reward.py``, added to the argv with its plugin), which differs
+  between a prompt's completions, so GRPO has advantages to learn from; every step's reward, reward_std,
+  frac_reward_zero_std, loss and grad_norm are read from ms-swift's logs into ``rlhf.per_step``, and
+  ``rlhf.learning_signal`` says whether every step (after the first) had reward_std > 0 and grad_norm > 0
+  (issue 36 item E).
 
 On one GPU the NCCL weight sync puts two ranks on the same device, which NCCL refuses; whatever happens is recorded
 (error text, log excerpts), never hidden. ``protocol_findings`` lists what the peers did that disagrees with our
@@ -53,6 +59,10 @@ NEW_TOKENS = 64
 SUMMARY_CONFIG = "configs/summary_1024_attr_key_recall.yaml"
 REPO = Path(__file__).resolve().parents[2]
 RLHF_SIZE_ENV = "RM_BENCH_SWIFT_SIZE"  # the rlhf direction's model: text (default) | 4b
+GRPO_TEMPERATURE = 1.0  # > 0: a prompt's num_generations completions must differ, or their rewards cannot
+SIGNAL_REWARD = "signal.length_distinct"  # trainer/grpo/signal_reward.py (module docstring there)
+SIGNAL_REWARD_WEIGHT = 1.0
+SIGNAL_PLUGIN = REPO / "trainer/grpo/signal_reward.py"
 
 
 @dataclass(frozen=True)
@@ -615,6 +625,7 @@ def grpo_config(work: Path, model_dir: Path, port: int, group_port: int, *, bf16
         "rlhf": {"model_type": shape.model_type, "template": shape.template, "use_vllm": True, "vllm_mode": "server",
                  "vllm_server_host": [HOST], "vllm_server_port": [port], "vllm_server_group_port": [group_port],
                  "vllm_server_timeout": 60, "num_generations": shape.num_generations,
+                 "temperature": GRPO_TEMPERATURE,
                  "generation_batch_size": shape.generation_batch_size,
                  "max_completion_length": shape.max_completion_length, "max_length": shape.max_length,
                  "dynamic_sample": False},
@@ -692,14 +703,111 @@ def grpo_step_summary(steps: list[float], server: dict[str, float], records: lis
             "learner_peak_reserved_gib": max(mem) if mem else None}
 
 
+def extend_list_flag(argv: list[str], flag: str, values: list[str]) -> list[str]:
+    """``argv`` with ``values`` appended to the list that follows ``flag`` (``flag`` and them at the end when
+    absent)."""
+    if flag not in argv:
+        return [*argv, flag, *values]
+    i = argv.index(flag) + 1
+    while i < len(argv) and not argv[i].startswith("--"):
+        i += 1
+    return [*argv[:i], *values, *argv[i:]]
+
+
 def with_template_ids_plugin(argv: list[str]) -> list[str]:
     """``argv`` with ``trainer/bench/swift_template_ids.py`` added to its ``--external_plugins`` (after the ones
     there)."""
-    plugin = str(Path(__file__).with_name("swift_template_ids.py"))
-    i = argv.index("--external_plugins") + 1
-    while i < len(argv) and not argv[i].startswith("--"):
-        i += 1
-    return [*argv[:i], plugin, *argv[i:]]
+    return extend_list_flag(argv, "--external_plugins", [str(Path(__file__).with_name("swift_template_ids.py"))])
+
+
+def with_signal_reward(argv: list[str]) -> list[str]:
+    """``argv`` with ``SIGNAL_REWARD`` scored too: its plugin in ``--external_plugins``, its name in
+    ``--reward_funcs`` and, where the config weighs its rewards, ``SIGNAL_REWARD_WEIGHT`` in ``--reward_weights``
+    (the config schema only knows the summary rewards, so it is added here, not in the YAML)."""
+    out = extend_list_flag(argv, "--external_plugins", [str(SIGNAL_PLUGIN)])
+    out = extend_list_flag(out, "--reward_funcs", [SIGNAL_REWARD])
+    if "--reward_weights" in out:
+        out = extend_list_flag(out, "--reward_weights", [f"{SIGNAL_REWARD_WEIGHT:g}"])
+    return out
+
+
+_LOG_DICT = re.compile(r"\{'[^{}]*\}")
+
+
+def log_records(text: str) -> list[dict[str, Any]]:
+    """ms-swift's per-step log lines in its console log (``{'loss': '0', 'grad_norm': '0', ..., 'global_step/
+    max_steps': '1/3', ...}``, after the progress bar) as dicts, numbers as floats: the fallback when
+    ``logging.jsonl`` is missing."""
+    import ast
+
+    out = []
+    for m in _LOG_DICT.finditer(text):
+        try:
+            rec = ast.literal_eval(m.group(0))
+        except (ValueError, SyntaxError):
+            continue
+        if not isinstance(rec, dict) or "global_step/max_steps" not in rec:
+            continue
+        for k, v in rec.items():
+            with contextlib.suppress(TypeError, ValueError):
+                rec[k] = float(v) if k != "global_step/max_steps" else v
+        out.append(rec)
+    return out
+
+
+def _num(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def step_metrics(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per optimizer step of ms-swift's log records: reward (mean), reward_std, frac_reward_zero_std,
+    loss, grad_norm, kl, and the mean/std of ``SIGNAL_REWARD``; ``varying_rewards``: the reward functions whose std
+    over the step's completions was > 0."""
+    out: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        done = str(rec.get("global_step/max_steps", "")).split("/")[0]
+        if not done.isdigit() or "train_runtime" in rec or not ("reward" in rec or "loss" in rec):
+            continue
+        row = {"step": int(done)}
+        for k in ("reward", "reward_std", "frac_reward_zero_std", "loss", "grad_norm", "kl"):
+            row[k] = _num(rec.get(k))
+        row["signal_reward_mean"] = _num(rec.get("rewards/LengthDistinctReward/mean"))
+        row["signal_reward_std"] = _num(rec.get("rewards/LengthDistinctReward/std"))
+        row["varying_rewards"] = sorted(k.split("/")[1] for k, v in rec.items()
+                                        if k.startswith("rewards/") and k.endswith("/std") and (_num(v) or 0.0) > 0)
+        out[row["step"]] = row
+    return [out[k] for k in sorted(out)]
+
+
+def learning_signal(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether GRPO had anything to learn from: ``ok`` when there was a step and every step after the first (the
+    only one when there is one) had reward_std > 0, grad_norm > 0 and (where logged) frac_reward_zero_std < 1 (at
+    least one prompt whose completions scored differently; ``scale_rewards: batch`` makes reward_std the batch's, which
+    is > 0 across prompts even when every group is flat); ``reason`` says which steps failed."""
+    stds = [s["reward_std"] for s in steps if s.get("reward_std") is not None]
+    checked = steps[1:] if len(steps) > 1 else steps
+    bad = []
+    for s in checked:
+        why = []
+        if not (s.get("reward_std") or 0.0) > 0:
+            why.append(f"reward_std {s.get('reward_std')}")
+        if not (s.get("grad_norm") or 0.0) > 0:
+            why.append(f"grad_norm {s.get('grad_norm')}")
+        if s.get("frac_reward_zero_std") is not None and s["frac_reward_zero_std"] >= 1.0:
+            why.append("frac_reward_zero_std 1")
+        if why:
+            bad.append(f"step {s['step']}: " + ", ".join(why))
+    ok = bool(checked) and not bad
+    out: dict[str, Any] = {
+        "steps": len(steps), "checked_steps": (f"{checked[0]['step']}..{checked[-1]['step']}" if checked else None),
+        "reward_std_min": min(stds) if stds else None, "reward_std_max": max(stds) if stds else None,
+        "nonzero_grad_norm_steps": sum(1 for s in steps if (s.get("grad_norm") or 0.0) > 0), "ok": ok}
+    if not ok:
+        out["reason"] = "; ".join(bad) if bad else "no GRPO step was logged"
+    return out
 
 
 def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: dict[str, Any], save,
@@ -717,12 +825,15 @@ def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: di
             return
         cfg = grpo_config(work, model_dir, port, group_port, shape=shape, server_util=where["server_util"])
         argv_rlhf, env = rlhf_command(cfg, where["learner_gpus"])
+        argv_rlhf = with_signal_reward(argv_rlhf)
         env["MASTER_PORT"] = str(free_port())
         if shape.images:  # the embedded tokenizer's image ids for ms-swift's Qwen-VL template (module docstring)
             argv_rlhf = with_template_ids_plugin(argv_rlhf)
             env["RM_BENCH_TOKENIZER_DIR"] = str(model_dir)
         (out / "logs/peers_grpo.yaml").write_text(cfg.read_text())
-        r["learner"] = {"env": env}
+        r["learner"] = {"env": env, "temperature": GRPO_TEMPERATURE,
+                        "added_reward": {"name": SIGNAL_REWARD, "weight": SIGNAL_REWARD_WEIGHT,
+                                         "plugin": str(SIGNAL_PLUGIN.relative_to(REPO))}}
         r["learner"].update(run_logged(argv_rlhf, out / "logs/swift_rlhf.log",
                                        deadline - time.monotonic() - 20, env=peer_env(env), cwd=work))
         text = (out / "logs/swift_rlhf.log").read_text(errors="replace")
@@ -730,6 +841,9 @@ def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: di
         r["learner"]["connected"] = "Connected to vLLM server" in text
         logs = sorted((work / "grpo_out").glob("*/logging.jsonl"))
         records = [json.loads(x) for x in logs[0].read_text().splitlines() if x.strip()] if logs else []
+        r["learner"]["metrics_source"] = "logging.jsonl" if records else "swift_rlhf.log"
+        r["per_step"] = step_metrics(records or log_records(text))
+        r["learning_signal"] = learning_signal(r["per_step"])
         steps = [x.get("global_step/max_steps") for x in records if "global_step/max_steps" in x]
         r["learner"]["steps"] = steps
         r["learner"]["rewards"] = [{k: v for k, v in x.items() if k.startswith("reward")} for x in records
@@ -738,6 +852,8 @@ def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: di
             r["worked"].append("connect_and_init_communicator_request")
         if steps:
             r["worked"].append(f"grpo_steps {steps[-1]}")
+        if r["learning_signal"]["ok"]:
+            r["worked"].append("learning_signal")
         if r["learner"]["rc"] != 0:
             r["failed"]["swift_rlhf"] = r["learner"].get("error")
         (out / "logs").joinpath("grpo_logging.jsonl").write_text("\n".join(json.dumps(x) for x in records))
@@ -753,6 +869,20 @@ def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: di
         r["server"]["nccl_lines"] = nccl_lines(text)
         r["server"]["requests"] = access_log(text)
         save()
+
+
+def learning_signal_line(summary: dict[str, Any] | None, steps: list[dict[str, Any]]) -> str:
+    """The bench's one line about ``learning_signal`` (``None``: the run never got to ms-swift's logs): loud when
+    it is not ok."""
+    if summary is None:
+        return "rlhf: NO LEARNING SIGNAL - the GRPO run did not get to its logs (see rlhf.failed)"
+    per = "; ".join(f"step {s['step']}: reward {s['reward']} std {s['reward_std']} loss {s['loss']} "
+                    f"grad_norm {s['grad_norm']}" for s in steps)
+    if summary["ok"]:
+        return (f"rlhf learning signal ok: reward_std {summary['reward_std_min']}..{summary['reward_std_max']}, "
+                f"grad_norm > 0 in {summary['nonzero_grad_norm_steps']}/{summary['steps']} steps ({per})")
+    return (f"rlhf: NO LEARNING SIGNAL - GRPO learned nothing in this run ({summary.get('reason')}); "
+            f"per step: {per or 'none logged'}")
 
 
 # -- the run ---------------------------------------------------------------------------------------------------------------
@@ -849,6 +979,8 @@ def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S
                       for k, v in result.items() if k in ("rollout", "rlhf")}, indent=2))
     if result.get("rlhf", {}).get("timing"):
         print("rlhf timing:", json.dumps(result["rlhf"]["timing"]))
+    if "rlhf" in result:
+        print(learning_signal_line(result["rlhf"].get("learning_signal"), result["rlhf"].get("per_step", [])))
     print(f"swift peers: {len(result['protocol_findings'])} protocol finding(s); {path} ({result['wall_s']} s)")
     return result
 
