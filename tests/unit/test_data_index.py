@@ -93,7 +93,7 @@ def test_ledger_rows_are_keyed_by_record_id_whatever_the_position(tmp_path):
     dataset = SampleDataset(index_jsonl(path, on_bad_record="drop"))
     assert dataset.samples.__class__.__name__ == "JsonlDataset", "kept as the index, not copied into a list"
     fake = SimpleNamespace(is_world_process_zero=lambda: True, state=SimpleNamespace(global_step=3),
-                           _steps_per_epoch=2, args=SimpleNamespace(output_dir=str(tmp_path)))
+                           _steps_per_epoch=2, args=SimpleNamespace(output_dir=str(tmp_path), process_index=0))
     trained = [dataset[i] for i in (3, 0)]
     RolloutMatchingTrainer._record_ledger(fake, [s.sample_id for s in trained], [3, 3])
     rows = [json.loads(line) for line in (tmp_path / LEDGER).read_text().splitlines()]

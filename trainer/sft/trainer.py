@@ -425,8 +425,8 @@ class RolloutMatchingTrainer(Trainer):
     def _record_ledger(self, sample_ids: list[str] | None, rollout_steps: list[int] | None,
                        decode_steps: list[int] | None = None) -> None:
         """Append ``(epoch, sample_id, step, rollout_step, decode_step)`` per sample trained in this forward to this
-        rank's ledger (``ledger_name``); ``rollout_step`` is the optimizer step whose rollout produced the target (older when
-        carried/replayed), ``decode_step`` the optimizer step of the weights it was decoded with (older than
+        rank's ledger (``ledger_name``); ``rollout_step`` is the optimizer step whose rollout produced the target
+        (older when carried/replayed), ``decode_step`` the optimizer step of the weights it was decoded with (older than
         ``rollout_step`` only with ``async_rollouts``)."""
         if not sample_ids:
             return
