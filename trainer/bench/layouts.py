@@ -38,6 +38,9 @@ from trainer.launch.ports import listen_port, listen_ports
 
 @dataclass(frozen=True)
 class Layout:
+    """Where the work runs: ``learner_gpus`` torchrun ranks (colocated vLLM in each, or a TP-``tp`` group) after
+    ``servers`` one-GPU rollout servers; ``zero``: DeepSpeed ZeRO stage (0: DDP)."""
+
     name: str
     learner_gpus: int
     servers: int = 0

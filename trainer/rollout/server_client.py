@@ -291,34 +291,25 @@ class ServerRolloutEngine:
         """``generate`` in a background thread (one at a time, in order). The read lock is taken here, before
         returning, so the decode runs on the weights of this caller's last sync, whenever the thread starts."""
         requests = list(requests)
-        if self._background is None:
-            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-prefetch")
-        self.version_lock.acquire_read()
-
-        def run() -> list[RolloutResult]:
-            try:
-                return self._generate(requests, params) if requests else []
-            finally:
-                self.version_lock.release_read()
-
-        try:
-            return self._background.submit(run)
-        except BaseException:
-            self.version_lock.release_read()
-            raise
+        return self._submit(lambda: requests, params, keep_requests=False)
 
     def generate_async_built(self, build: Callable[[], Sequence[RolloutRequest]], params: DecodingParams) -> Future:
         """``generate_async`` whose requests ``build()`` makes in the background thread first (the chat template and
         the image processor then overlap the caller's work instead of delaying it); the future's result is
         ``(requests, results)``. The read lock is taken here, as in ``generate_async``."""
+        return self._submit(build, params, keep_requests=True)
+
+    def _submit(self, build: Callable[[], Sequence[RolloutRequest]], params: DecodingParams,
+                keep_requests: bool) -> Future:
         if self._background is None:
             self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-prefetch")
         self.version_lock.acquire_read()
 
-        def run() -> tuple[list[RolloutRequest], list[RolloutResult]]:
+        def run():
             try:
                 requests = list(build())
-                return requests, (self._generate(requests, params) if requests else [])
+                results = self._generate(requests, params) if requests else []
+                return (requests, results) if keep_requests else results
             finally:
                 self.version_lock.release_read()
 
