@@ -103,3 +103,36 @@ def test_optimizer_phase_and_step_wall_are_logged(tmp_path):
     for r in rows:
         assert r["time/optimizer_s"] > 0, "clip + optimizer.step + zero_grad, outside time/step_s"
         assert r["time/step_wall_s"] >= r["time/step_s"] + r["time/optimizer_s"] - 1e-6
+
+
+def test_a_step_end_callback_counts_in_step_wall_not_in_the_optimizer_phase(tmp_path):
+    """Periodic evaluation runs in ``on_step_end``: its time belongs to the step-to-step wall, never to the
+    optimizer phase (the step clock's ``on_step_end`` runs before every other callback's)."""
+    import time
+
+    from transformers import TrainerCallback
+
+    from trainer.sft.trainer import RolloutMatchingTrainer
+    from trainer.telemetry import read_jsonl
+
+    class SlowStepEnd(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(0.5)
+
+    real_init = RolloutMatchingTrainer.__init__
+
+    def init(self, *args, **kwargs):  # passed as run_training passes the periodic evaluation: callbacks=[...]
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), SlowStepEnd()]
+        real_init(self, *args, **kwargs)
+
+    import pytest as _pytest
+
+    mp = _pytest.MonkeyPatch()
+    mp.setattr(RolloutMatchingTrainer, "__init__", init)
+    try:
+        summary = run_training(validate_config(config(tmp_path)))
+    finally:
+        mp.undo()
+    rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
+    assert all(r["time/optimizer_s"] < 0.4 for r in rows), [r["time/optimizer_s"] for r in rows]
+    assert all(r["time/step_wall_s"] > 0.5 for r in rows[1:]), "the previous step's slow callback is in the wall"

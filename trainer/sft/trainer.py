@@ -200,7 +200,8 @@ class RolloutMatchingTrainer(Trainer):
         self.timeline: list[tuple[str, float, float]] | None = None
         self._step_ended_at: float | None = None
         self._last_step_end: float | None = None
-        self.add_callback(_StepClock(self))
+        # first, so callbacks that run at a step's end (periodic evaluation) count in step_wall, not in optimizer
+        self.callback_handler.callbacks.insert(0, _StepClock(self))
 
     def rollout_params(self, step: int | None = None) -> DecodingParams:
         """Decoding params for this optimizer step (sampling seed advances with the step)."""
