@@ -79,3 +79,35 @@ def test_quick_run_on_the_cpu(tmp_path):
         assert r["ledger"]["rows"] >= QUICK_WORK.records_per_step, "every rank's ledger is read"
     assert (tmp_path / "out" / "layouts_quick.json").is_file() and (tmp_path / "out" / "layouts_quick.png").is_file()
     assert isinstance(Layout("a", 1).gpus, int)
+
+
+def test_a_failed_layout_keeps_the_head_of_its_learner_log(tmp_path, monkeypatch):
+    """vLLM's start-up error is at the top of the learner's log: a failure record carries the head as well as the
+    tail (the TP4 failure on the H100s lost it)."""
+    from trainer.bench import layouts
+
+    def learner_that_fails(argv, log, gpus):
+        log.write_text("ERROR vLLM could not start: the reason\n" + "noise\n" * 5000)
+        import subprocess
+        import sys
+
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+
+    monkeypatch.setattr(layouts, "_popen", learner_that_fails)
+    rec = layouts.run_layout(Layout("colocate-1", 1), QUICK_WORK, tmp_path / "m", tmp_path, cuda=False)
+    assert rec["error"] == "RuntimeError: learner exited with 1"
+    assert rec["learner_log_head"].startswith("ERROR vLLM could not start: the reason")
+    assert "the reason" not in rec["learner_log_tail"]
+
+
+def test_layout_timeout_is_a_knob(monkeypatch, tmp_path):
+    from trainer.bench import layouts
+
+    seen = {}
+    monkeypatch.setenv("RM_BENCH_LAYOUT_TIMEOUT_S", "42.5")
+    monkeypatch.setenv("RM_BENCH_LAYOUTS", "colocate-1")
+    monkeypatch.setattr(layouts, "save_model", lambda work, root, cuda: tmp_path)
+    monkeypatch.setattr(layouts, "run_layout", lambda layout, work, *a, **k: seen.setdefault("w", work) and {
+        "name": layout.name, "gpus": 1, "error": "x"})
+    layouts.run(tmp_path / "out", quick=True, work_dir=tmp_path)
+    assert seen["w"].timeout_s == 42.5

@@ -196,6 +196,14 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
+def _head(path: Path, n: int = 6000) -> str:
+    """The log's first lines that are not warnings (vLLM's start-up error comes early)."""
+    if not path.is_file():
+        return ""
+    lines = [x for x in path.read_text(errors="replace").splitlines() if "Warning" not in x and "warn(" not in x]
+    return "\n".join(lines)[:n]
+
+
 def _tail(path: Path, n: int = 4000) -> str:
     return path.read_text(errors="replace")[-n:] if path.is_file() else ""
 
@@ -296,6 +304,7 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
                 rec["learner_idle_pct"] = round(100 - sum(busy[g] for g in learner_gpus) / len(learner_gpus), 1)
     except Exception as exc:  # noqa: BLE001 - recorded; the other layouts still run
         rec["error"] = f"{type(exc).__name__}: {str(exc)[:800]}"
+        rec["learner_log_head"] = _head(logs / "learner.log")  # where a start-up failure names its cause
         rec["learner_log_tail"] = _tail(logs / "learner.log")
     finally:
         if sampler is not None and sampler.is_alive():
@@ -353,7 +362,9 @@ def select(layouts: tuple[Layout, ...], gpus: int, names: str | None) -> list[La
 
 def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = None) -> dict[str, Any]:
     """``RM_BENCH_LAYOUTS``: layout names to run (default: every one that fits); ``RM_BENCH_LAYOUT_SIZE``: 2b | 4b;
-    ``RM_BENCH_LAYOUT_RECORDS`` / ``_STEPS`` / ``_NEW_TOKENS``: the work."""
+    ``RM_BENCH_LAYOUT_RECORDS`` / ``_STEPS`` / ``_NEW_TOKENS``: the work; ``RM_BENCH_LAYOUT_TIMEOUT_S``: the most one
+    layout's server start and learner may take (keep it inside the calling shell's own limit, so every finished
+    layout is measured and written)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gpus = gpu_count()
@@ -361,8 +372,10 @@ def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = 
     work = QUICK_WORK if not cuda else Work()
     env = os.environ
     overrides = {"size": env.get("RM_BENCH_LAYOUT_SIZE"), "records_per_step": env.get("RM_BENCH_LAYOUT_RECORDS"),
-                 "steps": env.get("RM_BENCH_LAYOUT_STEPS"), "max_new_tokens": env.get("RM_BENCH_LAYOUT_NEW_TOKENS")}
-    work = replace(work, **{k: (v if k == "size" else int(v)) for k, v in overrides.items() if v})
+                 "steps": env.get("RM_BENCH_LAYOUT_STEPS"), "max_new_tokens": env.get("RM_BENCH_LAYOUT_NEW_TOKENS"),
+                 "timeout_s": env.get("RM_BENCH_LAYOUT_TIMEOUT_S")}
+    casts = {"size": str, "timeout_s": float}
+    work = replace(work, **{k: casts.get(k, int)(v) for k, v in overrides.items() if v})
     layouts = select(LAYOUTS if cuda else QUICK_LAYOUTS, gpus if cuda else 2, env.get("RM_BENCH_LAYOUTS"))
     root = Path(work_dir or env.get("RM_BENCH_WORK", "/tmp/rm-bench-layouts"))
     root.mkdir(parents=True, exist_ok=True)
