@@ -170,3 +170,60 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     if not p.is_file():
         return []
     return [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class StepClock:
+    """Per optimizer step: ``optimizer_s`` (the last ``training_step``'s end to ``on_step_end``: clipping,
+    ``optimizer.step()``, the scheduler, ``zero_grad``) and ``step_wall_s`` (one ``on_step_end`` to the next, the first
+    from ``on_train_begin``), host time at the callbacks (no device synchronisation there); the same clock times our
+    trainer and TRL's (``trainer.bench.trl_peer``). ``clock`` is injectable (tests)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.optimizer_s: list[float] = []
+        self.step_wall_s: list[float] = []
+        self._last_step_end: float | None = None
+        self._training_step_end: float | None = None
+
+    def train_begin(self) -> None:
+        self._last_step_end = self.clock()
+
+    def training_step_end(self) -> None:
+        """Called as ``training_step`` returns (each micro-batch's; the last one before the optimizer counts)."""
+        self._training_step_end = self.clock()
+
+    def step_end(self) -> tuple[float | None, float | None]:
+        """This step's ``(optimizer_s, step_wall_s)``, each None when its start was not seen."""
+        now = self.clock()
+        optimizer = wall = None
+        if self._training_step_end is not None:
+            optimizer = now - self._training_step_end
+            self.optimizer_s.append(optimizer)
+            self._training_step_end = None
+        if self._last_step_end is not None:
+            wall = now - self._last_step_end
+            self.step_wall_s.append(wall)
+        self._last_step_end = now
+        return optimizer, wall
+
+
+def step_clock_callback(clock: StepClock, on_step_end=None):
+    """A ``TrainerCallback`` that drives ``clock``; ``on_step_end(optimizer_s, step_wall_s)`` runs after it ticked."""
+    from transformers import TrainerCallback
+
+    class _Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock.train_begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            ticked = clock.step_end()
+            if on_step_end is not None:
+                on_step_end(*ticked)
+
+    return _Clock()
+
+
+def install_step_clock(trainer: Any, clock: StepClock, on_step_end=None) -> None:
+    """Put ``clock``'s callback first in ``trainer``'s callbacks, so work other callbacks do at a step's end
+    (a periodic evaluation) counts in the next ``step_wall_s``, never in ``optimizer_s``."""
+    trainer.callback_handler.callbacks.insert(0, step_clock_callback(clock, on_step_end))

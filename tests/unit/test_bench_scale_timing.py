@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trainer.bench import scale, trl_peer
+from trainer.telemetry import StepClock, step_clock_callback
 
 
 def _row(step_s: float, optimizer_s: float, wall_s: float, **extra: float) -> dict[str, float]:
@@ -88,7 +89,7 @@ class _FakeClock:
 def test_trl_step_clock_times_the_optimizer_and_the_wall_from_train_begin():
     # train_begin 0; step 1: training_step ends 5, step ends 6; step 2: micro-batches end 8 and 10, step ends 10.5;
     # step 3: no training_step end seen (the clock still ticks the wall), ends 14
-    clock = trl_peer.StepClock(_FakeClock([0.0, 5.0, 6.0, 8.0, 10.0, 10.5, 14.0]))
+    clock = StepClock(_FakeClock([0.0, 5.0, 6.0, 8.0, 10.0, 10.5, 14.0]))
     clock.train_begin()
     clock.training_step_end()
     clock.step_end()
@@ -104,9 +105,9 @@ def test_trl_step_clock_runs_as_a_trainer_callback():
     pytest.importorskip("transformers")
     from transformers import TrainerCallback
 
-    clock = trl_peer.StepClock(_FakeClock([1.0, 3.0, 3.25, 7.0, 7.5]))
+    clock = StepClock(_FakeClock([1.0, 3.0, 3.25, 7.0, 7.5]))
     peaks: list[int] = []
-    cb = trl_peer.step_clock_callback(clock, lambda: peaks.append(len(clock.step_wall_s)))
+    cb = step_clock_callback(clock, lambda *_: peaks.append(len(clock.step_wall_s)))
     assert isinstance(cb, TrainerCallback)
     cb.on_train_begin(None, None, None)
     clock.training_step_end()

@@ -67,12 +67,12 @@ def test_every_segment_trained_exactly_once_and_leftovers_carried():
     carried_seen = 0
     for step in range(30):
         buf.add([fake(f"s{step}-{i}", rng.randint(20, 120)) for i in range(4)])
-        picked, stats = buf.pop_pack()
-        assert stats.tokens <= 256 and picked
+        rows, stats = buf.pop_rows()
+        assert stats.tokens <= 256 * stats.rows and rows and all(sum(t.length for t in r) <= 256 for r in rows)
         carried_seen = max(carried_seen, stats.carried)
-        trained += [t.sample_id for t in picked]
+        trained += [t.sample_id for r in rows for t in r]
     while len(buf):
-        trained += [t.sample_id for t in buf.pop_pack()[0]]
+        trained += [t.sample_id for r in buf.pop_rows()[0] for t in r]
     assert sorted(trained) == sorted(f"s{s}-{i}" for s in range(30) for i in range(4))
     assert len(trained) == len(set(trained)) and carried_seen > 0
 

@@ -22,6 +22,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from trainer.telemetry import StepClock, install_step_clock
+
 
 def records_dataset(jsonl: Path, instruction: str):
     """TRL's conversational VL format: ``prompt`` (one user turn: the image, then the instruction) and ``image``."""
@@ -53,52 +55,6 @@ def processor_for(model_dir: Path):
         video = None
     return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video,
                             chat_template=CHAT_TEMPLATE)
-
-
-class StepClock:
-    """Per optimizer step: ``optimizer_s`` (the last ``training_step``'s end to ``on_step_end``) and ``step_wall_s``
-    (one ``on_step_end`` to the next, the first from ``on_train_begin``), taken as the trainer's ``_StepClock`` takes
-    ours (``time.perf_counter`` at the callback, no device synchronization there). ``clock`` is injectable (tests)."""
-
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        self.optimizer_s: list[float] = []
-        self.step_wall_s: list[float] = []
-        self._last_step_end: float | None = None
-        self._training_step_end: float | None = None
-
-    def train_begin(self) -> None:
-        self._last_step_end = self.clock()
-
-    def training_step_end(self) -> None:
-        """Called as ``training_step`` returns (each micro-batch's; the last one before the optimizer counts)."""
-        self._training_step_end = self.clock()
-
-    def step_end(self) -> None:
-        now = self.clock()
-        if self._training_step_end is not None:
-            self.optimizer_s.append(now - self._training_step_end)
-            self._training_step_end = None
-        if self._last_step_end is not None:
-            self.step_wall_s.append(now - self._last_step_end)
-        self._last_step_end = now
-
-
-def step_clock_callback(clock: StepClock, on_step_end=None):
-    """A ``TrainerCallback`` that drives ``clock`` (``on_train_begin``, ``on_step_end``); ``on_step_end`` is called
-    after the clock has ticked (the optimizer's peak memory)."""
-    from transformers import TrainerCallback
-
-    class _Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            clock.train_begin()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.step_end()
-            if on_step_end is not None:
-                on_step_end()
-
-    return _Clock()
 
 
 def steady_mean(xs: list[float]) -> float:
@@ -146,7 +102,7 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
             clock.training_step_end()
             return loss
 
-    def optimizer_peak() -> None:
+    def optimizer_peak(*_: float | None) -> None:
         if torch.cuda.is_available():
             optimizer_peaks.append(torch.cuda.max_memory_allocated() / 2**30)
 
@@ -171,7 +127,7 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
     trainer = TimedGRPOTrainer(model=model, args=args, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                train_dataset=records_dataset(data, DEFAULT_INSTRUCTION),
                                processing_class=processor_for(model_dir), peft_config=peft_config)
-    trainer.add_callback(step_clock_callback(clock, optimizer_peak))
+    install_step_clock(trainer, clock, optimizer_peak)
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0

@@ -61,14 +61,16 @@ def coord_row_terms(logits: torch.Tensor, coord_ids: torch.Tensor, target_bins: 
 
 def coord_loss(logits: torch.Tensor, coord_ids: torch.Tensor, target_bins: torch.Tensor, sigma: float,
                w_softce: float = 1.0, w_w1: float = 1.0, w_gate: float = 1.0,
-               coord_only: bool = False) -> CoordLossTerms:
+               coord_only: bool = False, denominator: int | None = None) -> CoordLossTerms:
     """``logits``: N×V rows that predict the supervised coord tokens (N×K coord columns in ``coord_ids`` order
-    when ``coord_only``; the gate needs the full vocabulary, so then ``w_gate`` must be 0); mean over N."""
+    when ``coord_only``; the gate needs the full vocabulary, so then ``w_gate`` must be 0); summed over N and divided
+    by ``denominator`` (default N: the mean; a step's coord-slot count when N is one micro-batch of it)."""
     check_coord_only_gate(coord_only, w_gate)
     n = logits.shape[0]
     if n == 0:
         zero = logits.sum() * 0.0
         return CoordLossTerms(zero, zero, zero, zero, 0)
+    den = n if denominator is None else denominator
     softce, w1, gate = coord_row_terms(logits, coord_ids, target_bins, sigma, coord_only, need_gate=bool(w_gate))
     total = w_softce * softce + w_w1 * w1 + w_gate * gate
-    return CoordLossTerms(softce.mean(), w1.mean(), gate.mean(), total.mean(), n)
+    return CoordLossTerms(softce.sum() / den, w1.sum() / den, gate.sum() / den, total.sum() / den, n)

@@ -42,11 +42,8 @@ def objective_from_rows(rows: SupervisedRows, batch: dict[str, torch.Tensor], co
     else:
         ce = ce_rows.sum() * 0.0 + rows.coord.sum() * 0.0
     coord = coord_loss(rows.coord, coord_ids.to(rows.coord.device), batch["coord_targets"].to(rows.coord.device),
-                       w.coord_sigma, w.coord_softce, w.coord_w1, w.coord_gate, coord_only=rows.coord_only)
-    if coord.count and coord_den != coord.count:
-        scale = coord.count / coord_den
-        coord = type(coord)(coord.softce * scale, coord.w1 * scale, coord.gate * scale, coord.total * scale,
-                            coord.count)
+                       w.coord_sigma, w.coord_softce, w.coord_w1, w.coord_gate, coord_only=rows.coord_only,
+                       denominator=coord_den)
     total = w.text_ce * ce + coord.total
     terms = {
         "loss/ce": float(ce.detach()),

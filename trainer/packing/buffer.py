@@ -1,5 +1,5 @@
-"""Rank-local FIFO carry buffer of post-rollout segments: one packed row per ``pop_pack``, or a whole optimizer step's
-rows per ``pop_rows`` (``trainer.packing.step_rows``)."""
+"""Rank-local FIFO carry buffer of post-rollout segments; a whole optimizer step's rows per ``pop_rows``
+(``trainer.packing.step_rows``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainer.matching.targets import TrainTarget
-from trainer.packing.select import select_segments
 from trainer.packing.step_rows import plan_step_rows, rows_needed
 
 log = logging.getLogger(__name__)
@@ -26,7 +25,7 @@ class PackStats:
     tokens: int
     capacity: int
     carried: int
-    rows: int = 1
+    rows: int
 
     @property
     def fill(self) -> float:
@@ -37,7 +36,7 @@ class PackingBuffer:
     """Segments wait here until packed; a segment is never split and never trained twice.
 
     ``add`` fails fast for a segment longer than ``capacity`` (naming the sample) or when the buffer would
-    exceed ``max_segments``; ``pop_pack`` returns the selected targets in insertion order and keeps the rest.
+    exceed ``max_segments``; ``pop_rows`` returns the step's rows (targets in insertion order) and keeps the rest.
     """
 
     def __init__(self, capacity: int, max_segments: int, min_fill_ratio: float = 0.0):
@@ -64,18 +63,6 @@ class PackingBuffer:
                 "training.packing_length, or raise packing_buffer"
             )
         self.segments.extend(targets)
-
-    def pop_pack(self) -> tuple[list[TrainTarget], PackStats]:
-        chosen = select_segments([t.length for t in self.segments], self.capacity)
-        picked = [self.segments[i] for i in chosen]
-        keep = set(chosen)
-        self.segments = [t for i, t in enumerate(self.segments) if i not in keep]
-        stats = PackStats(len(picked), sum(t.length for t in picked), self.capacity, len(self.segments))
-        if picked and stats.fill < self.min_fill_ratio:
-            self.low_fill_packs += 1
-            log.warning("packed row fill %.2f < training.packing_min_fill_ratio %.2f (%d segments, %d carried)",
-                        stats.fill, self.min_fill_ratio, stats.segments, stats.carried)
-        return picked, stats
 
     def rows_needed(self) -> int:
         """Rows ``pop_rows`` makes from what waits now when no other rank needs more (0 when empty)."""

@@ -98,29 +98,30 @@ def data_parallel_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def records_per_rank(cfg: TrainConfig, batch_size: int, world_size: int) -> int:
-    """This rank's records per optimizer step: ``training.records_per_step / world_size``, or ``batch_size x
-    training.gradient_accumulation_steps``."""
-    t = cfg.training
-    if t.records_per_step is None:
-        return batch_size * t.gradient_accumulation_steps
-    if t.records_per_step % world_size:
-        raise ValueError(f"training.records_per_step={t.records_per_step} is not a multiple of the data-parallel "
+def records_per_rank(records_per_step: int | None, batch_size: int, accumulation: int, world_size: int) -> int:
+    """This rank's records per optimizer step: ``records_per_step / world_size`` (``training.records_per_step``), or
+    ``batch_size x accumulation`` when it is None."""
+    if records_per_step is None:
+        return batch_size * accumulation
+    if records_per_step % world_size:
+        raise ValueError(f"training.records_per_step={records_per_step} is not a multiple of the data-parallel "
                          f"world size {world_size}: every rank decodes the same share; use a multiple of {world_size}")
-    return t.records_per_step // world_size
+    return records_per_step // world_size
 
 
 def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, learning_rate: float,
                        batch_size: int, report_to: list[str], logging_steps: int | None = None,
-                       step_records: bool = False) -> TrainingArguments:
-    """HF's arguments; ``step_records``: for ``RolloutMatchingTrainer``, which gets a step's records as HF's one
-    micro-batch (``gradient_accumulation_steps`` 1) and accumulates the rows they fill itself. Checkpointing follows
+                       step_records: bool = False, records_per_step: int | None = None) -> TrainingArguments:
+    """HF's arguments; ``step_records``: for ``RolloutMatchingTrainer``, which gets a step's records
+    (``records_per_step`` over all ranks, default ``batch_size`` x accumulation per rank) as HF's one micro-batch
+    (``gradient_accumulation_steps`` 1) and accumulates the rows they fill itself. Checkpointing follows
     ``training.gradient_checkpointing_policy`` (``auto`` resolved first: ``trainer.modeling.levers``; the keyword is
     ``activation_checkpointing`` from transformers 5.2x), ``optim`` is ``training.optim``."""
     t = cfg.training
     per_device, accumulation = batch_size, t.gradient_accumulation_steps
     if step_records:
-        per_device, accumulation = records_per_rank(cfg, batch_size, data_parallel_world_size()), 1
+        per_device = records_per_rank(records_per_step, batch_size, accumulation, data_parallel_world_size())
+        accumulation = 1
     return TrainingArguments(
         output_dir=str(output_dir),
         max_steps=max_steps,
@@ -243,7 +244,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             model=model, args=training_arguments(cfg, out / "stage2", max_steps=cfg.training.max_steps,
                                                  learning_rate=cfg.training.learning_rate,
                                                  batch_size=cfg.training.per_device_train_batch_size,
-                                                 report_to=report, step_records=True),
+                                                 report_to=report, step_records=True,
+                                                 records_per_step=cfg.training.records_per_step),
             micro_batch_rows=cfg.training.per_device_train_batch_size,
             engine=engine, target_source="rollout", packing=packing,
             rollout_buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1,

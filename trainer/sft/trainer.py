@@ -48,7 +48,14 @@ from trainer.rollout.types import DecodingParams
 from trainer.sft.forward import forward_loss
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.sync.update_check import NonFiniteWeightsError, check_learner_weights
-from trainer.telemetry import Counters, JsonlWriter, PhaseTimers, gpu_memory_snapshot
+from trainer.telemetry import (
+    Counters,
+    JsonlWriter,
+    PhaseTimers,
+    StepClock,
+    gpu_memory_snapshot,
+    install_step_clock,
+)
 
 ROLLOUT_STATE = "rollout_state.pt"
 #: the disjoint phases of ``training_step`` (``time/<phase>_s``); they sum to ``time/step_s``. ``backward`` is what the
@@ -61,15 +68,18 @@ ROLLOUT_STATE = "rollout_state.pt"
 #: ``sync_identity`` (which servers still hold the frozen weights) and ``sync_push``, inside ``weight_sync``; ``sleep`` and ``wake``
 #: (a sleep-mode colocate engine around its decode) inside ``generate``.
 STEP_PHASES = ("weight_sync", "rollout", "target", "forward", "backward")
-#: after ``training_step``, outside ``time/step_s``: ``optimizer`` (gradient clipping, ``optimizer.step()``, the
-#: scheduler and ``zero_grad``, until HF's step ends) and ``step_wall`` (optimizer step to optimizer step, everything
-#: included: the number to compare with another trainer's step)
+#: after ``training_step``, outside ``time/step_s`` (``trainer.telemetry.StepClock``): ``optimizer`` (gradient
+#: clipping, ``optimizer.step()``, the scheduler and ``zero_grad``, until HF's step ends) and ``step_wall`` (optimizer
+#: step to optimizer step, everything included: the number to compare with another trainer's step)
+AFTER_STEP_PHASES = ("optimizer", "step_wall")
 LEDGER = "ledger.jsonl"
 
 
 def ledger_name(rank: int) -> str:
     """Rank 0 writes ``ledger.jsonl``, rank r > 0 ``ledger.rank<r>.jsonl``: together every sample each rank trained."""
     return LEDGER if rank == 0 else f"ledger.rank{rank}.jsonl"
+
+
 logger = logging.getLogger(__name__)
 
 
@@ -101,26 +111,6 @@ class JsonlMetricsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             self.writer.write({"phase": self.phase, "step": state.global_step, "time": time.time(), **logs})
-
-
-class _StepClock(TrainerCallback):
-    """Ends the ``optimizer`` phase and the ``step_wall`` interval at each optimizer step's end (before HF logs)."""
-
-    def __init__(self, trainer: RolloutMatchingTrainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._last_step_end = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        t = self.trainer
-        now = time.perf_counter()
-        if t._step_ended_at is not None:
-            t.timers.seconds["optimizer"] += now - t._step_ended_at
-            t._step_ended_at = None
-        if t._last_step_end is not None:
-            t.timers.seconds["step_wall"] += now - t._last_step_end
-        t._last_step_end = now
 
 
 class RolloutMatchingTrainer(Trainer):
@@ -198,10 +188,8 @@ class RolloutMatchingTrainer(Trainer):
         #: optional timeline for benchmarks: (kind, start, end) with kind "wait" (learner waits on rollouts), "sync"
         #: (weight push, inside a step) or "step"
         self.timeline: list[tuple[str, float, float]] | None = None
-        self._step_ended_at: float | None = None
-        self._last_step_end: float | None = None
-        # first, so callbacks that run at a step's end (periodic evaluation) count in step_wall, not in optimizer
-        self.callback_handler.callbacks.insert(0, _StepClock(self))
+        self.step_clock = StepClock()
+        install_step_clock(self, self.step_clock, self._record_after_step)
 
     def rollout_params(self, step: int | None = None) -> DecodingParams:
         """Decoding params for this optimizer step (sampling seed advances with the step)."""
@@ -559,10 +547,15 @@ class RolloutMatchingTrainer(Trainer):
         measured = sum(self.timers.seconds.get(k, 0.0) - before.get(k, 0.0) for k in STEP_PHASES[:-1])
         self.timers.seconds["backward"] += max(0.0, spent - measured)
         self.timers.seconds["step"] += spent
-        self._step_ended_at = time.perf_counter()
+        self.step_clock.training_step_end()
         if self.timeline is not None:
             self.timeline.append(("step", start, start + spent))
         return total
+
+    def _record_after_step(self, optimizer_s: float | None, step_wall_s: float | None) -> None:
+        for name, seconds in zip(AFTER_STEP_PHASES, (optimizer_s, step_wall_s)):
+            if seconds is not None:
+                self.timers.seconds[name] += seconds
 
     def create_optimizer(self, model=None):
         """HF's optimizer, its ``step`` timed under its own peak (``mem/optimizer_peak_gib``) and an out-of-memory
