@@ -10,6 +10,8 @@ EXTRAS = {
     "swift": ("swift", "pip install -e '.[swift]'"),
     "deepspeed": ("deepspeed", "pip install -e '.[deepspeed]'"),
     "kubernetes": ("kubernetes", "pip install -e '.[kubernetes]'"),
+    "liger": ("liger_kernel.transformers",
+              "pip install 'rollout-matching[liger]' (liger-kernel==0.8.5; needs Triton and a CUDA GPU)"),
 }
 
 

@@ -34,13 +34,11 @@ from typing import Any
 
 import torch
 
-from trainer.extras import EXTRAS, require
+from trainer.extras import require
 
 log = logging.getLogger(__name__)
 
 KEY = "training.use_liger_kernel"
-INSTALL = "pip install 'rollout-matching[liger]' (liger-kernel==0.8.5; needs Triton and a CUDA GPU)"
-EXTRAS.setdefault("liger", ("liger_kernel.transformers", INSTALL))
 #: model_type -> Liger's entry point
 ENTRY_POINTS = {"qwen3_vl": "apply_liger_kernel_to_qwen3_vl", "qwen3": "apply_liger_kernel_to_qwen3"}
 #: the loss kernels stay off (module docstring)
