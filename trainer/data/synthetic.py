@@ -17,6 +17,8 @@ from PIL import Image, ImageDraw
 from trainer.data.objects import to_bin
 from trainer.data.output_format import coord_token
 
+#: the JSONL ``generate`` writes by default
+SYNTHETIC_JSONL = "train.jsonl"
 COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40)}
 SHAPES = ("square", "circle", "triangle")
 
@@ -66,7 +68,7 @@ def make_record(rng: random.Random, index: int, size: int, n_objects: int, poly_
 
 
 def generate(out_dir: str | Path, num_samples: int, seed: int = 0, min_objects: int = 1, max_objects: int = 4,
-             image_size: int = 64, poly_fraction: float = 0.0, filename: str = "train.jsonl") -> Path:
+             image_size: int = 64, poly_fraction: float = 0.0, filename: str = SYNTHETIC_JSONL) -> Path:
     """Write the synthetic dataset under ``out_dir``; returns the path of the JSONL (``filename``). Each file appears
     whole (written aside, then renamed). Under torchrun one rank per node calls this (``trainer.sft.run.load_samples``)."""
     if max_objects < min_objects:

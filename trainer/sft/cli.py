@@ -27,6 +27,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 3
     print(f"done: {summary.stage2_steps} stage-2 steps, outputs in {summary.output_dir}")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # every rank leaves the group before the interpreter exits
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 

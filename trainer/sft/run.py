@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from transformers import TrainingArguments
 
 from trainer.config.schema import TrainConfig
 from trainer.data.records import JsonlDataset, LoadReport, index_jsonl
-from trainer.data.synthetic import generate
+from trainer.data.synthetic import SYNTHETIC_JSONL, generate
 from trainer.extras import require
 from trainer.losses.objective import LossWeights
 from trainer.memory.oom import memory_settings
@@ -50,22 +52,31 @@ def start_distributed() -> None:
     own ``tcp://`` rendezvous, which torchrun's agent-store setting turns into a client waiting for a server that
     never comes: the hang at vLLM start.)"""
     if "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
         from accelerate import PartialState
 
+        if not dist.is_initialized():  # accelerate alone leaves a CPU (gloo) world uninitialised until HF's arguments
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
         PartialState()
 
 
-def node_writes_first():
-    """Context: the node's local main process runs the block first, the other ranks after it (one writer per node)."""
-    import contextlib
-
+@contextlib.contextmanager
+def node_writes_first() -> Iterator[bool]:
+    """Context yielding whether this process writes: the node's local main process runs the block first and writes,
+    the other ranks run it after it and only read (one writer per node). Without torch.distributed: True."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return contextlib.nullcontext()
-    from accelerate import PartialState
-
-    return PartialState().local_main_process_first()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        yield True
+        return
+    writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if not writer:
+        dist.barrier()  # the writer has finished
+    yield writer
+    if writer:
+        dist.barrier()  # release the readers
 
 
 def load_samples(cfg: TrainConfig) -> JsonlDataset:
@@ -74,9 +85,10 @@ def load_samples(cfg: TrainConfig) -> JsonlDataset:
     d = cfg.data
     if d.synthetic is not None:
         s = d.synthetic
-        with node_writes_first():
-            path = generate(Path(cfg.training.output_dir) / "data", s.num_samples, s.seed, s.min_objects,
-                            s.max_objects, s.image_size, s.poly_fraction)
+        data_dir = Path(cfg.training.output_dir) / "data"
+        with node_writes_first() as writer:
+            path = (generate(data_dir, s.num_samples, s.seed, s.min_objects, s.max_objects, s.image_size,
+                             s.poly_fraction) if writer else data_dir / SYNTHETIC_JSONL)
         return index_jsonl(path)
     report = LoadReport()
     samples = index_jsonl(d.train_jsonl, d.image_root, on_bad_record=d.on_bad_record, report=report)
