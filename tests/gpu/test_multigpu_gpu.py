@@ -62,6 +62,13 @@ def test_colocate_under_torchrun(model_dir, tmp_path, ranks, tp, sleep, tuner):
     _ok(run_layout(Layout(f"colocate-{ranks}-tp{tp}", ranks, tp=tp), work, model_dir, tmp_path, cuda=True))
 
 
+def test_server_layout_on_two_gpus(model_dir, tmp_path):
+    _need(2)
+    rec = _ok(run_layout(Layout("1v1-async", 1, servers=1, async_rollouts=True), TINY, model_dir, tmp_path,
+                         cuda=True))
+    assert rec["means"]["rollout/staleness_mean"] <= 1
+
+
 def test_server_layout_with_two_learner_ranks(model_dir, tmp_path):
     _need(4)
     rec = _ok(run_layout(Layout("2v2-async", 2, servers=2, async_rollouts=True), TINY, model_dir, tmp_path,

@@ -217,6 +217,10 @@ def test_colocate_adapter_and_auto_policy(text_dir, tok, stop_ids, hf_model):
         engine.close()
 
 
+def _buffer_sums(worker) -> dict[str, float]:
+    return {n: float(b.double().sum()) for n, b in worker.model_runner.model.named_buffers()}
+
+
 def sleep_check(level: int) -> dict:
     """One sleep level in this process: memory released, outputs after wake equal outputs before, timings."""
     import tempfile
@@ -237,6 +241,7 @@ def sleep_check(level: int) -> dict:
         assert engine.vllm.asleep
         engine.vllm.wake()
         torch.cuda.synchronize()
+        buffers = engine.vllm.collective_rpc(_buffer_sums)[0]
         free_awake = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         engine.vllm.sleep()
@@ -245,8 +250,14 @@ def sleep_check(level: int) -> dict:
         freed = torch.cuda.mem_get_info()[0] - free_awake
         assert freed > 0.5 * 0.3 * torch.cuda.get_device_properties(0).total_memory, freed
         t0 = time.perf_counter()
+        engine.begin_sync()  # level 2: the weights start waking on a thread (sync.prewake)
+        assert engine.vllm._waking is not None or level != 2
         engine.sync_full(hf_model)
+        engine.end_sync()
         sync_s = time.perf_counter() - t0
+        assert engine.vllm.collective_rpc(_buffer_sums)[0] == buffers, "model buffers after the wake differ"
+        pinned = engine.vllm.collective_rpc(lambda w: getattr(w, "_rm_pinned_block", None) is not None)[0]
+        assert pinned == (level == 2), "level 2 keeps vLLM's saved buffers page-locked"
         t0 = time.perf_counter()
         engine.vllm.wake()
         torch.cuda.synchronize()

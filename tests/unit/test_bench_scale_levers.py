@@ -83,3 +83,17 @@ def test_quick_bench_records_the_levers_that_ran(tmp_path, monkeypatch):
         ("selective", 1, 2)
     assert (levers["optim"], levers["use_liger_kernel"]) == ("adamw_torch", False)
     assert rec["flops"]["checkpointing"] == 0.5, "HFU counts the recompute of half the layers"
+
+
+def test_prewake_knob_runs_both_and_reaches_the_sync_config(tmp_path):
+    runs = scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"),
+                             scale.lever_knobs(None, None, None, "1,0"))
+    assert [r.prewake for r in runs][:2] == [True, False]
+    assert runs[1].name.endswith("-noprewake") and not runs[0].name.endswith("-noprewake")
+    cfg = scale.stage2_config(runs[1], tmp_path, tmp_path / "out", "vllm")
+    assert cfg["custom"]["extra"]["rollout_matching"]["vllm"]["sync"]["prewake"] is False
+    from trainer.config.schema import validate_config
+
+    assert validate_config(cfg).custom.extra.rollout_matching.vllm.sync.prewake is False
+    with pytest.raises(SystemExit, match="RM_BENCH_SCALE_PREWAKE"):
+        scale.lever_knobs(None, None, None, "yes")

@@ -31,6 +31,9 @@ class _LLM:
     def wake_up(self, tags):
         self.calls.append(("wake_up", tuple(tags)))
 
+    def collective_rpc(self, fn, args=()):
+        return [0]
+
 
 def _engine(level: int, calls: list) -> InProcessVllm:
     engine = object.__new__(InProcessVllm)
@@ -38,6 +41,7 @@ def _engine(level: int, calls: list) -> InProcessVllm:
     engine.llm = _LLM(calls)
     engine._asleep = set()
     engine._weights_valid = True
+    engine._waking = None
     engine._dir = Path(tempfile.mkdtemp(prefix="rm-test-close-"))
     return engine
 

@@ -101,6 +101,8 @@ class ScaleRun:
     #: ``training.optim`` (``RM_BENCH_SCALE_OPTIM``: adamw_torch_fused, the default, or adamw_torch, suffix
     #: ``-unfusedadam``)
     optim: str = "adamw_torch_fused"
+    #: ``vllm.sync.prewake`` (``RM_BENCH_SCALE_PREWAKE``: 1, the default, or 0, suffix ``-noprewake``)
+    prewake: bool = True
 
     @property
     def name(self) -> str:
@@ -112,7 +114,7 @@ class ScaleRun:
         merge = "-mergef32" if self.merge_precision == "float32" else ""
         levers = ("-liger" if self.liger else "") + (
             "" if self.checkpointing == "full" else f"-ckpt{self.checkpointing}") + (
-            "-unfusedadam" if self.optim == "adamw_torch" else "")
+            "-unfusedadam" if self.optim == "adamw_torch" else "") + ("" if self.prewake else "-noprewake")
         return (f"{self.size}-{tuner}{served}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
 
@@ -279,7 +281,7 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
     }
     rm["loss"] = {"logit_chunk_rows": run.logit_chunk_rows}
     if backend == "vllm":
-        rm["vllm"]["sync"] = {"merge_precision": run.merge_precision}
+        rm["vllm"]["sync"] = {"merge_precision": run.merge_precision, "prewake": run.prewake}
     if run.compile_layers:
         cfg["training"]["compile_decoder_layers"] = True
     if run.liger:
@@ -440,7 +442,7 @@ def trl_side_by_side(run: ScaleRun, model_dir: Path, data: Path, work: Path, our
     out = work / "runs" / f"{run.name}-trl.json"
     cmd = [sys.executable, "-m", "trainer.bench.trl_peer", str(model_dir), str(data), str(out), "--steps",
            str(run.steps), "--batch", str(run.batch), "--max-new-tokens", str(run.max_new_tokens), "--vllm-util",
-           str(run.gpu_memory_utilization), "--lora-rank", str(run.lora_rank if run.tuner != "full" else 0)]
+           str(run.gpu_memory_utilization), "--lora-rank", str(run.lora_rank if run.tuner != "full" else 0)] + (["--liger"] if run.liger else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_PLUGINS": ""})
     if proc.returncode or not out.is_file():
         return {"error": f"trl_peer exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"}
@@ -554,12 +556,14 @@ def recomputed_fraction(levers: dict[str, Any], default: bool) -> bool | float:
 
 #: the values each lever knob takes (``lever_knobs``); the first is the default
 LEVER_VALUES = {"RM_BENCH_SCALE_LIGER": ("0", "1"), "RM_BENCH_SCALE_CKPT": ("full", "selective", "off", "auto"),
-                "RM_BENCH_SCALE_OPTIM": ("adamw_torch_fused", "adamw_torch")}
+                "RM_BENCH_SCALE_OPTIM": ("adamw_torch_fused", "adamw_torch"), "RM_BENCH_SCALE_PREWAKE": ("0", "1")}
 
 
-def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None) -> list[dict[str, Any]]:
+def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None,
+                prewake: str | None = None) -> list[dict[str, Any]]:
     """``ScaleRun`` overrides from ``RM_BENCH_SCALE_LIGER`` (``training.use_liger_kernel``), ``RM_BENCH_SCALE_CKPT``
-    (``training.gradient_checkpointing_policy``) and ``RM_BENCH_SCALE_OPTIM`` (``training.optim``): each takes one
+    (``training.gradient_checkpointing_policy``), ``RM_BENCH_SCALE_OPTIM`` (``training.optim``) and
+    ``RM_BENCH_SCALE_PREWAKE`` (``vllm.sync.prewake``): each takes one
     value or a comma-separated list, and every combination runs (``RM_BENCH_SCALE_LIGER=0,1`` measures Liger beside
     the default in one call). Unset: ``[{}]``, nothing overridden."""
     import itertools
@@ -567,7 +571,8 @@ def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None) -> list[
     axes: list[list[tuple[str, Any]]] = []
     for env, field, value, convert in (("RM_BENCH_SCALE_LIGER", "liger", liger, lambda v: v == "1"),
                                        ("RM_BENCH_SCALE_CKPT", "checkpointing", ckpt, str),
-                                       ("RM_BENCH_SCALE_OPTIM", "optim", optim, str)):
+                                       ("RM_BENCH_SCALE_OPTIM", "optim", optim, str),
+                                       ("RM_BENCH_SCALE_PREWAKE", "prewake", prewake, lambda v: v == "1")):
         if not value:
             continue
         values = [v.strip() for v in value.split(",") if v.strip()]
@@ -622,7 +627,7 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     runs = [QUICK] if quick else with_utilisations(selected(os.environ.get("RM_BENCH_SCALE")),
                                                    os.environ.get("RM_BENCH_SCALE_UTILS"))
     runs = with_levers(runs, lever_knobs(os.environ.get("RM_BENCH_SCALE_LIGER"), os.environ.get("RM_BENCH_SCALE_CKPT"),
-                                         os.environ.get("RM_BENCH_SCALE_OPTIM")))
+                                         os.environ.get("RM_BENCH_SCALE_OPTIM"), os.environ.get("RM_BENCH_SCALE_PREWAKE")))
     for cfg in runs:
         cfg = replace(cfg, steps=steps) if steps else cfg
         cfg = replace(cfg, profile_step=profile_step, compile_layers=compile_layers or cfg.compile_layers, **knobs)

@@ -65,7 +65,7 @@ def steady_mean(xs: list[float]) -> float:
 
 
 def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_new_tokens: int, vllm_util: float,
-        use_vllm: bool, lora_rank: int) -> dict[str, Any]:
+        use_vllm: bool, lora_rank: int, liger: bool = False) -> dict[str, Any]:
     import torch
     import trl
     from trl import GRPOConfig, GRPOTrainer
@@ -113,7 +113,7 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
         max_completion_length=max_new_tokens, temperature=1.0, bf16=on_gpu, gradient_checkpointing=True,
         report_to=[], save_strategy="no", use_vllm=use_vllm, vllm_mode="colocate",
         vllm_gpu_memory_utilization=vllm_util, vllm_enable_sleep_mode=use_vllm, vllm_max_model_length=4096,
-        seed=0, dataloader_num_workers=0, remove_unused_columns=False, use_cpu=not on_gpu)
+        seed=0, dataloader_num_workers=0, remove_unused_columns=False, use_cpu=not on_gpu, use_liger_kernel=liger)
     peft_config = None
     if lora_rank:
         from peft import LoraConfig
@@ -142,7 +142,8 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
               "optimizer_s": steady_mean(clock.optimizer_s), "peak_gib_runs": peaks,
               "optimizer_peak_gib_runs": optimizer_peaks,
               "blocks_s": {k: mean(v[timed] if len(v) == len(steps_s) else v) for k, v in blocks.items()},
-              "blocks_s_runs": dict(blocks), "completions_per_step": batch, "max_new_tokens": max_new_tokens}
+              "blocks_s_runs": dict(blocks), "completions_per_step": batch, "max_new_tokens": max_new_tokens,
+              "use_liger_kernel": liger}
     out.write_text(json.dumps(result, indent=2))
     return result
 
@@ -158,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-util", type=float, default=0.3)
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--lora-rank", type=int, default=0)
+    ap.add_argument("--liger", action="store_true", help="GRPOConfig(use_liger_kernel=True): Liger's fused GRPO loss")
     a = ap.parse_args(argv)
     res = run(a.model_dir, a.data, a.out, steps=a.steps, batch=a.batch, max_new_tokens=a.max_new_tokens,
-              vllm_util=a.vllm_util, use_vllm=not a.no_vllm, lora_rank=a.lora_rank)
+              vllm_util=a.vllm_util, use_vllm=not a.no_vllm, lora_rank=a.lora_rank,
+              liger=a.liger)
     print(json.dumps({k: res[k] for k in ("trl", "steps", "step_s", "step_wall_s", "optimizer_s", "blocks_s")}))
     return 0
 

@@ -92,6 +92,10 @@ class VllmSyncConfig(Section):
         "server killed or stalled mid-broadcast then fails that push (communicator aborted, server quarantined, "
         "re-admitted with the current weights when it answers) instead of hanging the learner")
     allow_dtype_cast: bool = False
+    prewake: bool = Field(
+        True, description="colocate, sleep mode: start waking the engine's weights on a thread when a sync begins, "
+        "so that vLLM's per-allocation remapping overlaps the learner's finite check and LoRA merge; false wakes them "
+        "after the merge, one after the other")
     shm_dir: str | None = None
     resend_frozen: bool = False
     merge_precision: Literal["weight_dtype", "float32"] = "weight_dtype"

@@ -107,12 +107,14 @@ class VllmColocateEngine:
                  max_lora_rank: int = 16, enable_prefix_caching: bool = True, sleep_level: int = 0, seed: int = 0,
                  dtype: str = "auto", rank: int | None = None, world_size: int | None = None,
                  allow_dtype_cast: bool = False, engine_kwargs: dict[str, Any] | None = None,
-                 merge_precision: str = "weight_dtype"):
+                 merge_precision: str = "weight_dtype", prewake: bool = True):
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
         #: ``sync.merge_precision`` of a merged full sync (``trainer.sync.weights.full_weights``)
         self.merge_precision = merge_precision
+        #: ``sync.prewake``: a sync starts waking the sleeping weights on a thread (``InProcessVllm.wake_in_background``)
+        self.prewake = prewake
         self.rank = rank if rank is not None else (dist.get_rank() if dist_on else 0)
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if dist_on else 1)
         groups = tp_groups(self.world_size, tensor_parallel_size)
@@ -166,7 +168,10 @@ class VllmColocateEngine:
         return self.enable_lora
 
     def begin_sync(self) -> None:
-        """Every rank syncs its own engine: nothing to agree on."""
+        """Every rank syncs its own engine: nothing to agree on. With ``prewake`` the sleeping weights start waking
+        on a thread here, while the learner checks and collects its weights."""
+        if self.prewake:
+            self.vllm.wake_in_background(("weights",))
 
     def end_sync(self) -> None:
         """See ``begin_sync``."""
@@ -245,4 +250,5 @@ def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
         enable_lora=v.enable_lora, max_lora_rank=lora_rank, enable_prefix_caching=v.enable_prefix_caching,
         sleep_level=v.sleep_level, seed=rm.decoding.seed or 0, dtype=dtype, allow_dtype_cast=v.sync.allow_dtype_cast,
         engine_kwargs={"enforce_eager": True} if v.enforce_eager else None, merge_precision=v.sync.merge_precision,
+        prewake=v.sync.prewake,
     )

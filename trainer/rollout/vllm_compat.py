@@ -121,6 +121,50 @@ def load_checkpoint_tensors(worker, tensors: dict[str, torch.Tensor]) -> int:
     return len(tensors)
 
 
+def pin_saved_buffers(worker) -> int:
+    """After a level-2 sleep: move the model buffers vLLM saved to pageable host tensors (restored on wake by one
+    blocking copy each) into one page-locked block the worker keeps (reused while the sizes hold); vLLM then restores
+    none of them and ``restore_pinned_buffers`` does, with one copy. Returns the bytes kept (0: nothing saved)."""
+    saved = getattr(worker, "_sleep_saved_buffers", None)
+    if not saved:
+        return 0
+    layout, offset = [], 0
+    for name, t in saved.items():
+        n = t.numel() * t.element_size()
+        layout.append((name, offset, n, t.dtype, tuple(t.shape)))
+        offset += -(-n // 16) * 16  # each buffer 16-byte aligned, so its bytes view as its dtype
+    block = getattr(worker, "_rm_pinned_block", None)
+    if block is None or block.numel() != offset:
+        block = torch.empty(offset, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    for (name, start, n, _, _), t in zip(layout, saved.values()):
+        if n:
+            block[start:start + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    worker._rm_pinned_block = block
+    worker._rm_pinned_layout = layout
+    worker._sleep_saved_buffers = {}
+    return offset
+
+
+def restore_pinned_buffers(worker) -> int:
+    """Write the buffers ``pin_saved_buffers`` kept back into the woken model: one host-to-device copy of the block,
+    then device-to-device copies into each buffer (no host wait per buffer). Returns how many buffers it wrote."""
+    layout = getattr(worker, "_rm_pinned_layout", None)
+    if not layout:
+        return 0
+    buffers = dict(worker.model_runner.model.named_buffers())
+    missing = [name for name, *_ in layout if name not in buffers]
+    if missing:
+        raise RuntimeError(f"vLLM's woken model lacks the buffers saved at sleep: {missing[:5]}")
+    device = next(iter(buffers.values())).device
+    on_device = worker._rm_pinned_block.to(device, non_blocking=True)
+    with torch.no_grad():
+        for name, start, n, dtype, shape in layout:
+            if n:
+                buffers[name].copy_(on_device[start:start + n].view(dtype).view(shape))
+    worker._rm_pinned_layout = None
+    return len(layout)
+
+
 def reset_derived_state(worker) -> None:
     """Drop caches computed from the old weights (LoRA, encoder and multimodal caches) where the release has them."""
     runner = worker.model_runner

@@ -27,6 +27,7 @@ import json
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -150,6 +151,14 @@ def _load_in_worker(worker, tensors: dict[str, torch.Tensor]) -> int:
     return vllm_compat.load_checkpoint_tensors(worker, tensors)
 
 
+def _pin_buffers_in_worker(worker) -> int:
+    return vllm_compat.pin_saved_buffers(worker)
+
+
+def _restore_buffers_in_worker(worker) -> int:
+    return vllm_compat.restore_pinned_buffers(worker)
+
+
 def _model_dtype_in_worker(worker) -> str:
     return str(next(vllm_compat.worker_model(worker).parameters()).dtype)
 
@@ -199,6 +208,7 @@ class InProcessVllm:
         self._weights_valid = True
         self._prefix_stale = False
         self._warned_images = False
+        self._waking: tuple[list[str], threading.Thread, list[BaseException]] | None = None
         if s.sleep_level:
             self.sleep()
 
@@ -267,20 +277,68 @@ class InProcessVllm:
 
     # -- sleep -----------------------------------------------------------------------------------------------------
     def sleep(self) -> None:
+        """Sleep at ``sleep_level``; after a level-2 sleep the model buffers vLLM saved are kept page-locked
+        (``vllm_compat.pin_saved_buffers``) and written back with one copy when the weights wake."""
+        self._join_wake()
         level = self.settings.sleep_level
         if level and not self._asleep:
             with phase("sleep"):
                 self.llm.sleep(level=level)
+                if level == 2:
+                    self.llm.collective_rpc(_pin_buffers_in_worker)
             self._asleep = {"weights", "kv_cache"}
             if level == 2:
                 self._weights_valid = False
 
+    def _wake_now(self, todo: list[str]) -> None:
+        self.llm.wake_up(tags=todo)
+        if "weights" in todo:
+            self.llm.collective_rpc(_restore_buffers_in_worker)
+
+    def wake_in_background(self, tags: Sequence[str] = ("weights",)) -> bool:
+        """Start waking what of ``tags`` sleeps on a thread (vLLM's wake is host work: one driver mapping per
+        allocation), so that it overlaps the learner's checks and LoRA merge on the GPU; the next ``wake`` or
+        ``sleep`` waits for it and re-raises its error. Returns whether a wake was started."""
+        todo = [t for t in tags if t in self._asleep]
+        if not todo or self._waking is not None:
+            return False
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)
+                self._wake_now(todo)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread by _join_wake
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, name="rm-vllm-wake", daemon=True)
+        self._waking = (todo, thread, errors)
+        thread.start()
+        return True
+
+    def _join_wake(self) -> None:
+        if self._waking is None:
+            return
+        todo, thread, errors = self._waking
+        thread.join()
+        self._waking = None
+        if errors:
+            raise VllmEngineError(f"vLLM's wake of {todo} failed: {type(errors[0]).__name__}: {errors[0]}") \
+                from errors[0]
+        self._asleep -= set(todo)
+
     def wake(self, tags: Sequence[str] = ("weights", "kv_cache"), phase_name: str = "wake") -> None:
-        """Wake what of ``tags`` sleeps (timed as the step's ``phase_name`` sub-phase when something does)."""
+        """Wake what of ``tags`` sleeps (timed as the step's ``phase_name`` sub-phase when something does; a wake
+        started by ``wake_in_background`` is waited for inside that phase)."""
+        if self._waking is not None:
+            with phase(phase_name):
+                self._join_wake()
         todo = [t for t in tags if t in self._asleep]
         if todo:
             with phase(phase_name):
-                self.llm.wake_up(tags=todo)
+                self._wake_now(todo)
             self._asleep -= set(todo)
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -195,6 +196,15 @@ def periodic_eval(cfg: TrainConfig, pipeline: Stage2Pipeline, engine, weight_syn
                                 tensorboard="tensorboard" in cfg.training.report_to)
 
 
+def freeze_setup_objects() -> None:
+    """Move every object built so far (model, engine, data index) out of the garbage collector's reach
+    (``gc.freeze``): they live for the whole run, and each full collection would walk them again. vLLM's
+    sleep-mode wake runs one full collection per step on the learner's heap; frozen, it only walks what the step
+    made. ``run_training`` unfreezes them when training ends (a process that trains again collects them)."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) -> RunSummary:
     """``resume_from_checkpoint``: a stage-2 checkpoint folder or "latest"; the stage-1 warm-up is skipped."""
     rm = cfg.rollout_matching
@@ -269,8 +279,10 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
                             if rm.vllm.server.async_rollouts.enabled else None),
             profile_steps=t.profile_steps, profile_trace=t.profile_trace, memory_settings=memory_settings(cfg),
             **common)
+        freeze_setup_objects()
         result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:
+        gc.unfreeze()
         engine.close()
         if exporter is not None:
             exporter.close()

@@ -118,22 +118,24 @@ class WeightSync:
         """Sync unless already synced at ``global_step``; returns whether this call synced."""
         if self.last_step == global_step:
             return False
-        with phase("sync_learner_check"):  # NaN/inf never leave the learner
-            check_learner_weights(model, global_step, last_synced_step=self.last_step)
         rank, _ = _dist_info()
         first = self.last_step is None
         self.target.begin_sync()
-        if self.target.syncs_on_every_rank or rank == 0:
-            if self.decision.mode == "full":
-                self.target.sync_full(model)
-                kind = "full"
-            else:
-                if first:
-                    self.target.sync_full(model, merge_adapter=False)
-                self.target.sync_adapter(model)
-                kind = "base+adapter" if first else "adapter"
-            self.history.append((global_step, kind))
-        self.target.end_sync()
+        try:
+            with phase("sync_learner_check"):  # NaN/inf never leave the learner
+                check_learner_weights(model, global_step, last_synced_step=self.last_step)
+            if self.target.syncs_on_every_rank or rank == 0:
+                if self.decision.mode == "full":
+                    self.target.sync_full(model)
+                    kind = "full"
+                else:
+                    if first:
+                        self.target.sync_full(model, merge_adapter=False)
+                    self.target.sync_adapter(model)
+                    kind = "base+adapter" if first else "adapter"
+                self.history.append((global_step, kind))
+        finally:
+            self.target.end_sync()
         _barrier()
         self.last_step = global_step
         return True

@@ -1,0 +1,205 @@
+"""The sleeping engine's wake (issue 37, the colocate 8B sync): vLLM's level-2 sleep saves the model's buffers to
+pageable host tensors and restores each with a blocking copy on wake (the 146 pageable host-to-device copies in the
+8B sync's profile); ``pin_saved_buffers`` / ``restore_pinned_buffers`` keep them in one page-locked block and write
+them back with one copy. ``wake_in_background`` wakes the weights on a thread while the learner checks and merges.
+The fake engine below does what vLLM's worker does at sleep and wake (save + discard, remap + restore), so the
+buffers' values after a wake are what the test checks."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.rollout import vllm_compat
+from trainer.rollout.vllm_inprocess import InProcessVllm, VllmEngineError, VllmSettings
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos_sin", torch.randn(16, 8))
+        self.register_buffer("positions", torch.arange(7, dtype=torch.int64))
+        self.register_buffer("bf16_table", torch.randn(5, 3).to(torch.bfloat16))
+        self.register_buffer("strided", torch.randn(6, 4).t())  # not contiguous
+        self.register_buffer("empty", torch.zeros(0))
+
+
+class _Worker:
+    def __init__(self):
+        self.model_runner = type("Runner", (), {})()
+        self.model_runner.model = _Model()
+        self._sleep_saved_buffers: dict[str, torch.Tensor] = {}
+        self.vllm_restored = 0
+
+
+class _LLM:
+    """vLLM's sleep/wake as its GPU worker does them: level 2 saves every buffer (``.cpu().clone()``) and discards
+    the memory (here: overwritten); a wake of the weights restores whatever is still in ``_sleep_saved_buffers``."""
+
+    def __init__(self, fail_wake: bool = False):
+        self.worker = _Worker()
+        self.calls: list[tuple] = []
+        self.fail_wake = fail_wake
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level, threading.current_thread().name))
+        if level == 2:
+            model = self.worker.model_runner.model
+            self.worker._sleep_saved_buffers = {n: b.cpu().clone() for n, b in model.named_buffers()}
+            for b in model.buffers():
+                b.data.fill_(0)
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags), threading.current_thread().name))
+        if self.fail_wake:
+            raise RuntimeError("cuMemCreate failed")
+        if "weights" in tags:
+            model = self.worker.model_runner.model
+            for n, b in model.named_buffers():
+                if n in self.worker._sleep_saved_buffers:
+                    b.data.copy_(self.worker._sleep_saved_buffers[n])
+                    self.worker.vllm_restored += 1
+            self.worker._sleep_saved_buffers = {}
+
+    def collective_rpc(self, fn, args=()):
+        return [fn(self.worker, *args)]
+
+
+def _engine(level: int, llm: _LLM) -> InProcessVllm:
+    engine = object.__new__(InProcessVllm)
+    engine.settings = VllmSettings(model_dir="unused", max_model_len=64, sleep_level=level, external_launcher=True)
+    engine.llm = llm
+    engine._asleep = set()
+    engine._weights_valid = True
+    engine._waking = None
+    engine._dir = Path(tempfile.mkdtemp(prefix="rm-test-wake-"))
+    return engine
+
+
+def _snapshot(llm: _LLM) -> dict[str, torch.Tensor]:
+    return {n: b.clone() for n, b in llm.worker.model_runner.model.named_buffers()}
+
+
+def test_level2_buffers_come_back_from_one_pinned_block_not_from_vllm():
+    llm = _LLM()
+    before = _snapshot(llm)
+    engine = _engine(2, llm)
+    engine.sleep()
+    assert llm.worker._sleep_saved_buffers == {}, "vLLM's own per-buffer restore is left with nothing to copy"
+    assert all(not b.any() for b in llm.worker.model_runner.model.buffers()), "the fake discarded the memory"
+    block = llm.worker._rm_pinned_block
+    assert block.dtype == torch.uint8 and block.numel() >= sum(t.numel() * t.element_size() for t in before.values())
+    engine.wake(("weights",))
+    after = _snapshot(llm)
+    assert llm.worker.vllm_restored == 0
+    for name, value in before.items():
+        assert after[name].dtype == value.dtype and torch.equal(after[name], value), name
+    assert not llm.worker.model_runner.model.strided.is_contiguous()
+
+    engine.wake()  # the KV cache: no buffers written again
+    engine.sleep()
+    assert llm.worker._rm_pinned_block is block, "the page-locked block is reused while the sizes hold"
+    engine.wake()
+    for name, value in before.items():
+        assert torch.equal(llm.worker.model_runner.model.get_buffer(name), value), name
+
+
+def test_level1_sleep_keeps_vllm_restore_untouched():
+    llm = _LLM()
+    engine = _engine(1, llm)
+    engine.sleep()
+    assert not hasattr(llm.worker, "_rm_pinned_block")
+    assert vllm_compat.restore_pinned_buffers(llm.worker) == 0
+
+
+def test_restore_names_buffers_the_woken_model_lacks():
+    llm = _LLM()
+    engine = _engine(2, llm)
+    engine.sleep()
+    llm.worker.model_runner.model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="cos_sin"):
+        engine.wake(("weights",))
+
+
+def test_background_wake_runs_on_a_thread_and_the_sync_waits_for_it():
+    llm = _LLM()
+    before = _snapshot(llm)
+    engine = _engine(2, llm)
+    engine.sleep()
+    assert engine.wake_in_background(("weights",))
+    assert not engine.wake_in_background(("weights",)), "one wake at a time"
+    engine.wake(("weights",), phase_name="sync_wake")
+    wakes = [c for c in llm.calls if c[0] == "wake_up"]
+    assert wakes == [("wake_up", ("weights",), "rm-vllm-wake")], "woken once, on the thread"
+    assert engine._asleep == {"kv_cache"}
+    for name, value in before.items():
+        assert torch.equal(llm.worker.model_runner.model.get_buffer(name), value), name
+    engine.wake()
+    assert llm.calls[-1][:2] == ("wake_up", ("kv_cache",))
+    assert not engine.wake_in_background(("weights",)), "nothing asleep: nothing started"
+
+
+def test_background_wake_error_is_raised_where_the_engine_is_next_used():
+    llm = _LLM(fail_wake=True)
+    engine = _engine(2, llm)
+    engine.sleep()
+    engine.wake_in_background(("weights",))
+    with pytest.raises(VllmEngineError, match="cuMemCreate failed"):
+        engine.wake(("weights",))
+    assert "weights" in engine._asleep and engine._waking is None
+
+
+def test_sleep_waits_for_a_background_wake_first():
+    llm = _LLM()
+    engine = _engine(2, llm)
+    engine.sleep()
+    engine.wake_in_background(("weights",))
+    engine.wake()  # the rest; then sleep again
+    engine.sleep()
+    kinds = [c[:2] for c in llm.calls]
+    assert kinds == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("sleep", 2)]
+
+
+class _Target:
+    syncs_on_every_rank = True
+
+    def __init__(self, calls, fail=False):
+        self.calls = calls
+        self.fail = fail
+
+    def supports_adapter_sync(self):
+        return False
+
+    def begin_sync(self):
+        self.calls.append("begin")
+
+    def end_sync(self):
+        self.calls.append("end")
+
+    def sync_full(self, model, merge_adapter=True):
+        self.calls.append("full")
+        if self.fail:
+            raise RuntimeError("push failed")
+
+    def sync_adapter(self, model):
+        self.calls.append("adapter")
+
+
+def test_sync_begins_before_the_learner_check_and_always_ends(monkeypatch):
+    from trainer.sync import policy
+
+    calls: list[str] = []
+    monkeypatch.setattr(policy, "check_learner_weights", lambda *a, **k: calls.append("check"))
+    sync = policy.WeightSync(_Target(calls), policy.resolve_sync_mode("full", None, False, True))
+    assert sync.ensure_fresh(torch.nn.Linear(2, 2), 0)
+    assert calls == ["begin", "check", "full", "end"], "the engine starts waking before the learner's check"
+    calls.clear()
+    failing = policy.WeightSync(_Target(calls, fail=True), policy.resolve_sync_mode("full", None, False, True))
+    with pytest.raises(RuntimeError, match="push failed"):
+        failing.ensure_fresh(torch.nn.Linear(2, 2), 1)
+    assert calls == ["begin", "check", "full", "end"], "a failed sync still ends (server mode: the lock is released)"
+    assert failing.last_step is None
