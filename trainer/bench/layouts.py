@@ -81,6 +81,10 @@ class Work:
 LAYOUTS = (
     Layout("colocate-1", 1),
     Layout("colocate-1-r8", 1, records_per_step=8),
+    Layout("colocate-2", 2),
+    Layout("colocate-tp2", 2, tp=2),
+    Layout("1v1-sync", 1, servers=1),
+    Layout("1v1-async", 1, servers=1, async_rollouts=True),
     Layout("colocate-4", 4),
     Layout("colocate-4-zero2", 4, zero=2),
     Layout("colocate-tp4", 4, tp=4),
