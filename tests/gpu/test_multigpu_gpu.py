@@ -23,7 +23,7 @@ from trainer.bench.layouts import QUICK_WORK, Layout, run_layout, save_model
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs: run on a multi-GPU device machine")]
 
 GPUS = torch.cuda.device_count()
-TINY = replace(QUICK_WORK, records_per_step=16, steps=3, max_new_tokens=64, packing_length=2048, timeout_s=600.0,
+TINY = replace(QUICK_WORK, records_per_step=16, steps=3, max_new_tokens=64, packing_length=2048, timeout_s=240.0,
                colocate_util=0.2, server_util=0.3)
 
 
