@@ -203,3 +203,31 @@ def test_sync_begins_before_the_learner_check_and_always_ends(monkeypatch):
         failing.ensure_fresh(torch.nn.Linear(2, 2), 1)
     assert calls == ["begin", "check", "full", "end"], "a failed sync still ends (server mode: the lock is released)"
     assert failing.last_step is None
+
+
+def test_symmetric_memory_all_reduce_follows_multicast():
+    env = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    assert vllm_compat.symmetric_memory_all_reduce_follows_multicast(env) and env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+    kept = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "1"}
+    assert not vllm_compat.symmetric_memory_all_reduce_follows_multicast(kept) and kept["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "1"
+    assert not vllm_compat.symmetric_memory_all_reduce_follows_multicast({}), "multicast on: vLLM decides"
+
+
+def test_disable_custom_all_reduce_reaches_the_engine_kwargs(monkeypatch):
+    from trainer.config.schema import validate_config
+    from trainer.rollout import vllm_colocate
+
+    seen = {}
+    monkeypatch.setattr(vllm_colocate, "VllmColocateEngine", lambda *a, **k: seen.update(k))
+    from trainer.modeling.fixtures import tiny_tokenizer
+
+    loaded = type("Loaded", (), {"model_dir": "unused", "tokenizer": tiny_tokenizer()})()
+    for flags, kwargs in (({"disable_custom_all_reduce": True, "enforce_eager": True},
+                           {"disable_custom_all_reduce": True, "enforce_eager": True}),
+                          ({}, None)):
+        cfg = validate_config({"model": {"path": "unused"}, "data": {"synthetic": {"num_samples": 2}},
+                               "custom": {"extra": {"rollout_matching": {
+            "rollout_backend": "vllm", "vllm": {"max_model_len": 4096, **flags}}}}})
+        seen.clear()
+        vllm_colocate.engine_from_config(cfg.custom.extra.rollout_matching, loaded, torch.nn.Linear(2, 2))
+        assert seen["engine_kwargs"] == kwargs

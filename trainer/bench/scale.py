@@ -59,9 +59,10 @@ QWEN3_VL_VISION = {
 }
 TIED = {"2b": True, "4b": True, "8b": False}
 VOCAB = 151936
-TINY_TEXT = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=2, head_dim=64)
-TINY_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=1, out_hidden_size=128,
+#: the tiny shape's head counts divide by 1, 2 and 4, so that vLLM TP groups of those sizes can serve it
+TINY_TEXT = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, head_dim=64)
+TINY_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
                    deepstack_visual_indexes=[0])
 
 

@@ -120,6 +120,10 @@ class VllmConfig(Section):
     enable_prefix_caching: bool = True
     sleep_level: Literal[0, 1, 2] = 0
     enforce_eager: bool = False
+    disable_custom_all_reduce: bool = Field(
+        False, description="colocate TP groups: all-reduce through NCCL only (vLLM's disable_custom_all_reduce), "
+        "for nodes where vLLM's custom all-reduce kernels fail; its symmetric-memory all-reduce is switched off "
+        "on its own where NVLink multicast is (TORCH_SYMM_MEM_DISABLE_MULTICAST=1)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     server: VllmServerConfig = Field(default_factory=VllmServerConfig)
     sync: VllmSyncConfig = Field(default_factory=VllmSyncConfig)

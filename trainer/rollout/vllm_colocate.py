@@ -249,6 +249,8 @@ def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
         tensor_parallel_size=v.tensor_parallel_size, gpu_memory_utilization=v.gpu_memory_utilization,
         enable_lora=v.enable_lora, max_lora_rank=lora_rank, enable_prefix_caching=v.enable_prefix_caching,
         sleep_level=v.sleep_level, seed=rm.decoding.seed or 0, dtype=dtype, allow_dtype_cast=v.sync.allow_dtype_cast,
-        engine_kwargs={"enforce_eager": True} if v.enforce_eager else None, merge_precision=v.sync.merge_precision,
+        engine_kwargs={**({"enforce_eager": True} if v.enforce_eager else {}),
+                       **({"disable_custom_all_reduce": True} if v.disable_custom_all_reduce else {})} or None,
+        merge_precision=v.sync.merge_precision,
         prewake=v.sync.prewake,
     )

@@ -34,6 +34,18 @@ def run_engine_in_process() -> None:
     os.environ[IN_PROCESS_ENV] = "0"
 
 
+def symmetric_memory_all_reduce_follows_multicast(environ: dict[str, str] | None = None) -> bool:
+    """Where NVLink multicast is switched off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``), switch vLLM's
+    symmetric-memory all-reduce off too (``VLLM_ALLREDUCE_USE_SYMM_MEM=0``, unless the user set it): its multimem
+    kernels then read unmapped addresses, and a TP group died at start with "an illegal memory access" (2 and 4
+    H100s, vLLM 0.26). Returns whether it switched it off."""
+    env = os.environ if environ is None else environ
+    if env.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1" and "VLLM_ALLREDUCE_USE_SYMM_MEM" not in env:
+        env["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
+        return True
+    return False
+
+
 def engine_in_process() -> bool:
     return os.environ.get(IN_PROCESS_ENV, "1") == "0"
 

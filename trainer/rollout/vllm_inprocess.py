@@ -175,6 +175,8 @@ class InProcessVllm:
         check_sleep_engine_slot(s)
         if s.tensor_parallel_size == 1 or s.external_launcher:
             vllm_compat.run_engine_in_process()
+        if s.tensor_parallel_size > 1:
+            vllm_compat.symmetric_memory_all_reduce_follows_multicast()
         kwargs: dict[str, Any] = dict(
             model=s.model_dir, tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
             max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching, seed=s.seed, dtype=s.dtype)
