@@ -205,12 +205,17 @@ def test_sync_begins_before_the_learner_check_and_always_ends(monkeypatch):
     assert failing.last_step is None
 
 
-def test_symmetric_memory_all_reduce_follows_multicast():
-    env = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-    assert vllm_compat.symmetric_memory_all_reduce_follows_multicast(env) and env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
-    kept = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "1"}
-    assert not vllm_compat.symmetric_memory_all_reduce_follows_multicast(kept) and kept["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "1"
-    assert not vllm_compat.symmetric_memory_all_reduce_follows_multicast({}), "multicast on: vLLM decides"
+def test_tp_all_reduce_stays_off_multicast_paths_when_multicast_is_off():
+    env, kwargs = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}, {}
+    assert vllm_compat.all_reduce_without_multicast(kwargs, env) == ["VLLM_ALLREDUCE_USE_SYMM_MEM", "fuse_allreduce_rms"]
+    assert env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+    assert kwargs == {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
+    env = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "1"}
+    kwargs = {"compilation_config": {"mode": 0}}
+    assert vllm_compat.all_reduce_without_multicast(kwargs, env) == [], "the user's own settings win"
+    assert env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "1" and kwargs == {"compilation_config": {"mode": 0}}
+    kwargs = {}
+    assert vllm_compat.all_reduce_without_multicast(kwargs, {}) == [] and kwargs == {}, "multicast on: vLLM decides"
 
 
 def test_disable_custom_all_reduce_reaches_the_engine_kwargs(monkeypatch):

@@ -34,16 +34,25 @@ def run_engine_in_process() -> None:
     os.environ[IN_PROCESS_ENV] = "0"
 
 
-def symmetric_memory_all_reduce_follows_multicast(environ: dict[str, str] | None = None) -> bool:
-    """Where NVLink multicast is switched off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``), switch vLLM's
-    symmetric-memory all-reduce off too (``VLLM_ALLREDUCE_USE_SYMM_MEM=0``, unless the user set it): its multimem
-    kernels then read unmapped addresses, and a TP group died at start with "an illegal memory access" (2 and 4
-    H100s, vLLM 0.26). Returns whether it switched it off."""
+def all_reduce_without_multicast(engine_kwargs: dict[str, Any], environ: dict[str, str] | None = None) -> list[str]:
+    """Where NVLink multicast is switched off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``), keep a TP group's all-reduce
+    off the paths that need it: vLLM's symmetric-memory all-reduce (``VLLM_ALLREDUCE_USE_SYMM_MEM=0``, unless the
+    user set it) and the compiled all-reduce + RMSNorm fusion (FlashInfer, which picked its multicast "mnnvl"
+    backend; ``pass_config.fuse_allreduce_rms`` off, unless ``engine_kwargs`` sets a compilation config). A TP-2
+    group died at start with "an illegal memory access" in the first fused add + RMSNorm after an all-reduce on
+    2 H100s (vLLM 0.26), TP 4 likewise on 4. Updates ``engine_kwargs`` and the environment in place; returns what
+    it switched off."""
     env = os.environ if environ is None else environ
-    if env.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1" and "VLLM_ALLREDUCE_USE_SYMM_MEM" not in env:
+    if env.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
+        return []
+    off = []
+    if "VLLM_ALLREDUCE_USE_SYMM_MEM" not in env:
         env["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
-        return True
-    return False
+        off.append("VLLM_ALLREDUCE_USE_SYMM_MEM")
+    if "compilation_config" not in engine_kwargs:
+        engine_kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+        off.append("fuse_allreduce_rms")
+    return off
 
 
 def engine_in_process() -> bool:

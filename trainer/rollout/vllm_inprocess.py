@@ -175,8 +175,6 @@ class InProcessVllm:
         check_sleep_engine_slot(s)
         if s.tensor_parallel_size == 1 or s.external_launcher:
             vllm_compat.run_engine_in_process()
-        if s.tensor_parallel_size > 1:
-            vllm_compat.symmetric_memory_all_reduce_follows_multicast()
         kwargs: dict[str, Any] = dict(
             model=s.model_dir, tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
             max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching, seed=s.seed, dtype=s.dtype)
@@ -187,6 +185,10 @@ class InProcessVllm:
         if s.external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(s.engine_kwargs)
+        if s.tensor_parallel_size > 1:
+            off = vllm_compat.all_reduce_without_multicast(kwargs)
+            if off:
+                log.info("NVLink multicast is off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1): TP all-reduce without %s", off)
         self._dir = Path(tempfile.mkdtemp(prefix="rm-vllm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         from vllm import LLM
 
