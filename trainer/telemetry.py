@@ -36,14 +36,21 @@ class PhaseTimers:
     holds, per phase, the maximum over its runs since the last ``pop_peaks``. ``overall_peak`` is the maximum since
     the timers were made (the counter the boundaries reset)."""
 
-    def __init__(self, memory: Any | None = None) -> None:
+    def __init__(self, memory: Any | None = None, track_memory: bool = True) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
-        self.memory = memory if memory is not None else (CudaPeakMemory() if torch.cuda.is_available() else None)
+        self.memory = None if not track_memory else (
+            memory if memory is not None else (CudaPeakMemory() if torch.cuda.is_available() else None))
         self.peak_bytes: dict[str, int] = {}
         self.overall_peak = 0
         self._open: list[list[Any]] = []
         #: the innermost phase a ``torch.OutOfMemoryError`` left (None: none did since it was last cleared)
         self.out_of_memory_in: str | None = None
+
+    @classmethod
+    def time_only(cls) -> PhaseTimers:
+        """Timers that never touch the device's peak-memory counter (for work on another thread, whose resets
+        would cut the step's own peaks)."""
+        return cls(track_memory=False)
 
     def _boundary(self) -> int:
         seen = self.memory.peak()

@@ -78,6 +78,9 @@ def test_overlap_cuts_learner_idle_and_keeps_the_ledger(assets):
     assert all(r["decode_step"] == r["step"] for r in plain_ledger)
     assert [m["rollout/staleness_max"] for m in overlap_metrics] == [0.0] + [1.0] * 5
     assert sum(m.get("rollout/prefetch_used", 0) for m in overlap_metrics) == 5
+    ahead = [m.get("time/target_ahead_s", 0.0) > 0 for m in overlap_metrics]
+    assert ahead == [False] + [True] * 5, "each prefetched batch's targets were built off the step, after its decode"
+    assert not any(m.get("time/target_ahead_s") for m in runs[False][2])
     for m in runs[False][2] + overlap_metrics:  # the push's parts are sub-phases of the step's weight_sync
         parts = {p: m[f"time/sync_{p}_s"] for p in ("learner_check", "wait_decodes", "collect", "push")}
         assert parts["collect"] > 0 and parts["push"] > 0, parts

@@ -41,11 +41,11 @@ def test_builder_runs_in_the_engine_thread_and_take_returns_its_requests():
     pre = RolloutPrefetcher(engine, max_staleness_steps=1)
     params = DecodingParams(8)
     assert pre.issue(lambda: _requests(["a", "b"]), params, version=0, step=1, sample_ids=["a", "b"])
-    results, version, requests = pre.take(["a", "b"], params, step=1)
+    results, version, requests, finished = pre.take(["a", "b"], params, step=1)
     assert [r.sample_id for r in requests] == ["a", "b"] and [r.sample_id for r in results] == ["a", "b"]
     assert version == 0 and engine.built_in and engine.built_in[0] != threading.current_thread().name
     assert pre.issue(_requests(["c"]), params, version=1, step=2)
-    results, version, requests = pre.take(["c"], params, step=2)
+    results, version, requests, finished = pre.take(["c"], params, step=2)
     assert [r.sample_id for r in requests] == ["c"] and version == 1
 
 
@@ -58,3 +58,34 @@ def test_builder_needs_sample_ids_and_other_samples_are_discarded():
     pre.issue(lambda: _requests(["a"]), params, version=0, step=1, sample_ids=["a"])
     assert pre.take(["z"], params, step=1) is None
     assert pre.pop_stats()["prefetch_discarded"] == 1
+
+
+def test_finish_runs_on_the_prefetchers_thread_after_the_decode():
+    engine = Engine()
+    pre = RolloutPrefetcher(engine, max_staleness_steps=1)
+    params = DecodingParams(8)
+    seen = []
+
+    def finish(requests, results):
+        seen.append(threading.current_thread().name)
+        return [(q.sample_id, r.response_token_ids) for q, r in zip(requests, results)]
+
+    assert pre.issue(lambda: _requests(["a", "b"]), params, version=0, step=1, sample_ids=["a", "b"], finish=finish)
+    results, version, requests, finished = pre.take(["a", "b"], params, step=1)
+    assert finished == [("a", (7,)), ("b", (7,))] and [r.sample_id for r in results] == ["a", "b"]
+    assert seen and seen[0].startswith("rollout-finish") and seen[0] not in engine.built_in
+
+
+def test_a_finish_that_raises_leaves_the_work_to_the_caller():
+    engine = Engine()
+    pre = RolloutPrefetcher(engine, max_staleness_steps=1)
+    params = DecodingParams(8)
+
+    def finish(requests, results):
+        raise ValueError("prompt ids differ")
+
+    pre.issue(lambda: _requests(["a"]), params, version=0, step=1, sample_ids=["a"], finish=finish)
+    results, version, requests, finished = pre.take(["a"], params, step=1)
+    assert finished is None and [r.sample_id for r in results] == ["a"]
+    with pytest.raises(ValueError, match="builder"):
+        pre.issue(_requests(["b"]), params, version=0, step=2, finish=lambda q, r: None)

@@ -209,13 +209,14 @@ class RolloutMatchingTrainer(Trainer):
 
     def _rollout_targets(self, samples: Sequence[Sample]) -> list[TrainTarget]:
         step = self.state.global_step
-        prefetched = requests = upcoming = None
+        prefetched = requests = upcoming = finished = None
         if self.prefetcher is not None:
             upcoming = self._next_planned(samples)
             with self.timers.phase("rollout"), self.timers.phase("generate"), self._timeline("wait"):
                 prefetched = self.prefetcher.take([s.sample_id for s in samples], self.rollout_params(), step)
             if prefetched is not None:
                 requests = prefetched[2]  # encoded in the background with the decode (None after a resume)
+                finished = prefetched[3]  # (targets, their timers), built in the background after the decode
         if self.weight_sync is not None:
             profiled = contextlib.nullcontext()
             if step + 1 in self.profile_steps and step + 1 not in self._sync_profiled and self.is_world_process_zero():
@@ -248,7 +249,11 @@ class RolloutMatchingTrainer(Trainer):
                 next_step, batch = upcoming
                 self._issue_ahead(batch, next_step, synced if synced is not None else step)
         with self.timers.phase("target"):  # sub-phases parse / match / build_target
-            targets = self.pipeline.targets(samples, requests, results, self.timers)
+            if finished is not None:
+                targets, ahead = finished
+                self.timers.seconds["target_ahead"] += ahead.seconds.get("target_ahead", 0.0)
+            else:
+                targets = self.pipeline.targets(samples, requests, results, self.timers)
         self.counters.add({"samples": len(samples)})
         self._staleness.extend([step - version] * len(samples))
         for t in targets:
@@ -260,7 +265,9 @@ class RolloutMatchingTrainer(Trainer):
     def _issue_ahead(self, batch: list[Sample], step: int, version: int) -> None:
         """Prefetch ``batch`` (optimizer step ``step``) on the weights of ``version``. Its requests are built in the
         engine's background thread by a private copy of the pipeline (a fast tokenizer must not be used by two
-        threads at once) when the engine can (``generate_async_built``); else here, on the critical path."""
+        threads at once) when the engine can (``generate_async_built``), and its targets by the same copy on the
+        prefetcher's thread once the decode is back (``time/target_ahead_s``, off the step's critical path); else
+        the requests here and the targets at the batch's turn."""
         params = self.rollout_params(step)
         if not hasattr(self.engine, "generate_async_built"):
             with self.timers.phase("encode"):
@@ -270,8 +277,14 @@ class RolloutMatchingTrainer(Trainer):
         if self._background_codec is None:
             self._background_codec = copy.deepcopy(self.pipeline)
         codec = self._background_codec
+
+        def targets(requests, results):
+            timers = PhaseTimers.time_only()
+            with timers.phase("target_ahead"):
+                return codec.targets(batch, requests, results, timers), timers
+
         self.prefetcher.issue(lambda: codec.requests(batch)[0], params, version, step,
-                              sample_ids=[s.sample_id for s in batch])
+                              sample_ids=[s.sample_id for s in batch], finish=targets)
 
     @contextlib.contextmanager
     def _timeline(self, kind: str):
