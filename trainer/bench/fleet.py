@@ -52,6 +52,7 @@ from unittest import mock
 import httpx
 
 from trainer.bench.async_rollouts import fractions
+from trainer.bench.processes import start_group, stop_group
 from trainer.launch.ports import listen_port as free_port  # below the ephemeral range
 
 FaultKind = Literal["kill", "stall", "nan"]
@@ -133,25 +134,16 @@ class ServerProcess:
         self.starts += 1
         with self.log_path.open("ab") as log:
             log.write(f"\n=== start {self.starts} at {time.time():.3f}: {' '.join(self.argv)}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false"})
+        self.proc = start_group(self.argv, self.log_path,
+                                env={**os.environ, "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false"})
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_group(self.proc, grace_s=30.0)
 
     def exited(self) -> str | None:
         if self.proc is None or self.proc.poll() is None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from trainer.bench.processes import start_group, stop_group
 from trainer.launch.ports import listen_port, listen_ports
 
 
@@ -186,18 +186,11 @@ def _popen(argv: list[str], log: Path, gpus: list[int] | None) -> subprocess.Pop
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["OMP_NUM_THREADS"] = "1"
-    fh = log.open("ab")
-    return subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return start_group(argv, log, env=env)
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    stop_group(proc, grace_s=30.0)
 
 
 def _head(path: Path, n: int = 6000) -> str:

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.bench.processes import start_group, stop_group
 from trainer.launch.ports import listen_port as free_port  # below the ephemeral range
 
 BUDGET_S = 460.0  # the whole run, both directions (the brief: under 8 minutes)
@@ -136,33 +137,9 @@ def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a member we cannot signal (should not happen): treat as alive
-        return True
-    return True
-
-
 def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group of ``proc`` (started in its own session), SIGKILL what is left after ``grace_s``,
-    then wait up to ``grace_s`` for the group to be empty (its GPU memory freed)."""
-    pgid = proc.pid
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if not _group_alive(pgid):
-            break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, sig)
-        end = time.monotonic() + grace_s
-        while time.monotonic() < end:
-            proc.poll()  # reap the leader, or it stays a zombie member of the group
-            if not _group_alive(pgid):
-                break
-            time.sleep(0.2)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(2)
+    """Stop ``proc``'s whole process group and wait until it is empty (``trainer.bench.processes.stop_group``)."""
+    stop_group(proc, grace_s)
 
 
 class Peer:
@@ -172,10 +149,8 @@ class Peer:
         self.argv = [str(a) for a in argv]
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = log.open("wb")
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, stdout=self._fh, stderr=subprocess.STDOUT, env=env or peer_env(),
-                                     cwd=cwd, start_new_session=True, stdin=subprocess.DEVNULL)
+        self.proc = start_group(self.argv, log, env=env or peer_env(), cwd=cwd, append=False)
         self.wall_s: float | None = None
         self.timed_out = False
         self.log_bytes_at_kill = 0
@@ -185,7 +160,6 @@ class Peer:
             self.proc.wait(max(timeout_s, 0.0))
         except subprocess.TimeoutExpired:
             self.timed_out = True
-            self._fh.flush()
             self.log_bytes_at_kill = self.log.stat().st_size
         return self.stop()
 
@@ -193,7 +167,6 @@ class Peer:
         if self.wall_s is None:
             self.wall_s = round(time.monotonic() - self.t0, 2)
         kill_group(self.proc)
-        self._fh.close()
         return self.proc.returncode
 
     def record(self) -> dict[str, Any]:

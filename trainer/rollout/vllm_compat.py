@@ -157,7 +157,7 @@ def pin_saved_buffers(worker) -> int:
     block = getattr(worker, "_rm_pinned_block", None)
     if block is None or block.numel() != offset:
         block = torch.empty(offset, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    for (name, start, n, _, _), t in zip(layout, saved.values()):
+    for (_, start, n, _, _), t in zip(layout, saved.values()):
         if n:
             block[start:start + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
     worker._rm_pinned_block = block
