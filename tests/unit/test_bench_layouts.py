@@ -72,11 +72,15 @@ def test_quick_run_on_the_cpu(tmp_path):
     result = run(tmp_path / "out", quick=True, work_dir=tmp_path / "work")
     assert result["work"]["size"] == QUICK_WORK.size
     names = [r["name"] for r in result["layouts"]]
-    assert names == ["colocate-1", "colocate-2", "1v1-async"]
+    assert names == ["colocate-1", "colocate-2", "1v1-async", "2v1-async-kill"]
     for r in result["layouts"]:
         assert "error" not in r, (r["name"], r.get("error"), r.get("learner_log_tail", "")[-2000:])
         assert r["trained_samples_per_s"] > 0 and r["ledger"]["duplicated"] == 0
         assert r["ledger"]["rows"] >= QUICK_WORK.records_per_step, "every rank's ledger is read"
+        assert r["ledger"]["unaccounted"] == 0, (r["name"], r["ledger"], r.get("carried_at_end"))
+    fault = result["layouts"][-1]["fault"]
+    assert fault["killed_after_step"] >= 1 and fault["restarted_after_s"] >= 0, fault
+    assert fault["quarantined"], ("the killed server was never quarantined", fault)
     assert (tmp_path / "out" / "layouts_quick.json").is_file() and (tmp_path / "out" / "layouts_quick.png").is_file()
     assert isinstance(Layout("a", 1).gpus, int)
 
@@ -111,3 +115,18 @@ def test_layout_timeout_is_a_knob(monkeypatch, tmp_path):
         "name": layout.name, "gpus": 1, "error": "x"})
     layouts.run(tmp_path / "out", quick=True, work_dir=tmp_path)
     assert seen["w"].timeout_s == 42.5
+
+
+def test_fault_outcome_reads_the_learners_log():
+    from trainer.bench.layouts import fault_outcome
+
+    url = "http://127.0.0.1:9"
+    log = (f"WARNING quarantining rollout server {url} (nccl broadcast timed out after 120 s): no rollouts\n"
+           f"WARNING rollout server {url} re-admitted after a full weight re-sync (...)\n")
+    out = fault_outcome({"killed_after_step": 2, "killed_at": 10.0, "restarted_at": 10.5, "healthy_again_at": 70.0},
+                        url, log)
+    assert out["quarantined"] and out["readmitted"] and out["detected_as"].startswith("nccl broadcast timed out")
+    assert out["restarted_after_s"] == 0.5 and out["healthy_again_after_s"] == 60.0
+    other = fault_outcome({"killed_at": 1.0}, "http://127.0.0.1:10", log)
+    assert not other["quarantined"] and not other["readmitted"], "another server's lines do not count"
+    assert "not_injected" in fault_outcome({}, url, "")

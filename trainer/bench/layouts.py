@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,9 @@ class Layout:
     zero: int = 0
     async_rollouts: bool = False
     records_per_step: int | None = None  # None: the work's
+    #: ``kill-server``: once the learner logged its first step, the last server's process group is SIGKILLed (in
+    #: whatever it was doing: a decode or a weight broadcast) and restarted on its port (``kill_and_restart``)
+    fault: str | None = None
 
     @property
     def gpus(self) -> int:
@@ -91,6 +95,7 @@ LAYOUTS = (
     Layout("3v1-sync", 1, servers=3),
     Layout("3v1-async", 1, servers=3, async_rollouts=True),
     Layout("2v2-async", 2, servers=2, async_rollouts=True),
+    Layout("3v1-async-kill", 1, servers=3, async_rollouts=True, fault="kill-server"),
     Layout("colocate-8", 8),
     Layout("6v2-async", 2, servers=6, async_rollouts=True),
     Layout("7v1-async", 1, servers=7, async_rollouts=True),
@@ -98,7 +103,10 @@ LAYOUTS = (
 QUICK_WORK = Work(size="tiny", records_per_step=4, steps=2, max_new_tokens=16, image_size=64, min_objects=1,
                   max_objects=3, packing_length=4096, timeout_s=600.0)
 QUICK_LAYOUTS = (Layout("colocate-1", 1), Layout("colocate-2", 2), Layout("1v1-async", 1, servers=1,
-                                                                          async_rollouts=True))
+                                                                          async_rollouts=True),
+                 Layout("2v1-async-kill", 1, servers=2, async_rollouts=True, fault="kill-server"))
+#: ``vllm.server.readmit_after_s`` of a fault layout: the killed server is probed again this soon
+FAULT_READMIT_AFTER_S = 2.0
 
 
 def gpu_count() -> int:
@@ -159,6 +167,8 @@ def layout_config(layout: Layout, work: Work, model_dir: Path, out_dir: Path, ur
             "servers": [{"base_url": u} for u in urls], "timeout_s": 300, "infer_timeout_s": 900,
             "async_rollouts": {"enabled": layout.async_rollouts, "max_staleness_steps": 1}},
             "sync": {"mode": "full"}}
+        if layout.fault:
+            rm["vllm"]["server"].update(readmit_after_s=FAULT_READMIT_AFTER_S, readmit_max_interval_s=10.0)
     steps = work.steps
     training: dict[str, Any] = {
         "output_dir": str(out_dir), "max_steps": steps, "records_per_step": records, "learning_rate": 1e-5,
@@ -205,6 +215,74 @@ def _tail(path: Path, n: int = 4000) -> str:
     return path.read_text(errors="replace")[-n:] if path.is_file() else ""
 
 
+def logged_steps(run_dir: Path) -> int:
+    """Stage-2 optimizer steps the learner (rank 0) has logged so far."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(1 for x in path.read_text().splitlines()
+               if x.strip() and '"phase": "stage2"' in x and '"loss"' in x)
+
+
+class ServerKill(threading.Thread):
+    """``Layout.fault == "kill-server"``: once the learner logged ``after_steps`` steps, SIGKILL the server's process
+    group, restart it with the same command on the same port, and wait until it answers ``/health/`` again. The
+    learner must quarantine it (the decode or broadcast it was in fails), train on with the others and re-admit it
+    with the current weights (``fault_outcome`` reads that from the learner's log)."""
+
+    def __init__(self, start: Callable[[], subprocess.Popen], proc: subprocess.Popen, url: str, run_dir: Path,
+                 after_steps: int = 1, timeout_s: float = 900.0):
+        super().__init__(daemon=True)
+        self.start_server, self.proc, self.url, self.run_dir = start, proc, url, run_dir
+        self.after_steps, self.timeout_s = after_steps, timeout_s
+        self.events: dict[str, Any] = {}
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        from trainer.launch.health import wait_until_healthy
+
+        end = time.monotonic() + self.timeout_s
+        while logged_steps(self.run_dir) < self.after_steps:
+            if self._halt.wait(0.2) or time.monotonic() > end:
+                return
+        self.events["killed_after_step"] = logged_steps(self.run_dir)
+        self.events["killed_at"] = time.time()
+        stop_group(self.proc, grace_s=0.0)
+        self.proc = self.start_server()
+        self.events["restarted_at"] = time.time()
+        try:
+            wait_until_healthy([self.url], max(1.0, end - time.monotonic()), interval_s=0.5)
+            self.events["healthy_again_at"] = time.time()
+        except Exception as exc:  # noqa: BLE001 - recorded; the learner's own outcome is what the row reports
+            self.events["restart_failed"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(30)
+
+
+def fault_outcome(events: dict[str, Any], url: str, learner_log: str) -> dict[str, Any]:
+    """What the learner made of a ``ServerKill``: whether (and why) it quarantined the server, whether it re-admitted
+    it (after a full weight re-sync), and the restart's timings relative to the kill."""
+    quarantined = next((line for line in learner_log.splitlines() if f"quarantining rollout server {url} " in line),
+                       None)
+    readmitted = any(f"rollout server {url} re-admitted" in line for line in learner_log.splitlines())
+    t = events.get("killed_at")
+    out: dict[str, Any] = {"server": url, "killed_after_step": events.get("killed_after_step"),
+                           "quarantined": quarantined is not None,
+                           "detected_as": quarantined.split("(", 1)[1][:240] if quarantined and "(" in quarantined
+                           else None,
+                           "readmitted": readmitted}
+    for key in ("restarted_at", "healthy_again_at"):
+        if t is not None and key in events:
+            out[key.removesuffix("_at") + "_after_s"] = round(events[key] - t, 2)
+    if "restart_failed" in events:
+        out["restart_failed"] = events["restart_failed"]
+    if t is None:
+        out["not_injected"] = "the learner finished (or failed) before its first step was logged"
+    return out
+
+
 def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
     """Throughput and per-step means from a finished run's metrics (rank 0) and every rank's ledger, over the steps
     after ``first_step`` - 1 (the warm-up steps before it are left out)."""
@@ -232,6 +310,7 @@ def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
                                        "time/forward_s", "time/backward_s", "rollout/samples", "rollout/staleness_mean",
                                        "batch/rows_per_step", "batch/fill", "batch/filler_rows", "packing/carried")},
         "learner_peak_gib": max((r.get("mem/step_peak_gib", 0.0) for r in steps), default=None),
+        "carried_at_end": steps[-1].get("packing/carried"),
     }
 
 
@@ -255,16 +334,19 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True, exist_ok=True)
     servers: list[subprocess.Popen] = []
+    fault: ServerKill | None = None
     sampler = GpuSampler() if cuda else None
     learner_gpus = list(range(layout.servers, layout.gpus)) if cuda else None
     try:
         ports = listen_ports(layout.servers) if layout.servers else []
-        for i, port in enumerate(ports):
+        def start_server(i: int) -> subprocess.Popen:
             argv = [sys.executable, "-m", "trainer", "serve", "--engine", "vllm" if cuda else "hf", "--model",
-                    str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+                    str(model_dir), "--host", "127.0.0.1", "--port", str(ports[i]), "--log-level", "warning"]
             if cuda:
                 argv += ["--max-model-len", "4096", "--gpu-memory-utilization", str(work.server_util)]
-            servers.append(_popen(argv, logs / f"server-{i}.log", [i] if cuda else None))
+            return _popen(argv, logs / f"server-{i}.log", [i] if cuda else None)
+
+        servers.extend(start_server(i) for i in range(len(ports)))
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         if urls:
             from trainer.launch.health import wait_until_healthy
@@ -284,15 +366,28 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
             sampler.start()
         t0 = time.perf_counter()
         learner = _popen(argv, logs / "learner.log", learner_gpus)
+        if layout.fault == "kill-server" and servers:
+            victim = len(servers) - 1
+            fault = ServerKill(lambda: start_server(victim), servers[victim], urls[victim], run_dir,
+                               timeout_s=work.timeout_s)
+            fault.start()
         try:
             rc = learner.wait(work.timeout_s)
         except subprocess.TimeoutExpired:
             _stop(learner)
             raise RuntimeError(f"learner did not finish in {work.timeout_s:.0f} s") from None
+        finally:
+            if fault is not None:
+                fault.stop()
+                servers[-1] = fault.proc
+                rec["fault"] = fault_outcome(fault.events, urls[-1], _tail(logs / "learner.log", 10**7))
         rec["learner_wall_s"] = time.perf_counter() - t0
         if rc != 0:
             raise RuntimeError(f"learner exited with {rc}")
         rec.update(measure(run_dir))
+        records = layout.records_per_step or work.records_per_step
+        # every record a step took is trained (ledger) or still waits in the carry: none lost
+        rec["ledger"]["unaccounted"] = records * work.steps - rec["ledger"]["rows"] - int(rec["carried_at_end"] or 0)
         if sampler is not None:
             sampler.stop()
             rec["gpu"] = sampler.summary(*rec["window"])
@@ -373,7 +468,7 @@ def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = 
                  "timeout_s": env.get("RM_BENCH_LAYOUT_TIMEOUT_S")}
     casts = {"size": str, "timeout_s": float}
     work = replace(work, **{k: casts.get(k, int)(v) for k, v in overrides.items() if v})
-    layouts = select(LAYOUTS if cuda else QUICK_LAYOUTS, gpus if cuda else 2, env.get("RM_BENCH_LAYOUTS"))
+    layouts = select(LAYOUTS if cuda else QUICK_LAYOUTS, gpus if cuda else 3, env.get("RM_BENCH_LAYOUTS"))
     root = Path(work_dir or env.get("RM_BENCH_WORK", "/tmp/rm-bench-layouts"))
     root.mkdir(parents=True, exist_ok=True)
     model_dir = save_model(work, root, cuda)
