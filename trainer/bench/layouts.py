@@ -91,6 +91,7 @@ LAYOUTS = (
     Layout("1v1-async", 1, servers=1, async_rollouts=True),
     Layout("colocate-4", 4),
     Layout("colocate-4-zero2", 4, zero=2),
+    Layout("colocate-4-r256", 4, records_per_step=256),  # 64 records per engine, as colocate-1 decodes
     Layout("colocate-tp4", 4, tp=4),
     Layout("3v1-sync", 1, servers=3),
     Layout("3v1-async", 1, servers=3, async_rollouts=True),
