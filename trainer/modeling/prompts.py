@@ -60,15 +60,21 @@ class PromptEncoder:
     """Builds chat messages for a sample and encodes them with the model's template.
 
     Text-only models see the record's ``scene`` text (an error if it lacks one); VL models see the images,
-    preprocessed by the model's image processor, with one ``<|image_pad|>`` per merged patch.
+    preprocessed by the model's image processor, with one ``<|image_pad|>`` per merged patch. ``pixel_dtype``
+    (a 16-bit model's weight dtype, or None): the pixel values are kept in it. The vision tower casts them to its
+    weights' dtype first thing, so a 16-bit model sees the same values, and every copy of them (packing, to the GPU,
+    the carry, the rollout buffer) moves half the bytes of float32.
     """
 
     def __init__(self, tokenizer, image_processor=None, system_prompt: str | None = None,
-                 instruction: str = DEFAULT_INSTRUCTION):
+                 instruction: str = DEFAULT_INSTRUCTION, pixel_dtype: torch.dtype | None = None):
+        if pixel_dtype is not None and pixel_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"pixel_dtype must be a 16-bit model dtype or None (float32 pixels), got {pixel_dtype}")
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.system_prompt = system_prompt
         self.instruction = instruction
+        self.pixel_dtype = pixel_dtype
 
     @property
     def multimodal(self) -> bool:
@@ -101,7 +107,9 @@ class PromptEncoder:
         if sample.images:
             images = [upright_image(sample, p) for p in sample.images]
             out = self.image_processor(images=images, return_tensors="pt")
-            mm = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+            pixels = out["pixel_values"]
+            mm = {"pixel_values": pixels if self.pixel_dtype is None else pixels.to(self.pixel_dtype),
+                  "image_grid_thw": out["image_grid_thw"]}
             text = expand_image_pads(text, mm["image_grid_thw"], self.image_processor.merge_size)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return EncodedPrompt(list(ids), msgs, list(sample.images), mm)

@@ -165,7 +165,9 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
 
 def build_pipeline(cfg: TrainConfig, loaded: LoadedModel) -> Stage2Pipeline:
     rm = cfg.rollout_matching
-    encoder = PromptEncoder(loaded.tokenizer, loaded.image_processor, cfg.data.system_prompt)
+    weights = getattr(torch, cfg.model.torch_dtype, None)  # the base weights' dtype (a LoRA adapter's may differ)
+    encoder = PromptEncoder(loaded.tokenizer, loaded.image_processor, cfg.data.system_prompt,
+                            pixel_dtype=weights if weights in (torch.bfloat16, torch.float16) else None)
     settings = MatchingSettings(rm.matching.mask_iou_threshold, rm.matching.candidate_top_k,
                                 rm.matching.mask_resolution, rm.poly.sinkhorn_epsilon, rm.poly.sinkhorn_iters)
     return Stage2Pipeline(encoder, settings)
