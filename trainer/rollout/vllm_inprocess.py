@@ -302,7 +302,7 @@ class InProcessVllm:
     def wake_in_background(self, tags: Sequence[str] = ("weights",)) -> bool:
         """Start waking what of ``tags`` sleeps on a thread (vLLM's wake is host work: one driver mapping per
         allocation), so that it overlaps the learner's checks and LoRA merge on the GPU; the next ``wake`` or
-        ``sleep`` waits for it and re-raises its error. Returns whether a wake was started."""
+        ``sleep`` waits for it and raises its error there, unchanged. Returns whether a wake was started."""
         todo = [t for t in tags if t in self._asleep]
         if not todo or self._waking is not None:
             return False
@@ -328,9 +328,8 @@ class InProcessVllm:
         todo, thread, errors = self._waking
         thread.join()
         self._waking = None
-        if errors:
-            raise VllmEngineError(f"vLLM's wake of {todo} failed: {type(errors[0]).__name__}: {errors[0]}") \
-                from errors[0]
+        if errors:  # the error the wake would have raised on this thread (a CUDA OOM stays an OOM for its advice)
+            raise errors[0]
         self._asleep -= set(todo)
 
     def wake(self, tags: Sequence[str] = ("weights", "kv_cache"), phase_name: str = "wake") -> None:
