@@ -50,7 +50,8 @@ class Layout:
     async_rollouts: bool = False
     records_per_step: int | None = None  # None: the work's
     #: ``kill-server``: once the learner logged its first step, the last server's process group is SIGKILLed (in
-    #: whatever it was doing: a decode or a weight broadcast) and restarted on its port (``kill_and_restart``)
+    #: whatever it was doing: a decode or a weight broadcast) and restarted on its port (``ServerKill``); the run
+    #: trains ``FAULT_EXTRA_STEPS`` more steps than the work's
     fault: str | None = None
 
     @property
@@ -108,6 +109,9 @@ QUICK_LAYOUTS = (Layout("colocate-1", 1), Layout("colocate-2", 2), Layout("1v1-a
                  Layout("2v1-async-kill", 1, servers=2, async_rollouts=True, fault="kill-server"))
 #: ``vllm.server.readmit_after_s`` of a fault layout: the killed server is probed again this soon
 FAULT_READMIT_AFTER_S = 2.0
+#: a fault layout trains this many steps more than the work's: the kill comes once step 1 is logged, and the
+#: learner must still push weights and decode after it (a run that ended first would prove nothing)
+FAULT_EXTRA_STEPS = 3
 
 
 def gpu_count() -> int:
@@ -329,6 +333,9 @@ def save_model(work: Work, root: Path, cuda: bool) -> Path:
 
 def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bool) -> dict[str, Any]:
     rec: dict[str, Any] = {"layout": asdict(layout), "name": layout.name, "gpus": layout.gpus}
+    if layout.fault:
+        work = replace(work, steps=work.steps + FAULT_EXTRA_STEPS)
+        rec["steps"] = work.steps
     run_dir = root / "runs" / layout.name
     logs = root / "logs" / layout.name
     shutil.rmtree(run_dir, ignore_errors=True)
