@@ -16,7 +16,7 @@ import sys
 import pytest
 import yaml
 
-from tests.grpo.conftest import REPO
+from tests.grpo.conftest import REPO, tiny_text_grpo_config
 from trainer.grpo.rewards import REWARD_NAMES
 
 pytestmark = pytest.mark.slow
@@ -24,30 +24,9 @@ pytestmark = pytest.mark.slow
 
 def test_swift_rlhf_grpo_two_steps_with_summary_rewards(tmp_path, summary_dataset):
     pytest.importorskip("swift", reason="ms-swift is not installed (make setup installs it via mk/grpo.mk)")
-    from trainer.modeling.fixtures import save_tiny_model
-
-    model = save_tiny_model(tmp_path / "tiny_text", kind="text")
-    text_rows = tmp_path / "text.jsonl"
-    with text_rows.open("w", encoding="utf-8") as out:
-        for line in summary_dataset.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            row.pop("images")
-            row["messages"][-1]["content"] = row["messages"][-1]["content"].replace("<image>", "")
-            out.write(json.dumps(row, ensure_ascii=False) + "\n")
-    out_dir = tmp_path / "out"
-    cfg = tmp_path / "smoke.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "extends": str(REPO / "configs/summary_1024_attr_key_recall.yaml"),
-        "model": {"path": str(model), "torch_dtype": "float32"},
-        "data": {"train_jsonl": str(text_rows)},
-        "training": {"output_dir": str(out_dir), "bf16": False, "deepspeed": None, "per_device_train_batch_size": 2,
-                     "gradient_accumulation_steps": 1, "max_steps": 2, "save_steps": 0,
-                     "gradient_checkpointing": False, "report_to": []},
-        "rlhf": {"model_type": "qwen3", "template": "qwen3_nothinking", "use_vllm": False, "vllm_mode": None,
-                 "num_generations": 2, "generation_batch_size": 4, "max_completion_length": 24, "max_length": 1024,
-                 "dynamic_sample": False},
-        "custom": {"extra": {"rollout_server": None}},
-    }, allow_unicode=True))
+    cfg, out_dir = tiny_text_grpo_config(tmp_path, summary_dataset, "configs/summary_1024_attr_key_recall.yaml", batch=2,
+                                         rlhf={"num_generations": 2, "generation_batch_size": 4,
+                                               "max_completion_length": 24})
     env = dict(os.environ, VLLM_PLUGINS="", TOKENIZERS_PARALLELISM="false", USE_HF="1", HF_HUB_OFFLINE="1",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NPROC_PER_NODE", "SUMMARY_SCHEMA_DATASET"):

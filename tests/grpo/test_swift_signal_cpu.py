@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
-from tests.grpo.conftest import REPO
+from tests.grpo.conftest import tiny_text_grpo_config
 from trainer.bench import swift_peers as sp
 
 pytestmark = pytest.mark.slow
@@ -22,24 +21,9 @@ pytestmark = pytest.mark.slow
 
 def test_swift_rlhf_at_random_weights_has_a_learning_signal(tmp_path, summary_dataset):
     pytest.importorskip("swift", reason="ms-swift is not installed (make setup installs it via mk/grpo.mk)")
-    from trainer.modeling.fixtures import save_tiny_model
-
-    model = save_tiny_model(tmp_path / "tiny_text", kind="text")
-    rows = sp.text_rows(summary_dataset, tmp_path / "text.jsonl")
-    out_dir = tmp_path / "out"
-    cfg = tmp_path / "signal.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "extends": str(REPO / sp.SUMMARY_CONFIG),
-        "model": {"path": str(model), "torch_dtype": "float32"},
-        "data": {"train_jsonl": str(rows)},
-        "training": {"output_dir": str(out_dir), "bf16": False, "deepspeed": None, "per_device_train_batch_size": 4,
-                     "gradient_accumulation_steps": 1, "max_steps": 2, "save_steps": 0,
-                     "gradient_checkpointing": False, "report_to": []},
-        "rlhf": {"model_type": "qwen3", "template": "qwen3_nothinking", "use_vllm": False, "vllm_mode": None,
-                 "num_generations": 4, "generation_batch_size": 4, "max_completion_length": 32, "max_length": 1024,
-                 "temperature": sp.GRPO_TEMPERATURE, "dynamic_sample": False},
-        "custom": {"extra": {"rollout_server": None}},
-    }, allow_unicode=True))
+    cfg, out_dir = tiny_text_grpo_config(tmp_path, summary_dataset, sp.SUMMARY_CONFIG, batch=4, rlhf={
+        "num_generations": 4, "generation_batch_size": 4, "max_completion_length": 32,
+        "temperature": sp.GRPO_TEMPERATURE})
     argv, env = sp.rlhf_command(cfg)
     argv = sp.with_signal_reward(argv)
     env["MASTER_PORT"] = str(sp.free_port())
