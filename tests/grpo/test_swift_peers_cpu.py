@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from trainer.bench import swift_peers as sp
+from trainer.bench.processes import stop_group
 
 MODEL = Path("/nonexistent/peers-model")
 
@@ -136,7 +137,7 @@ def test_sigterm_ignored_gets_sigkill(tmp_path):
     peer = sp.Peer([sys.executable, "-c", script], tmp_path / "stubborn.log")
     time.sleep(1.0)
     t0 = time.monotonic()
-    sp.kill_group(peer.proc, grace_s=1.0)
+    stop_group(peer.proc, grace_s=1.0)
     assert peer.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 10
 
 

@@ -220,13 +220,17 @@ def _tail(path: Path, n: int = 4000) -> str:
     return path.read_text(errors="replace")[-n:] if path.is_file() else ""
 
 
-def logged_steps(run_dir: Path) -> int:
-    """Stage-2 optimizer steps the learner (rank 0) has logged so far."""
+def stage2_steps(run_dir: Path) -> list[dict[str, Any]]:
+    """The stage-2 optimizer-step rows the learner (rank 0) has logged so far (none before its metrics file exists)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        return 0
-    return sum(1 for x in path.read_text().splitlines()
-               if x.strip() and '"phase": "stage2"' in x and '"loss"' in x)
+        return []
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [r for r in rows if r.get("phase") == "stage2" and "loss" in r]
+
+
+def logged_steps(run_dir: Path) -> int:
+    return len(stage2_steps(run_dir))
 
 
 class ServerKill(threading.Thread):
@@ -291,8 +295,7 @@ def fault_outcome(events: dict[str, Any], url: str, learner_log: str) -> dict[st
 def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
     """Throughput and per-step means from a finished run's metrics (rank 0) and every rank's ledger, over the steps
     after ``first_step`` - 1 (the warm-up steps before it are left out)."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps = [r for r in rows if r.get("phase") == "stage2" and "loss" in r]
+    steps = stage2_steps(run_dir)
     if len(steps) <= first_step:
         raise RuntimeError(f"{len(steps)} steps logged; need more than {first_step} to measure")
     ledger = [json.loads(x) for p in sorted((run_dir / "stage2").glob("ledger*.jsonl"))
@@ -390,7 +393,9 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
             if fault is not None:
                 fault.stop()
                 servers[-1] = fault.proc
-                rec["fault"] = fault_outcome(fault.events, urls[-1], _tail(logs / "learner.log", 10**7))
+                learner_log = logs / "learner.log"
+                rec["fault"] = fault_outcome(fault.events, urls[-1],
+                                             learner_log.read_text(errors="replace") if learner_log.is_file() else "")
         rec["learner_wall_s"] = time.perf_counter() - t0
         if rc != 0:
             raise RuntimeError(f"learner exited with {rc}")

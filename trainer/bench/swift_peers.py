@@ -137,11 +137,6 @@ def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Stop ``proc``'s whole process group and wait until it is empty (``trainer.bench.processes.stop_group``)."""
-    stop_group(proc, grace_s)
-
-
 class Peer:
     """One subprocess in its own session, output (stdout + stderr) to ``log``; ``stop()`` kills its whole group."""
 
@@ -166,7 +161,7 @@ class Peer:
     def stop(self) -> int | None:
         if self.wall_s is None:
             self.wall_s = round(time.monotonic() - self.t0, 2)
-        kill_group(self.proc)
+        stop_group(self.proc)
         return self.proc.returncode
 
     def record(self) -> dict[str, Any]:
