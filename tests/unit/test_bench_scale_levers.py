@@ -89,11 +89,13 @@ def test_prewake_knob_runs_both_and_reaches_the_sync_config(tmp_path):
     runs = scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"),
                              scale.lever_knobs(None, None, None, "1,0"))
     assert [r.prewake for r in runs][:2] == [True, False]
-    assert runs[1].name.endswith("-noprewake") and not runs[0].name.endswith("-noprewake")
+    assert runs[0].name.endswith("-prewake") and not runs[1].name.endswith("prewake"), "the default (off) has no suffix"
     cfg = scale.stage2_config(runs[1], tmp_path, tmp_path / "out", "vllm")
     assert cfg["custom"]["extra"]["rollout_matching"]["vllm"]["sync"]["prewake"] is False
     from trainer.config.schema import validate_config
 
     assert validate_config(cfg).custom.extra.rollout_matching.vllm.sync.prewake is False
+    assert validate_config(scale.stage2_config(scale.selected("8b-lora64-sleep2-util0.35")[0], tmp_path, tmp_path / "o",
+                                               "vllm")).custom.extra.rollout_matching.vllm.sync.prewake is False
     with pytest.raises(SystemExit, match="RM_BENCH_SCALE_PREWAKE"):
         scale.lever_knobs(None, None, None, "yes")

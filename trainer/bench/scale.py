@@ -102,8 +102,9 @@ class ScaleRun:
     #: ``training.optim`` (``RM_BENCH_SCALE_OPTIM``: adamw_torch_fused, the default, or adamw_torch, suffix
     #: ``-unfusedadam``)
     optim: str = "adamw_torch_fused"
-    #: ``vllm.sync.prewake`` (``RM_BENCH_SCALE_PREWAKE``: 1, the default, or 0, suffix ``-noprewake``)
-    prewake: bool = True
+    #: ``vllm.sync.prewake`` (``RM_BENCH_SCALE_PREWAKE``: 0, the default since session 15, or 1, suffix ``-prewake``;
+    #: session 15's records named ``-noprewake`` ran with it off when on was the default)
+    prewake: bool = False
 
     @property
     def name(self) -> str:
@@ -115,7 +116,7 @@ class ScaleRun:
         merge = "-mergef32" if self.merge_precision == "float32" else ""
         levers = ("-liger" if self.liger else "") + (
             "" if self.checkpointing == "full" else f"-ckpt{self.checkpointing}") + (
-            "-unfusedadam" if self.optim == "adamw_torch" else "") + ("" if self.prewake else "-noprewake")
+            "-unfusedadam" if self.optim == "adamw_torch" else "") + ("-prewake" if self.prewake else "")
         return (f"{self.size}-{tuner}{served}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
 

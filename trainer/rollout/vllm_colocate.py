@@ -107,7 +107,7 @@ class VllmColocateEngine:
                  max_lora_rank: int = 16, enable_prefix_caching: bool = True, sleep_level: int = 0, seed: int = 0,
                  dtype: str = "auto", rank: int | None = None, world_size: int | None = None,
                  allow_dtype_cast: bool = False, engine_kwargs: dict[str, Any] | None = None,
-                 merge_precision: str = "weight_dtype", prewake: bool = True):
+                 merge_precision: str = "weight_dtype", prewake: bool = False):
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
