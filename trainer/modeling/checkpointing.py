@@ -25,13 +25,19 @@ A forward over ``tokens`` with ``c`` of the ``L`` layers checkpointed keeps ``(L
 inputs (``h x dtype_bytes`` a token) plus, when ``c > 0``, one layer's activations rebuilt at a time in the backward.
 The budget is the device's memory less ``headroom`` (10 %: allocator fragmentation, CUDA context, NCCL), less the
 weights, gradients and AdamW's two states (``resident_bytes``; DeepSpeed ZeRO shards or offloads them), less a
-colocated vLLM engine that stays awake through the step (``sleep_level: 0``: its ``gpu_memory_utilization`` share; a
-sleeping one: ``SLEEPING_ENGINE_GIB`` for its CUDA graphs and workspace), less the loss's logits (3 fp32 copies of
+colocated vLLM engine's ``gpu_memory_utilization`` share, asleep or awake, less the loss's logits (3 fp32 copies of
 ``logit_chunk_rows`` x vocabulary; every supervised row, bounded by the tokens, without chunking). ``auto`` takes
 the first that fits of: off, selective every 4, 3, 2 layers, full (full also when nothing fits).
 
-Uncalibrated: the formula counts saved tensors; it has not been checked against measured per-phase peaks on a GPU
-(``RM_BENCH_SCALE_CKPT=auto`` records the choice beside ``mem/backward_peak_gib``; see docs/benchmarks/README.md).
+A sleeping engine is charged its whole share because the learner's activations must leave room for the engine to
+map its pool back before the next decode: the blocks torch's allocator cached from the backward are not handed back
+to vLLM's wake. Measured on an H100 (session 15, Qwen3-VL-2B full, 16k-token rows, engine at 0.3, sleep level 2;
+``docs/benchmarks/README.md``): with the share of a sleeping engine counted as 2 GiB, ``auto`` chose selective every
+4th layer, which trained but then failed to wake the KV cache ("CUDA Error: out of memory" in vLLM's cumem allocator),
+as ``off`` did; full and selective every 2nd layer ran. Counting the share, ``auto`` picks selective every 2nd layer
+there. The activation estimate against the measured backward peaks less the memory held between steps, same run:
+off 55.1 GiB estimated / 46.7 measured (one 16k row), selective/4 43.8 / 34.6-42.9, selective/2 30.4 / 22.6-31.3
+(the higher figure in each range: a step of two rows).
 """
 
 from __future__ import annotations
@@ -52,7 +58,6 @@ DEFAULT_EVERY_N = 2
 #: the selective spacings ``auto`` tries, fewest checkpointed layers first
 AUTO_SPACINGS = (4, 3, 2)
 HEADROOM = 0.10
-SLEEPING_ENGINE_GIB = 2.0
 #: packing off: prompt tokens assumed per target beside ``decoding.max_new_tokens`` (a 1024-visual-token image prompt)
 PROMPT_TOKENS = 2048
 GIB = 2**30
@@ -222,7 +227,7 @@ def memory_plan(cfg, model: torch.nn.Module, world_size: int = 1, device: float 
     rm = cfg.custom.extra.rollout_matching
     engine = 0.0
     if rm is not None and rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate":
-        engine = rm.vllm.gpu_memory_utilization * total if rm.vllm.sleep_level == 0 else SLEEPING_ENGINE_GIB * GIB
+        engine = rm.vllm.gpu_memory_utilization * total
     chunk = rm.loss.logit_chunk_rows if rm is not None and rm.loss.supervised_logits_only else None
     loss = 3 * 4 * min(chunk or tokens, tokens) * shape.vocab
     return MemoryPlan(shape, tokens, dtype_bytes, total, resident_bytes(model, t.deepspeed, world_size), engine,
