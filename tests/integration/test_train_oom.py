@@ -49,7 +49,7 @@ def test_out_of_memory_in_the_forward_names_the_packing_length_and_the_checkpoin
     assert (err.phase, err.step) == ("forward", 2)
     text = str(err)
     assert text.startswith(f"training step 2 ran out of GPU memory in forward: {TORCH_MESSAGE}")
-    assert "training.packing_length (now 512)" in text and "training.gradient_checkpointing: true (now false)" in text
+    assert "training.packing_length (now 512)" in text and "training.gradient_checkpointing_policy: full (now off)" in text
     assert text.endswith(f"resume from {tmp_path / 'run' / 'stage2' / 'checkpoint-1'} with the change "
                          "(--resume-from-checkpoint latest).")
     assert isinstance(err.__cause__, torch.OutOfMemoryError) and not isinstance(err.__cause__, TrainingOutOfMemory)

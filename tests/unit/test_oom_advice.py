@@ -31,7 +31,7 @@ def test_training_phases_name_the_forward_s_knobs_with_their_values():
     lines = advice(None, loose)  # outside any named phase: the backward and the optimizer step
     assert lines[0].startswith("training.per_device_train_batch_size (now 4)")
     joined = "\n".join(lines)
-    for want in ("training.gradient_checkpointing: true (now false)", f"{RM}.loss.supervised_logits_only: true",
+    for want in ("training.gradient_checkpointing_policy: full (now off)", f"{RM}.loss.supervised_logits_only: true",
                  f"{RM}.vllm.sleep_level: 2 (now 0)", "gpu_memory_utilization=0.35",
                  "tuner.train_type: lora (now full)"):
         assert want in joined, (want, lines)
@@ -125,3 +125,35 @@ def test_settings_are_read_from_the_config():
         rm.decoding.max_new_tokens)
     warm = memory_settings(cfg, stage1=True)
     assert (warm.packing, warm.batch_size, warm.batch_key) == (False, cfg.stage1.batch_size, "stage1.batch_size")
+
+
+def test_a_wake_that_runs_out_points_at_the_learner_s_checkpointing_first():
+    """Session 15 on the H100: 2B full with checkpointing off or selective every 4th layer trained, then the sleeping
+    engine could not map its KV cache back; full and every 2nd layer ran."""
+    every4 = replace(EIGHT_B_LORA, tuner="full", checkpointing="selective/4", gpu_memory_utilization=0.3)
+    for phase in ("wake", "sync_wake"):
+        lines = advice(phase, every4)
+        assert lines[0].startswith("training.gradient_checkpointing_policy: full (now selective/4): the sleeping "
+                                   "engine maps its pool (gpu_memory_utilization=0.3) back"), lines
+        assert lines[1].startswith("training.packing_length (now 16384)"), lines
+    assert advice("wake", every4)[2:] == advice("generate", every4), "then the engine's own knobs"
+    assert not any("gradient_checkpointing_policy" in x for x in advice("wake", EIGHT_B_LORA)), "full already"
+    assert not any("gradient_checkpointing_policy" in x
+                   for x in advice("wake", replace(every4, sleep_level=0))), "an engine that never sleeps"
+    assert "(now selective/4)" in advice("forward", every4)[1]
+
+
+def test_the_checkpointing_label_is_the_policy_that_runs():
+    from trainer.config.schema import validate_config
+
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    for update, label in (({"gradient_checkpointing_policy": "selective",
+                            "gradient_checkpointing_every_n_layers": 3}, "selective/3"),
+                          ({"gradient_checkpointing_policy": "selective"}, "selective/2"),
+                          ({"gradient_checkpointing_policy": "off"}, "off"),
+                          ({"gradient_checkpointing_policy": None, "gradient_checkpointing": True}, "full")):
+        data = cfg.model_dump()
+        data["training"].update(update)
+        assert memory_settings(validate_config(data)).checkpointing_label == label, update
+    assert MemorySettings(gradient_checkpointing=True).checkpointing_label == "full"
+    assert MemorySettings().checkpointing_label == "off"

@@ -40,7 +40,7 @@ class _LLM:
     """vLLM's sleep/wake as its GPU worker does them: level 2 saves every buffer (``.cpu().clone()``) and discards
     the memory (here: overwritten); a wake of the weights restores whatever is still in ``_sleep_saved_buffers``."""
 
-    def __init__(self, fail_wake: bool = False):
+    def __init__(self, fail_wake: bool | str = False):
         self.worker = _Worker()
         self.calls: list[tuple] = []
         self.fail_wake = fail_wake
@@ -56,7 +56,7 @@ class _LLM:
     def wake_up(self, tags):
         self.calls.append(("wake_up", tuple(tags), threading.current_thread().name))
         if self.fail_wake:
-            raise RuntimeError("cuMemCreate failed")
+            raise RuntimeError(self.fail_wake if isinstance(self.fail_wake, str) else "cuMemCreate failed")
         if "weights" in tags:
             model = self.worker.model_runner.model
             for n, b in model.named_buffers():
@@ -152,6 +152,32 @@ def test_background_wake_error_is_raised_where_the_engine_is_next_used():
         engine.wake(("weights",))
     assert type(raised.value) is RuntimeError, "the wake's own error, as the synchronous wake would raise it"
     assert "weights" in engine._asleep and engine._waking is None
+
+
+CUMEM_OOM = "CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163"
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_an_allocator_out_of_memory_at_the_wake_is_torch_s_out_of_memory_error_in_the_wake_phase(background):
+    """What vLLM 0.26 raised on the H100 (session 15) when a 2B full fine-tune without checkpointing left too little
+    for the KV cache: a RuntimeError from its allocator, which the step's out-of-memory handling did not catch."""
+    from trainer.telemetry import PhaseTimers
+
+    engine = _engine(2, _LLM(fail_wake=CUMEM_OOM))
+    engine._asleep = {"weights", "kv_cache"}
+    timers = PhaseTimers(memory=None)
+    with timers.bound(), pytest.raises(torch.OutOfMemoryError) as info:
+        if background:
+            assert engine.wake_in_background(("weights",))
+            engine.wake(("weights",), phase_name="sync_wake")
+        else:
+            engine.wake()
+    text = str(info.value)
+    assert "could not map its " + ("weights" if background else "weights + kv_cache") + " back (" + CUMEM_OOM in text
+    assert "custom.extra.rollout_matching.vllm.gpu_memory_utilization=0.45" in text
+    assert isinstance(info.value.__cause__, RuntimeError) and str(info.value.__cause__) == CUMEM_OOM
+    assert timers.out_of_memory_in == ("sync_wake" if background else "wake")
+    assert engine._asleep == {"weights", "kv_cache"}, "nothing woke"
 
 
 def test_sleep_waits_for_a_background_wake_first():

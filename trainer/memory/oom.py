@@ -22,6 +22,8 @@ TRAIN_PHASES = frozenset({"forward", "backward"})
 SYNC_PHASES = frozenset({"weight_sync", "sync_learner_check", "sync_collect", "sync_check", "sync_wake", "sync_load",
                          "sync_identity", "sync_push", "sync_wait_decodes"})
 ROLLOUT_PHASES = frozenset({"rollout", "generate", "wake", "sleep"})
+#: a sleeping engine mapping its memory back (the KV cache before a decode, the weights in a sync)
+WAKE_PHASES = frozenset({"wake", "sync_wake"})
 #: ``optimizer.step()`` (AdamW's first call allocates its two states for every trained parameter)
 OPTIMIZER_PHASES = frozenset({"optimizer"})
 
@@ -37,6 +39,8 @@ class MemorySettings:
     batch_size: int = 1
     batch_key: str = "training.per_device_train_batch_size"
     gradient_checkpointing: bool = False
+    #: the checkpointing policy that runs (``full``, ``off``, ``selective/N``; ``auto`` resolved); empty: from the bool
+    checkpointing: str = ""
     supervised_logits_only: bool = True
     logit_chunk_rows: int | None = 1024
     rollout_backend: str = "vllm"
@@ -55,6 +59,16 @@ class MemorySettings:
     def colocate(self) -> bool:
         return self.rollout_backend == "vllm" and self.vllm_mode == "colocate"
 
+    @property
+    def checkpointing_label(self) -> str:
+        return self.checkpointing or ("full" if self.gradient_checkpointing else "off")
+
+
+def checkpointing_label(t) -> str:
+    """The policy a (resolved) ``TrainingConfig`` runs: ``full``, ``off``, ``auto`` or ``selective/N``."""
+    policy = t.checkpointing_policy
+    return f"selective/{t.gradient_checkpointing_every_n_layers or 2}" if policy == "selective" else policy
+
 
 def memory_settings(cfg, stage1: bool = False) -> MemorySettings:
     """``MemorySettings`` of a validated ``TrainConfig``'s stage 2 (``stage1``: of its teacher-forced warm-up, which
@@ -67,12 +81,12 @@ def memory_settings(cfg, stage1: bool = False) -> MemorySettings:
     if rm is None:
         return MemorySettings(tuner=cfg.tuner.train_type, deepspeed=t.deepspeed, packing=t.packing,
                               packing_length=t.packing_length, batch_size=t.per_device_train_batch_size,
-                              gradient_checkpointing=t.gradient_checkpointing)
+                              gradient_checkpointing=t.gradient_checkpointing, checkpointing=checkpointing_label(t))
     v = rm.vllm
     return MemorySettings(
         tuner=cfg.tuner.train_type, deepspeed=t.deepspeed, packing=t.packing, packing_length=t.packing_length,
         batch_size=t.per_device_train_batch_size, gradient_checkpointing=t.gradient_checkpointing,
-        supervised_logits_only=rm.loss.supervised_logits_only, logit_chunk_rows=rm.loss.logit_chunk_rows,
+        checkpointing=checkpointing_label(t), supervised_logits_only=rm.loss.supervised_logits_only, logit_chunk_rows=rm.loss.logit_chunk_rows,
         rollout_backend=rm.rollout_backend, vllm_mode=v.mode,
         gpu_memory_utilization=v.gpu_memory_utilization, sleep_level=v.sleep_level, enable_lora=v.enable_lora,
         sync_mode=v.sync.mode, sync_transport=v.sync.transport, bucket_mb=v.sync.bucket_mb,
@@ -88,9 +102,8 @@ def _train_advice(s: MemorySettings) -> list[str]:
     else:
         out.append(f"{s.batch_key} (now {s.batch_size}): fewer targets per padded forward (set "
                    "training.records_per_step to keep the records per optimizer step)")
-    if not s.gradient_checkpointing:
-        out.append("training.gradient_checkpointing: true (now false): keep one activation per layer, recompute the "
-                   "rest in the backward")
+    if s.checkpointing_label != "full":
+        out.append(_checkpointing_line(s, "keep one input per layer, recompute the rest in the backward"))
     if not s.supervised_logits_only:
         out.append(f"{RM}.loss.supervised_logits_only: true (now false): logits only where a label or coord slot "
                    "is supervised, not over the whole vocabulary at every position")
@@ -103,6 +116,24 @@ def _train_advice(s: MemorySettings) -> list[str]:
     if s.tuner == "full" and not s.deepspeed:
         out.append("tuner.train_type: lora (now full), or training.deepspeed: zero2_offload / zero3_offload: a full "
                    "fine-tune holds weights, gradients and AdamW's two states for every parameter")
+    return out
+
+
+def _checkpointing_line(s: MemorySettings, why: str) -> str:
+    return f"training.gradient_checkpointing_policy: full (now {s.checkpointing_label}): {why}"
+
+
+def _wake_advice(s: MemorySettings) -> list[str]:
+    """A sleeping colocated engine maps its pool back beside what the learner's forward and backward left reserved
+    (torch keeps the backward's blocks cached): the learner's activations decide whether it fits."""
+    if not (s.colocate and s.sleep_level):
+        return []
+    why = (f"the sleeping engine maps its pool (gpu_memory_utilization={s.gpu_memory_utilization:g}) back beside what "
+           "the learner's backward left reserved")
+    out = [_checkpointing_line(s, why)] if s.checkpointing_label != "full" else []
+    if s.packing:
+        out.append(f"training.packing_length (now {s.packing_length}): fewer activations per packed row, so less "
+                   "held by the learner when the engine wakes")
     return out
 
 
@@ -164,9 +195,9 @@ def advice(phase: str | None, s: MemorySettings) -> list[str]:
     if phase is None or phase in TRAIN_PHASES:
         out = _train_advice(s)
     elif phase in SYNC_PHASES:
-        out = _sync_advice(s)
+        out = (_wake_advice(s) if phase in WAKE_PHASES else []) + _sync_advice(s)
     elif phase in ROLLOUT_PHASES:
-        out = _rollout_advice(s)
+        out = (_wake_advice(s) if phase in WAKE_PHASES else []) + _rollout_advice(s)
     elif phase in OPTIMIZER_PHASES:
         out = _optimizer_advice(s)
     else:

@@ -106,6 +106,28 @@ def _chain_text(exc: BaseException) -> str:
     return "\n".join(f"{type(e).__name__}: {e}" for e in exception_chain(exc))
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` or its causes say the device ran out of memory (torch's error or a message of vLLM's)."""
+    return any(isinstance(e, torch.OutOfMemoryError) for e in exception_chain(exc)) or \
+        any(m in _chain_text(exc).lower() for m in OUT_OF_MEMORY_MARKERS)
+
+
+def wake_out_of_memory(tags: Sequence[str], exc: BaseException, settings: VllmSettings) -> torch.OutOfMemoryError:
+    """The ``torch.OutOfMemoryError`` for a sleeping engine that could not map ``tags`` back: vLLM's message, the
+    device's free memory and what torch's allocator holds (its cached blocks are not handed to vLLM's wake)."""
+    held = ""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        held = (f"; {free / 2**30:.1f} of {total / 2**30:.1f} GiB free, torch holds "
+                f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved "
+                f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB in tensors)")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return torch.OutOfMemoryError(
+        f"CUDA out of memory: the sleeping vLLM engine could not map its {' + '.join(tags)} back ({first}){held}; "
+        f"its pool is {settings.key}.gpu_memory_utilization={settings.gpu_memory_utilization:g} of the GPU and must "
+        "fit beside what the learner's step left on it")
+
+
 def one_allocator_message(settings: VllmSettings, sleep_engines_started_before: int) -> str:
     """Why a second sleep-mode engine cannot start in this process, and what to do instead."""
     s = settings
@@ -126,8 +148,7 @@ def explain_start_failure(exc: BaseException, settings: VllmSettings, sleep_engi
     first = f"{type(exc).__name__}: {exc}"
     if any(m in text for m in ONE_ALLOCATOR_MARKERS) or (s.sleep_level and sleep_engines_started_before):
         return f"vLLM could not start for {s.model_dir} ({first}). " + one_allocator_message(s, sleep_engines_started_before)
-    if any(isinstance(e, torch.OutOfMemoryError) for e in exception_chain(exc)) or \
-            any(m in text for m in OUT_OF_MEMORY_MARKERS):
+    if is_out_of_memory(exc):
         return (f"vLLM ran out of GPU memory while starting for {s.model_dir} ({first}). Lower "
                 f"{s.key}.gpu_memory_utilization (now {s.gpu_memory_utilization}) or {s.key}.max_model_len (now "
                 f"{s.max_model_len}), or free the memory other processes on this GPU hold")
@@ -295,7 +316,15 @@ class InProcessVllm:
                 self._weights_valid = False
 
     def _wake_now(self, todo: list[str]) -> None:
-        self.llm.wake_up(tags=todo)
+        """vLLM's wake of ``todo``; its allocator's out-of-memory (a ``RuntimeError`` from ``cumem_allocator.cpp``,
+        not torch's error) is raised as ``torch.OutOfMemoryError`` (``wake_out_of_memory``), so that the step's
+        out-of-memory handling names the phase and what to change."""
+        try:
+            self.llm.wake_up(tags=todo)
+        except Exception as exc:
+            if isinstance(exc, torch.OutOfMemoryError) or not is_out_of_memory(exc):
+                raise
+            raise wake_out_of_memory(todo, exc, self.settings) from exc
         if "weights" in todo:
             self.llm.collective_rpc(_restore_buffers_in_worker)
 
