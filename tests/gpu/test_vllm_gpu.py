@@ -233,7 +233,7 @@ def sleep_check(level: int) -> dict:
     text_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "text", "text")
     tok = tiny_tokenizer()
     hf_model = AutoModelForCausalLM.from_pretrained(text_dir, dtype=DT).cuda().eval()
-    engine, _ = colocate(text_dir, sorted(stop_token_ids(tok)), sleep_level=level, util=0.3)
+    engine, _ = colocate(text_dir, sorted(stop_token_ids(tok)), sleep_level=level, util=0.3, prewake=True)
     try:
         reqs = make_requests(tok)
         engine.sync_full(hf_model)
@@ -250,7 +250,7 @@ def sleep_check(level: int) -> dict:
         freed = torch.cuda.mem_get_info()[0] - free_awake
         assert freed > 0.5 * 0.3 * torch.cuda.get_device_properties(0).total_memory, freed
         t0 = time.perf_counter()
-        engine.begin_sync()  # level 2: the weights start waking on a thread (sync.prewake)
+        engine.begin_sync()  # level 2: the weights start waking on a thread (sync.prewake, off by default)
         assert engine.vllm._waking is not None or level != 2
         engine.sync_full(hf_model)
         engine.end_sync()

@@ -19,6 +19,7 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,55 @@ def processor_for(model_dir: Path):
 
         video = Qwen3VLVideoProcessor()
     except Exception:  # noqa: BLE001 - no torchvision (CPU machine): images only
-        video = None
+        return _images_only_processor_class()(image_processor=image_processor, tokenizer=tok,
+                                              chat_template=CHAT_TEMPLATE)
     return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video,
                             chat_template=CHAT_TEMPLATE)
+
+
+def _images_only_processor_class():
+    """``Qwen3VLProcessor`` without a video processor, for machines without torchvision (the CPU tests).
+
+    transformers 5.19 checks every ``__init__`` sub-processor argument's class, ``video_processor=None`` included, and
+    without torchvision its ``VideoProcessorMixin`` lookup fails (``VIDEO_PROCESSOR_MAPPING._extra_content``). The
+    sub-processors are read off ``__init__``'s signature, so one without ``video_processor`` is checked on the image
+    processor and tokenizer only; ``ProcessorMixin.__call__`` skips videos when there is no ``video_processor``."""
+    from transformers import Qwen3VLProcessor
+
+    class ImagesOnlyQwen3VLProcessor(Qwen3VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return ImagesOnlyQwen3VLProcessor
+
+
+@contextmanager
+def mm_token_types_into(module, mm_token_type_ids):
+    """While open, every call of ``module`` (the Qwen3-VL ``model.model``) without ``mm_token_type_ids`` gets these:
+    a forward pre-hook, removed on leaving; nothing when ``mm_token_type_ids`` is None."""
+    if mm_token_type_ids is None:
+        yield
+        return
+
+    def add(_module, args, kwargs):
+        if kwargs.get("mm_token_type_ids") is None:
+            return args, {**kwargs, "mm_token_type_ids": mm_token_type_ids}
+        return None
+
+    handle = module.register_forward_pre_hook(add, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def liger_decoder(unwrapped_model):
+    """The module TRL's Liger loss path calls for the last hidden state (``GRPOTrainer._get_last_hidden_state``): the
+    PEFT wrapper's base model, if any, then its ``.model`` (``Qwen3VLModel``, vision tower and language model)."""
+    from accelerate.utils import is_peft_model
+
+    base = unwrapped_model.base_model.model if is_peft_model(unwrapped_model) else unwrapped_model
+    return base.model
 
 
 def steady_mean(xs: list[float]) -> float:
@@ -101,6 +148,16 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
                 torch.cuda.reset_peak_memory_stats()  # from here to on_step_end: the optimizer's peak
             clock.training_step_end()
             return loss
+
+        def compute_liger_loss(self, unwrapped_model, inputs):
+            """TRL 0.29.1's Liger loss (``use_liger_kernel=True``) takes the last hidden state from
+            ``_get_last_hidden_state``, which calls ``model.model`` with ``pixel_values`` and ``image_grid_thw`` but
+            drops ``mm_token_type_ids``; Qwen3-VL in transformers >= 5.17 then refuses to build M-RoPE positions
+            (ValueError: "Multimodal data was passed ... but `mm_token_type_ids` is missing"). The batch already
+            holds them (the processor's, zeros over the completion, what TRL's non-Liger ``_compute_loss`` passes):
+            this hands them to that one call and leaves the rest of TRL's step as it is."""
+            with mm_token_types_into(liger_decoder(unwrapped_model), inputs.get("mm_token_type_ids")):
+                return super().compute_liger_loss(unwrapped_model, inputs)
 
     def optimizer_peak(*_: float | None) -> None:
         if torch.cuda.is_available():
