@@ -180,6 +180,20 @@ def test_an_allocator_out_of_memory_at_the_wake_is_torch_s_out_of_memory_error_i
     assert engine._asleep == {"weights", "kv_cache"}, "nothing woke"
 
 
+def test_the_wake_hands_torch_s_cached_blocks_back_before_vllm_maps_its_pool(monkeypatch):
+    """vLLM 0.26's cumem ``wake_up`` maps the pool without emptying torch's cache (0.32's does): the blocks the
+    learner's backward left cached must be released first, or the KV cache cannot be mapped back."""
+    llm = _LLM()
+    engine = _engine(2, llm)
+    engine.sleep()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: llm.calls.append(("empty_cache",)))
+    monkeypatch.setattr(vllm_compat, "restore_pinned_buffers", lambda worker: 0)
+    engine.wake()
+    names = [c[0] for c in llm.calls]
+    assert names[-2:] == ["empty_cache", "wake_up"], names
+
+
 def test_sleep_waits_for_a_background_wake_first():
     llm = _LLM()
     engine = _engine(2, llm)

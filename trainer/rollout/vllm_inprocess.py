@@ -316,9 +316,14 @@ class InProcessVllm:
                 self._weights_valid = False
 
     def _wake_now(self, todo: list[str]) -> None:
-        """vLLM's wake of ``todo``; its allocator's out-of-memory (a ``RuntimeError`` from ``cumem_allocator.cpp``,
-        not torch's error) is raised as ``torch.OutOfMemoryError`` (``wake_out_of_memory``), so that the step's
-        out-of-memory handling names the phase and what to change."""
+        """vLLM's wake of ``todo``, after handing torch's cached free blocks back to the driver: vLLM 0.26's wake maps
+        its pool without doing so (0.32's empties the cache itself), so the blocks a learner's backward left cached
+        in this process kept the engine from mapping its KV cache back (session 15, H100). Its allocator's
+        out-of-memory (a ``RuntimeError`` from ``cumem_allocator.cpp``, not torch's error) is raised as
+        ``torch.OutOfMemoryError`` (``wake_out_of_memory``), so that the step's out-of-memory handling names the
+        phase and what to change."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         try:
             self.llm.wake_up(tags=todo)
         except Exception as exc:
