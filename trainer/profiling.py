@@ -4,7 +4,9 @@
 seconds per category, the busy fraction of the profiled wall time and the top kernels out. ``profile_region`` is
 the edge: it runs ``torch.profiler`` around a region (``train``: a step's forward + backward; ``weight_sync``: the
 push of the learner's weights into the rollout engine) and writes ``step<N>_<region>.json`` (the summary) and
-``step<N>_<region>_kernels.txt`` (the profiler's own table) under a directory, plus a gzipped Chrome trace on request.
+``step<N>_<region>_kernels.txt`` (the profiler's own table) under a directory, plus a gzipped Chrome trace on request;
+a GPU ``weight_sync`` region also records Python stacks and groups its host-to-device copies by the code that issued
+them (``host_to_device_sources``: the 146 pageable copies of the 8B sync are still unexplained).
 
 Invariants: every profiled kernel lands in exactly one category, so the categories sum to the device-busy time;
 ``busy_fraction`` = device-busy seconds / wall seconds of the region (below 1: the device waited on the host).
@@ -64,6 +66,9 @@ class ProfileSummary:
     busy_fraction: float
     by_category_s: dict[str, float]
     top: list[dict] = field(default_factory=list)
+    #: ``weight_sync`` on a GPU: host-to-device copies grouped by the Python frames that issued them
+    #: (``host_to_device_sources``)
+    host_to_device: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -82,6 +87,36 @@ def summarize(kernels: Sequence[KernelTime], wall_s: float, step: int, device: s
     return ProfileSummary(step=step, region=region, wall_s=wall_s, device=device, busy_s=busy,
                           busy_fraction=busy / wall_s if wall_s > 0 else 0.0,
                           by_category_s=dict(sorted(by_cat.items(), key=lambda kv: -kv[1])), top=top)
+
+
+#: frames of these files say nothing about who asked for a copy
+_PLUMBING = ("/torch/", "contextlib.py", "threading.py", "<built-in")
+
+
+def host_to_device_sources(ops: Sequence[tuple[Sequence[str], Sequence[tuple[str, float]]]], frames: int = 6,
+                           top_n: int = 12) -> list[dict]:
+    """Host-to-device copies by where they came from. ``ops``: per profiled operator, its Python stack (innermost
+    frame first, as ``torch.profiler`` records it with ``with_stack``) and its device kernels (name, seconds). Only
+    ``Memcpy HtoD`` kernels count; each is attributed to the operator's first ``frames`` frames outside torch's own
+    plumbing. Returns the ``top_n`` sources by calls: ``frames``, ``calls``, ``seconds``, ``pageable`` (calls from
+    pageable host memory, each one a host wait)."""
+    groups: dict[tuple[str, ...], dict] = {}
+    for stack, kernels in ops:
+        copies = [(name, sec) for name, sec in kernels if "htod" in name.lower().replace(" ", "")]
+        if not copies:
+            continue
+        key = tuple(f for f in stack if not any(m in f for m in _PLUMBING))[:frames]
+        g = groups.setdefault(key, {"frames": list(key), "calls": 0, "seconds": 0.0, "pageable": 0})
+        g["calls"] += len(copies)
+        g["seconds"] += sum(sec for _, sec in copies)
+        g["pageable"] += sum(1 for name, _ in copies if "pageable" in name.lower())
+    return sorted(groups.values(), key=lambda g: (-g["calls"], -g["seconds"]))[:top_n]
+
+
+def _ops_with_kernels(prof) -> list[tuple[list[str], list[tuple[str, float]]]]:
+    """(Python stack, [(kernel name, seconds)]) of every profiled operator that launched device work."""
+    return [(list(ev.stack or ()), [(k.name, k.duration / 1e6) for k in ev.kernels]) for ev in prof.events()
+            if ev.kernels]
 
 
 def _kernel_times(prof, cuda: bool) -> list[KernelTime]:
@@ -114,7 +149,8 @@ def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     out_dir.mkdir(parents=True, exist_ok=True)
-    with profile(activities=activities) as prof:
+    stacks = region == "weight_sync" and cuda  # which code issues the sync's host-to-device copies
+    with profile(activities=activities, with_stack=stacks) as prof:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -123,6 +159,8 @@ def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = 
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     summary = summarize(_kernel_times(prof, cuda), wall, step, "cuda" if cuda else "cpu", region=region)
+    if stacks:
+        summary.host_to_device = host_to_device_sources(_ops_with_kernels(prof))
     stem = f"step{step}_{region}"
     (out_dir / f"{stem}.json").write_text(json.dumps(summary.to_json(), indent=2))
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"

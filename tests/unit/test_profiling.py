@@ -16,7 +16,7 @@ from trainer.losses.objective import LossWeights
 from trainer.modeling.coord_vocab import stop_token_ids
 from trainer.modeling.fixtures import build_tiny_model, tiny_tokenizer
 from trainer.modeling.prompts import PromptEncoder
-from trainer.profiling import KernelTime, categorize, summarize
+from trainer.profiling import KernelTime, _ops_with_kernels, categorize, host_to_device_sources, summarize
 from trainer.rollout.hf import HFRolloutEngine
 from trainer.rollout.types import DecodingParams
 from trainer.sft.stage2 import Stage2Pipeline
@@ -52,6 +52,40 @@ def test_summary_categories_sum_to_busy_time_and_rank_the_top_kernels():
     assert list(s.by_category_s) == ["matmul", "attention", "elementwise", "copy"]
     assert [k["name"] for k in s.top] == ["nvjet_gemm_a", "flash_fwd_kernel"]
     assert s.top[0]["share"] == pytest.approx(0.6)
+
+
+def test_host_to_device_copies_are_grouped_by_the_frames_that_issued_them():
+    """The 8B sync's 146 pageable copies (issue 37): which code issues them, from a profile with stacks."""
+    load = ["vllm/model_executor/models/qwen3.py(410): load_weights", "trainer/rollout/vllm_compat.py(140): load",
+            "trainer/sync/policy.py(88): ensure_fresh"]
+    via_torch = ["/opt/venv/lib/python3.12/site-packages/torch/nn/modules/module.py(1773): _call_impl"] + load
+    merge = ["trainer/sync/weights.py(330): full_weights", "trainer/sync/policy.py(80): ensure_fresh"]
+    ops = [(via_torch, [("Memcpy HtoD (Pageable -> Device)", 2e-5)] * 3),
+           (load, [("Memcpy HtoD (Pageable -> Device)", 1e-5), ("Memcpy DtoD (Device -> Device)", 1.0)]),
+           (merge, [("Memcpy HtoD (Pinned -> Device)", 5e-4), ("nvjet_gemm", 1.0)]),
+           (merge, [("nvjet_gemm", 1.0)])]
+    got = host_to_device_sources(ops, frames=2)
+    assert got[0] == {"frames": load[:2], "calls": 4, "seconds": pytest.approx(7e-5), "pageable": 4}, \
+        "torch's own frames are skipped, so both loader ops are one source; device-to-device copies do not count"
+    assert got[1] == {"frames": merge[:2], "calls": 1, "seconds": pytest.approx(5e-4), "pageable": 0}
+    assert len(got) == 2 and host_to_device_sources(ops, frames=2, top_n=1) == got[:1]
+    assert host_to_device_sources([(merge, [("nvjet_gemm", 1.0)])]) == []
+
+
+def test_profiled_operators_give_their_stack_and_kernel_seconds():
+    from torch.autograd.profiler_util import Kernel
+
+    class Event:
+        def __init__(self, stack, kernels):
+            self.stack, self.kernels = stack, kernels
+
+    class Profile:
+        def events(self):
+            return [Event(["a.py(1): f"], [Kernel("Memcpy HtoD (Pageable -> Device)", 0, 250.0)]),
+                    Event(None, [Kernel("gemm", 0, 1000.0)]), Event(["b.py(2): g"], [])]
+
+    assert _ops_with_kernels(Profile()) == [(["a.py(1): f"], [("Memcpy HtoD (Pageable -> Device)", 2.5e-4)]),
+                                            ([], [("gemm", 1e-3)])]
 
 
 class CopyIntoShadow:
