@@ -1,6 +1,5 @@
-import sys
-
 from trainer.cli import main
+from trainer.launch.worker_exit import exit_process
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
