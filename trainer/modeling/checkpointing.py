@@ -32,8 +32,8 @@ the first that fits of: off, selective every 4, 3, 2 layers, full (full also whe
 A sleeping engine is charged its whole share because the learner's activations must leave room for the engine to
 map its pool back before the next decode, and vLLM 0.26's wake does not take back the blocks torch's allocator
 cached from the backward (``InProcessVllm`` now empties torch's cache before each wake; until a GPU run shows that
-enough, the share stays charged). Measured on an H100 (session 15, Qwen3-VL-2B full, 16k-token rows, engine at 0.3, sleep level 2;
-``docs/benchmarks/README.md``): with the share of a sleeping engine counted as 2 GiB, ``auto`` chose selective every
+enough, the share stays charged). Measured on an H100 (session 15, Qwen3-VL-2B full, 16k-token rows, engine at 0.3,
+sleep level 2; ``docs/benchmarks/README.md``): with the share of a sleeping engine counted as 2 GiB, ``auto`` chose selective every
 4th layer, which trained but then failed to wake the KV cache ("CUDA Error: out of memory" in vLLM's cumem allocator),
 as ``off`` did; full and selective every 2nd layer ran. Counting the share, ``auto`` picks selective every 2nd layer
 there. The activation estimate against the measured backward peaks less the memory held between steps, same run:

@@ -114,7 +114,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 def wake_out_of_memory(tags: Sequence[str], exc: BaseException, settings: VllmSettings) -> torch.OutOfMemoryError:
     """The ``torch.OutOfMemoryError`` for a sleeping engine that could not map ``tags`` back: vLLM's message, the
-    device's free memory and what torch's allocator holds (its cached blocks are not handed to vLLM's wake)."""
+    device's free memory and what torch's allocator still holds after ``_wake_now`` emptied its cache."""
     held = ""
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()

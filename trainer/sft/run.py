@@ -202,7 +202,8 @@ def freeze_setup_objects() -> None:
     """Move every object built so far (model, engine, data index) out of the garbage collector's reach
     (``gc.freeze``): they live for the whole run, and each full collection would walk them again. vLLM's
     sleep mode runs a full collection on the learner's heap every step (0.26: at each sleep; 0.32: at each sleep and
-    each wake); frozen, it only walks what the step made. ``run_training`` unfreezes them when training ends (a process that trains again collects them)."""
+    each wake); frozen, it only walks what the step made. ``run_training`` unfreezes them when training ends (a
+    process that trains again collects them)."""
     gc.collect()
     gc.freeze()
 
