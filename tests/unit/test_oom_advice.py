@@ -17,7 +17,7 @@ from trainer.telemetry import PhaseTimers
 
 REPO = Path(__file__).resolve().parents[2]
 RM = "custom.extra.rollout_matching"
-EIGHT_B_LORA = MemorySettings(tuner="lora", packing=True, packing_length=16384, gradient_checkpointing=True,
+EIGHT_B_LORA = MemorySettings(tuner="lora", packing=True, packing_length=16384, checkpointing="full",
                               gpu_memory_utilization=0.35, sleep_level=2, rollout_generate_batch_size=8,
                               max_new_tokens=2048)
 
@@ -26,7 +26,7 @@ def test_training_phases_name_the_forward_s_knobs_with_their_values():
     lines = advice("forward", EIGHT_B_LORA)
     assert lines[0].startswith("training.packing_length (now 16384)")
     assert not any("gradient_checkpointing" in x or "sleep_level" in x or "train_type" in x for x in lines), lines
-    loose = replace(EIGHT_B_LORA, tuner="full", packing=False, batch_size=4, gradient_checkpointing=False,
+    loose = replace(EIGHT_B_LORA, tuner="full", packing=False, batch_size=4, checkpointing="off",
                     supervised_logits_only=False, sleep_level=0)
     lines = advice(None, loose)  # outside any named phase: the backward and the optimizer step
     assert lines[0].startswith("training.per_device_train_batch_size (now 4)")
@@ -154,6 +154,5 @@ def test_the_checkpointing_label_is_the_policy_that_runs():
                           ({"gradient_checkpointing_policy": None, "gradient_checkpointing": True}, "full")):
         data = cfg.model_dump()
         data["training"].update(update)
-        assert memory_settings(validate_config(data)).checkpointing_label == label, update
-    assert MemorySettings(gradient_checkpointing=True).checkpointing_label == "full"
-    assert MemorySettings().checkpointing_label == "off"
+        assert memory_settings(validate_config(data)).checkpointing == label, update
+    assert MemorySettings().checkpointing == "off"

@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from trainer.modeling.checkpointing import DEFAULT_EVERY_N
+
 RM = "custom.extra.rollout_matching"
 
 #: step phases (``trainer.sft.trainer.STEP_PHASES`` and their sub-phases) grouped by what holds memory in them
@@ -38,9 +40,8 @@ class MemorySettings:
     packing_length: int | None = None
     batch_size: int = 1
     batch_key: str = "training.per_device_train_batch_size"
-    gradient_checkpointing: bool = False
-    #: the checkpointing policy that runs (``full``, ``off``, ``selective/N``; ``auto`` resolved); empty: from the bool
-    checkpointing: str = ""
+    #: the checkpointing policy that runs: ``full``, ``off`` or ``selective/N`` (``auto`` resolved at start-up)
+    checkpointing: str = "off"
     supervised_logits_only: bool = True
     logit_chunk_rows: int | None = 1024
     rollout_backend: str = "vllm"
@@ -59,15 +60,11 @@ class MemorySettings:
     def colocate(self) -> bool:
         return self.rollout_backend == "vllm" and self.vllm_mode == "colocate"
 
-    @property
-    def checkpointing_label(self) -> str:
-        return self.checkpointing or ("full" if self.gradient_checkpointing else "off")
-
 
 def checkpointing_label(t) -> str:
     """The policy a (resolved) ``TrainingConfig`` runs: ``full``, ``off``, ``auto`` or ``selective/N``."""
     policy = t.checkpointing_policy
-    return f"selective/{t.gradient_checkpointing_every_n_layers or 2}" if policy == "selective" else policy
+    return f"selective/{t.gradient_checkpointing_every_n_layers or DEFAULT_EVERY_N}" if policy == "selective" else policy
 
 
 def memory_settings(cfg, stage1: bool = False) -> MemorySettings:
@@ -81,12 +78,12 @@ def memory_settings(cfg, stage1: bool = False) -> MemorySettings:
     if rm is None:
         return MemorySettings(tuner=cfg.tuner.train_type, deepspeed=t.deepspeed, packing=t.packing,
                               packing_length=t.packing_length, batch_size=t.per_device_train_batch_size,
-                              gradient_checkpointing=t.gradient_checkpointing, checkpointing=checkpointing_label(t))
+                              checkpointing=checkpointing_label(t))
     v = rm.vllm
     return MemorySettings(
         tuner=cfg.tuner.train_type, deepspeed=t.deepspeed, packing=t.packing, packing_length=t.packing_length,
-        batch_size=t.per_device_train_batch_size, gradient_checkpointing=t.gradient_checkpointing,
-        checkpointing=checkpointing_label(t), supervised_logits_only=rm.loss.supervised_logits_only, logit_chunk_rows=rm.loss.logit_chunk_rows,
+        batch_size=t.per_device_train_batch_size, checkpointing=checkpointing_label(t),
+        supervised_logits_only=rm.loss.supervised_logits_only, logit_chunk_rows=rm.loss.logit_chunk_rows,
         rollout_backend=rm.rollout_backend, vllm_mode=v.mode,
         gpu_memory_utilization=v.gpu_memory_utilization, sleep_level=v.sleep_level, enable_lora=v.enable_lora,
         sync_mode=v.sync.mode, sync_transport=v.sync.transport, bucket_mb=v.sync.bucket_mb,
@@ -102,7 +99,7 @@ def _train_advice(s: MemorySettings) -> list[str]:
     else:
         out.append(f"{s.batch_key} (now {s.batch_size}): fewer targets per padded forward (set "
                    "training.records_per_step to keep the records per optimizer step)")
-    if s.checkpointing_label != "full":
+    if s.checkpointing != "full":
         out.append(_checkpointing_line(s, "keep one input per layer, recompute the rest in the backward"))
     if not s.supervised_logits_only:
         out.append(f"{RM}.loss.supervised_logits_only: true (now false): logits only where a label or coord slot "
@@ -120,17 +117,17 @@ def _train_advice(s: MemorySettings) -> list[str]:
 
 
 def _checkpointing_line(s: MemorySettings, why: str) -> str:
-    return f"training.gradient_checkpointing_policy: full (now {s.checkpointing_label}): {why}"
+    return f"training.gradient_checkpointing_policy: full (now {s.checkpointing}): {why}"
 
 
 def _wake_advice(s: MemorySettings) -> list[str]:
-    """A sleeping colocated engine maps its pool back beside what the learner's forward and backward left reserved
-    (torch keeps the backward's blocks cached): the learner's activations decide whether it fits."""
+    """A sleeping colocated engine maps its pool back beside what the learner holds after its step: the learner's
+    activations decide whether it fits."""
     if not (s.colocate and s.sleep_level):
         return []
     why = (f"the sleeping engine maps its pool (gpu_memory_utilization={s.gpu_memory_utilization:g}) back beside what "
            "the learner's backward left reserved")
-    out = [_checkpointing_line(s, why)] if s.checkpointing_label != "full" else []
+    out = [_checkpointing_line(s, why)] if s.checkpointing != "full" else []
     if s.packing:
         out.append(f"training.packing_length (now {s.packing_length}): fewer activations per packed row, so less "
                    "held by the learner when the engine wakes")
