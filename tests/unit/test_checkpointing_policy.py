@@ -222,3 +222,9 @@ def test_a_colocated_engine_asleep_or_awake_is_charged_its_share():
     assert p.engine_bytes == pytest.approx(0.4 * 80 * GIB) and p.tokens == 2 * 2048  # batch x max_model_len
     rm["vllm"]["sleep_level"] = 2  # asleep while training, it must be able to map its pool back before the decode
     assert ck.memory_plan(validate_config(data), model, device=80 * GIB).engine_bytes == pytest.approx(0.4 * 80 * GIB)
+
+
+def test_the_oom_advice_names_the_same_default_spacing():
+    from trainer.memory.oom import SELECTIVE_EVERY_N
+
+    assert SELECTIVE_EVERY_N == ck.DEFAULT_EVERY_N

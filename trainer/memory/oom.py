@@ -15,7 +15,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from trainer.modeling.checkpointing import DEFAULT_EVERY_N
+#: ``gradient_checkpointing_every_n_layers`` unset (``trainer.modeling.checkpointing.DEFAULT_EVERY_N``; this layer may
+#: not import that one)
+SELECTIVE_EVERY_N = 2
 
 RM = "custom.extra.rollout_matching"
 
@@ -64,7 +66,7 @@ class MemorySettings:
 def checkpointing_label(t) -> str:
     """The policy a (resolved) ``TrainingConfig`` runs: ``full``, ``off``, ``auto`` or ``selective/N``."""
     policy = t.checkpointing_policy
-    return f"selective/{t.gradient_checkpointing_every_n_layers or DEFAULT_EVERY_N}" if policy == "selective" else policy
+    return f"selective/{t.gradient_checkpointing_every_n_layers or SELECTIVE_EVERY_N}" if policy == "selective" else policy
 
 
 def memory_settings(cfg, stage1: bool = False) -> MemorySettings:
