@@ -45,10 +45,13 @@ def test_two_ranks_train_every_sample_once_with_agreed_rows(tmp_path):
     ledgers = {0: stage2 / "ledger.jsonl", 1: stage2 / "ledger.rank1.jsonl"}
     rows = {r: [json.loads(x) for x in p.read_text().splitlines()] for r, p in ledgers.items()}
     ids = [x["sample_id"] for r in rows.values() for x in r]
-    carried_at_end = 24 - len(ids)
+    carried = [json.loads(x)["sample_id"] for name in ("carried.jsonl", "carried.rank1.jsonl")
+               for x in (stage2 / name).read_text().splitlines()]
     assert Counter(ids).most_common(1)[0][1] == 1, "no sample trained twice across ranks"
     assert not {x["sample_id"] for x in rows[0]} & {x["sample_id"] for x in rows[1]}, "ranks train disjoint shares"
-    assert 0 <= carried_at_end < 2 * 8, "at most what fits less than a row per rank is left in the carries"
+    assert len(ids) + len(carried) == 24 and not set(ids) & set(carried), \
+        "every record is in exactly one rank's ledger or carry"
+    assert len(carried) < 2 * 8, "at most what fits less than a row per rank is left in the carries"
     data = tmp_path / "run" / "data"
     assert len(list((data / "images").glob("*.png"))) == 24 and not list(data.rglob("*.tmp")), "written once, whole"
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -54,7 +54,19 @@ def test_measure_counts_every_rank_after_the_warm_up(tmp_path):
     assert m["trained_samples"] == 6, "steps 2 and 3 on both ranks; step 1 is warm-up"
     assert m["trained_samples_per_s"] == pytest.approx(6 / 6.0) and m["step_wall_s"] == pytest.approx(3.0)
     assert m["means"]["time/weight_sync_s"] == pytest.approx(2.0), "mean over the measured steps only"
-    assert m["ledger"] == {"rows": 9, "duplicated": 0}
+    assert m["ledger"] == {"rows": 9, "duplicated": 0, "carried": 0, "carried_and_trained": 0}
+
+
+def test_measure_counts_the_carry_of_every_rank(tmp_path):
+    """The carry left at the end is every rank's (it was rank 0's logged mean: colocate-4 on the H200s reported 3
+    records 'unaccounted' that ranks 1-3 still held)."""
+    _write_run(tmp_path, [100.0, 104.0, 106.0], {0: [["a"], ["b"], ["c"]], 1: [["d"], ["e"], ["f"]]})
+    (tmp_path / "stage2" / "carried.jsonl").write_text(json.dumps({"sample_id": "g", "rollout_step": 2}) + "\n")
+    (tmp_path / "stage2" / "carried.rank1.jsonl").write_text(
+        "".join(json.dumps({"sample_id": s, "rollout_step": 2}) + "\n" for s in ("h", "c")))
+    m = measure(tmp_path)
+    assert m["carried_at_end"] == 3
+    assert m["ledger"]["carried"] == 3 and m["ledger"]["carried_and_trained"] == 1, "'c' was trained and is carried"
 
 
 def test_compare_is_per_gpu_against_colocate_1():
@@ -77,7 +89,7 @@ def test_quick_run_on_the_cpu(tmp_path):
         assert "error" not in r, (r["name"], r.get("error"), r.get("learner_log_tail", "")[-2000:])
         assert r["trained_samples_per_s"] > 0 and r["ledger"]["duplicated"] == 0
         assert r["ledger"]["rows"] >= QUICK_WORK.records_per_step, "every rank's ledger is read"
-        assert r["ledger"]["unaccounted"] == 0, (r["name"], r["ledger"], r.get("carried_at_end"))
+        assert r["ledger"]["unaccounted"] == 0 and r["ledger"]["carried_and_trained"] == 0, (r["name"], r["ledger"])
     fault = result["layouts"][-1]["fault"]
     assert fault["killed_after_step"] >= 1 and fault["restarted_after_s"] >= 0, fault
     assert fault["quarantined"], ("the killed server was never quarantined", fault)

@@ -49,3 +49,38 @@ def test_start_group_appends_to_the_log(tmp_path):
     proc = start_group([sys.executable, "-c", "print('fresh')"], log, append=False)
     proc.wait(30)
     assert log.read_text() == "fresh\n"
+
+
+BENCH = """
+import sys, time
+from pathlib import Path
+from trainer.bench.processes import start_group
+proc = start_group([sys.executable, "-c", "import time; time.sleep(600)"], Path(sys.argv[1]) / "server.log")
+print(proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_bench_stopped_from_outside_stops_the_groups_it_started(tmp_path):
+    """``timeout``'s SIGTERM to a bench: the server group it started is gone when the bench has exited (it used to
+    outlive it and hold its GPU memory, so the next configuration failed to start)."""
+    import subprocess
+
+    bench = subprocess.Popen([sys.executable, "-c", BENCH, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    child = int(bench.stdout.readline())
+    assert group_alive(child)
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(30) == 128 + signal.SIGTERM
+    end = time.monotonic() + 15
+    while group_alive(child) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not group_alive(child), "the server group outlived its bench"
+
+
+def test_stop_group_forgets_the_group(tmp_path):
+    from trainer.bench.processes import live_groups
+
+    proc = start_group([sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "s.log")
+    assert proc.pid in live_groups()
+    stop_group(proc, grace_s=5.0)
+    assert proc.pid not in live_groups()

@@ -309,18 +309,21 @@ def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
         return sum(vals) / len(vals) if vals else None
 
     ids = [r["sample_id"] for r in ledger]
+    carried = [json.loads(x)["sample_id"] for p in sorted((run_dir / "stage2").glob("carried*.jsonl"))
+               for x in p.read_text().splitlines() if x.strip()]
     return {
         "window": [start, end], "steps_measured": len(timed), "trained_samples": trained,
         "trained_samples_per_s": trained / (end - start) if end > start else None,
         "step_wall_s": (end - start) / len(timed),
-        "ledger": {"rows": len(ids), "duplicated": len(ids) - len(set(ids))},
+        "ledger": {"rows": len(ids), "duplicated": len(ids) - len(set(ids)),
+                   "carried": len(carried), "carried_and_trained": len(set(carried) & set(ids))},
         "means": {k: mean(k) for k in ("time/step_s", "time/step_wall_s", "time/weight_sync_s", "time/rollout_s",
                                        "time/generate_s", "time/encode_s", "time/target_s", "time/target_ahead_s",
                                        "time/forward_s", "time/backward_s", "time/optimizer_s", "rollout/samples",
                                        "rollout/staleness_mean", "batch/rows_per_step", "batch/fill",
                                        "batch/filler_rows", "packing/carried")},
         "learner_peak_gib": max((r.get("mem/step_peak_gib", 0.0) for r in steps), default=None),
-        "carried_at_end": steps[-1].get("packing/carried"),
+        "carried_at_end": len(carried),
     }
 
 
@@ -347,6 +350,7 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True, exist_ok=True)
     servers: list[subprocess.Popen] = []
+    learner: subprocess.Popen | None = None
     fault: ServerKill | None = None
     sampler = GpuSampler() if cuda else None
     learner_gpus = list(range(layout.servers, layout.gpus)) if cuda else None
@@ -401,8 +405,8 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
             raise RuntimeError(f"learner exited with {rc}")
         rec.update(measure(run_dir))
         records = layout.records_per_step or work.records_per_step
-        # every record a step took is trained (ledger) or still waits in the carry: none lost
-        rec["ledger"]["unaccounted"] = records * work.steps - rec["ledger"]["rows"] - int(rec["carried_at_end"] or 0)
+        # every record a step took is trained (some rank's ledger) or still waits in some rank's carry: none lost
+        rec["ledger"]["unaccounted"] = records * work.steps - rec["ledger"]["rows"] - rec["ledger"]["carried"]
         if sampler is not None:
             sampler.stop()
             rec["gpu"] = sampler.summary(*rec["window"])
@@ -416,6 +420,8 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
     finally:
         if sampler is not None and sampler.is_alive():
             sampler.stop()
+        if learner is not None and learner.poll() is None:
+            _stop(learner)
         for s in servers:
             _stop(s)
     return rec

@@ -3,25 +3,66 @@ stops everything it started (torchrun's ranks, vLLM's workers); output appended 
 
 ``stop_group`` continues a stopped group (a fault injection may have SIGSTOPped it), sends SIGTERM, then SIGKILL to
 what is left after ``grace_s``, and returns once the group is empty: its GPU memory is free before the next
-configuration starts."""
+configuration starts.
+
+A bench stopped from outside (``timeout``'s SIGTERM, a hang-up) stops every group it started before it exits: the
+first ``start_group`` turns SIGTERM/SIGHUP into ``SystemExit`` (where the default action would kill the process
+outright) and registers ``stop_all_groups`` at exit, so no learner or vLLM server outlives its bench holding GPU
+memory (a later configuration would fail to start for want of it)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
+
+#: process groups started and not yet stopped, by leader pid
+_LIVE: dict[int, subprocess.Popen] = {}
+_exit_hooks_installed = False
+
+
+def _exit_on_signal(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _install_exit_hooks() -> None:
+    global _exit_hooks_installed
+    if _exit_hooks_installed:
+        return
+    _exit_hooks_installed = True
+    atexit.register(stop_all_groups)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, _exit_on_signal)
+
+
+def live_groups() -> list[int]:
+    """Leader pids of the groups started here and not yet stopped."""
+    return list(_LIVE)
+
+
+def stop_all_groups(grace_s: float = 5.0) -> None:
+    """Stop every group ``start_group`` started that is still registered (at exit, or after a bench was stopped)."""
+    for proc in list(_LIVE.values()):
+        stop_group(proc, grace_s=grace_s)
 
 
 def start_group(argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
                 append: bool = True) -> subprocess.Popen:
     """``argv`` in a new session, stdout and stderr to ``log`` (appended unless ``append`` is false), stdin closed."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    _install_exit_hooks()
     with log.open("ab" if append else "wb") as fh:
-        return subprocess.Popen([str(a) for a in argv], stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+        proc = subprocess.Popen([str(a) for a in argv], stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                 start_new_session=True, stdin=subprocess.DEVNULL)
+    _LIVE[proc.pid] = proc
+    return proc
 
 
 def group_alive(pgid: int) -> bool:
@@ -53,4 +94,5 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
             time.sleep(0.2)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(2)
+    _LIVE.pop(pgid, None)
     return proc.returncode

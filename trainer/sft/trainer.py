@@ -80,6 +80,12 @@ def ledger_name(rank: int) -> str:
     return LEDGER if rank == 0 else f"ledger.rank{rank}.jsonl"
 
 
+def carried_name(rank: int) -> str:
+    """Beside each rank's ledger: the samples still waiting in that rank's packing carry when ``train`` returned
+    (``carried.jsonl``, ``carried.rank<r>.jsonl``); a step's records are each in exactly one rank's ledger or carry."""
+    return "carried.jsonl" if rank == 0 else f"carried.rank{rank}.jsonl"
+
+
 logger = logging.getLogger(__name__)
 
 
@@ -509,6 +515,19 @@ class RolloutMatchingTrainer(Trainer):
             if self.prefetcher is not None:  # a batch read ahead past max_steps is never trained
                 self.prefetcher.discard()
             self._lookahead, self._plan = None, []
+            self._write_carried()
+
+    def _write_carried(self) -> None:
+        """This rank's packing carry (``carried_name``): one ``{"sample_id", "rollout_step"}`` line per segment not
+        trained when the run stopped (a resume trains them from the checkpoint's rollout state)."""
+        if self.packing is None:
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, carried_name(self.args.process_index)), "w",
+                  encoding="utf-8") as fh:
+            for t in self.packing.segments:
+                fh.write(json.dumps({"sample_id": t.sample_id,
+                                     "rollout_step": t.stats.get("rollout_step", -1)}) + "\n")
 
     def _skip_repeated_batches(self, step: int) -> None:
         """HF's resume skips batches of the raw loader, not of the window repeater: skip in the repeater instead."""
