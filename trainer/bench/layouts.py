@@ -53,6 +53,8 @@ class Layout:
     #: whatever it was doing: a decode or a weight broadcast) and restarted on its port (``ServerKill``); the run
     #: trains ``FAULT_EXTRA_STEPS`` more steps than the work's
     fault: str | None = None
+    #: colocate: ``vllm.pixels_during_decode`` (the training pixels made while the engine decodes)
+    pixels_during_decode: bool = False
 
     @property
     def gpus(self) -> int:
@@ -93,6 +95,8 @@ LAYOUTS = (
     Layout("colocate-4", 4),
     Layout("colocate-4-zero2", 4, zero=2),
     Layout("colocate-4-r256", 4, records_per_step=256),  # 64 records per engine, as colocate-1 decodes
+    Layout("colocate-1-pixels", 1, pixels_during_decode=True),
+    Layout("colocate-4-r256-pixels", 4, records_per_step=256, pixels_during_decode=True),
     Layout("colocate-tp4", 4, tp=4),
     Layout("3v1-sync", 1, servers=3),
     Layout("3v1-async", 1, servers=3, async_rollouts=True),
@@ -165,7 +169,8 @@ def layout_config(layout: Layout, work: Work, model_dir: Path, out_dir: Path, ur
                           "decoding": {"max_new_tokens": work.max_new_tokens, "temperature": 0.0}}
     if cuda and layout.mode == "colocate":
         rm["vllm"] = {"mode": "colocate", "max_model_len": 4096, "sleep_level": work.sleep_level,
-                      "tensor_parallel_size": layout.tp, "gpu_memory_utilization": work.colocate_util}
+                      "tensor_parallel_size": layout.tp, "gpu_memory_utilization": work.colocate_util,
+                      "pixels_during_decode": layout.pixels_during_decode}
     if layout.mode == "server":
         rm["rollout_backend"] = "vllm"
         rm["vllm"] = {"mode": "server", "server": {

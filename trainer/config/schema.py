@@ -269,6 +269,13 @@ class RolloutMatchingConfig(Section):
     rollout_buffer: RolloutBufferConfig = Field(default_factory=RolloutBufferConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
 
+    @model_validator(mode="after")
+    def _pixels_during_decode_needs_vllm(self) -> RolloutMatchingConfig:
+        if self.vllm.pixels_during_decode and self.rollout_backend != "vllm":
+            raise ValueError("vllm.pixels_during_decode needs rollout_backend: vllm (the hf backend decodes from the "
+                             "pixels themselves)")
+        return self
+
 
 class ExtraConfig(Section):
     rollout_matching: RolloutMatchingConfig | None = None

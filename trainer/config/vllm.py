@@ -126,5 +126,15 @@ class VllmConfig(Section):
         "for nodes where vLLM's custom all-reduce kernels fail; its symmetric-memory all-reduce is switched off "
         "on its own where NVLink multicast is (TORCH_SYMM_MEM_DISABLE_MULTICAST=1)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    pixels_during_decode: bool = Field(
+        False, description="colocate: the image processor makes the step's training pixels on a thread while vLLM "
+        "decodes (the prompt ids only need each image's size), instead of before the decode on the step's path")
     server: VllmServerConfig = Field(default_factory=VllmServerConfig)
     sync: VllmSyncConfig = Field(default_factory=VllmSyncConfig)
+
+    @model_validator(mode="after")
+    def _pixels_during_decode_is_colocate(self) -> VllmConfig:
+        if self.pixels_during_decode and self.mode != "colocate":
+            raise ValueError("pixels_during_decode is for mode: colocate (with rollout servers, "
+                             "server.async_rollouts already encodes the next batch while this one trains)")
+        return self

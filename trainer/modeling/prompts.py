@@ -97,7 +97,10 @@ class PromptEncoder:
             msgs.append({"role": "user", "content": f"{self.instruction}\nScene: {sample.scene}"})
         return msgs
 
-    def encode(self, sample: Sample) -> EncodedPrompt:
+    def encode(self, sample: Sample, pixels: bool = True) -> EncodedPrompt:
+        """The prompt ids and, for a VL model, ``mm_inputs`` (``pixel_values``, ``image_grid_thw``). ``pixels=False``
+        (only where ``can_defer_pixels``): ``image_grid_thw`` alone, computed from the record's displayed size the way
+        the image processor resizes; ``pixels`` computes the rest later (the ids are the same either way)."""
         msgs = self.messages(sample)
         text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         if not self.multimodal:
@@ -105,14 +108,46 @@ class PromptEncoder:
             return EncodedPrompt(list(ids), msgs, list(sample.images))
         mm: dict[str, torch.Tensor] = {}
         if sample.images:
-            images = [upright_image(sample, p) for p in sample.images]
-            out = self.image_processor(images=images, return_tensors="pt")
-            pixels = out["pixel_values"]
-            mm = {"pixel_values": pixels if self.pixel_dtype is None else pixels.to(self.pixel_dtype),
-                  "image_grid_thw": out["image_grid_thw"]}
+            if pixels:
+                mm = self.pixels(sample)
+            else:
+                if not self.can_defer_pixels:
+                    raise ValueError(f"{type(self.image_processor).__name__} is not a Qwen2-VL-style processor: the "
+                                     "image grid cannot be known before its pixels")
+                mm = {"image_grid_thw": torch.tensor([self.image_grid(sample.width, sample.height)] * len(sample.images))}
             text = expand_image_pads(text, mm["image_grid_thw"], self.image_processor.merge_size)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return EncodedPrompt(list(ids), msgs, list(sample.images), mm)
+
+    def pixels(self, sample: Sample) -> dict[str, torch.Tensor]:
+        """``pixel_values`` (in ``pixel_dtype``) and ``image_grid_thw`` of the sample's images: the image processor's
+        work, no tokenizer (safe on another thread while this encoder's tokenizer is in use)."""
+        images = [upright_image(sample, p) for p in sample.images]
+        out = self.image_processor(images=images, return_tensors="pt")
+        values = out["pixel_values"]
+        return {"pixel_values": values if self.pixel_dtype is None else values.to(self.pixel_dtype),
+                "image_grid_thw": out["image_grid_thw"]}
+
+    @property
+    def can_defer_pixels(self) -> bool:
+        """A Qwen2/2.5/3-VL-style processor that resizes (``patch_size``, ``merge_size``, ``size`` with
+        ``shortest_edge`` / ``longest_edge`` in pixels): its grid follows from the image size alone."""
+        ip = self.image_processor
+        size = getattr(ip, "size", None)
+        edges = [getattr(size, k, None) if not isinstance(size, dict) else size.get(k)
+                 for k in ("shortest_edge", "longest_edge")]
+        return (ip is not None and getattr(ip, "do_resize", False) and isinstance(getattr(ip, "patch_size", None), int)
+                and isinstance(getattr(ip, "merge_size", None), int) and all(isinstance(e, int) for e in edges))
+
+    def image_grid(self, width: int, height: int) -> list[int]:
+        """``[t, h, w]`` patches the image processor makes of a ``width`` x ``height`` image (one frame)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        ip = self.image_processor
+        size = ip.size
+        lo, hi = (size.get(k) if isinstance(size, dict) else getattr(size, k) for k in ("shortest_edge", "longest_edge"))
+        h, w = smart_resize(height, width, factor=ip.patch_size * ip.merge_size, min_pixels=lo, max_pixels=hi)
+        return [1, h // ip.patch_size, w // ip.patch_size]
 
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

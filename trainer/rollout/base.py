@@ -10,7 +10,8 @@ from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Decode a list of requests; results in request order; ``generate([])`` returns ``[]``."""
+    """Decode a list of requests; results in request order; ``generate([])`` returns ``[]``. An engine that decodes
+    from the image files alone and never reads ``mm_inputs["pixel_values"]`` says so with ``reads_images = True``."""
 
     name: str
 

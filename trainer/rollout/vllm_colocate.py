@@ -101,6 +101,9 @@ class VllmColocateEngine:
 
     name = "vllm"
     syncs_on_every_rank = True
+    #: decodes from the requests' image files and prompt ids; their ``pixel_values`` are never read (the trainer may
+    #: compute them while this engine decodes: ``vllm.pixels_during_decode``)
+    reads_images = True
 
     def __init__(self, model_dir: str | Path, stop_ids: Sequence[int], *, max_model_len: int,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.45, enable_lora: bool = False,

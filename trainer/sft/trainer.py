@@ -13,6 +13,7 @@ Works with plain models, peft adapters, DDP and DeepSpeed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import json
@@ -129,7 +130,7 @@ class RolloutMatchingTrainer(Trainer):
                  offload: tuple[bool, bool] | None = None, weight_sync: Any = None, supervised_logits: bool = True,
                  logit_chunk_rows: int | None = None,
                  eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None,
-                 profile_steps: Sequence[int] = (), profile_trace: bool = False,
+                 pixels_during_decode: bool = False, profile_steps: Sequence[int] = (), profile_trace: bool = False,
                  memory_settings: MemorySettings | None = None, micro_batch_rows: int | None = None, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
@@ -159,6 +160,9 @@ class RolloutMatchingTrainer(Trainer):
         self.supervised_logits = supervised_logits
         self.logit_chunk_rows = logit_chunk_rows  # ``loss.logit_chunk_rows`` (``trainer.losses.chunked_objective``)
         self.eager_rollouts = eager_rollouts
+        #: ``vllm.pixels_during_decode``: the training pixels are made on ``_pixel_worker`` while the engine decodes
+        self.pixels_during_decode = pixels_during_decode and self._can_defer_pixels(engine, pipeline)
+        self._pixel_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._layout_stack: contextlib.ExitStack | None = None
         #: what an out-of-memory error in a step advises (``trainer.memory.oom``)
         self.memory_settings = memory_settings if memory_settings is not None else MemorySettings()
@@ -196,6 +200,26 @@ class RolloutMatchingTrainer(Trainer):
         self.timeline: list[tuple[str, float, float]] | None = None
         self.step_clock = StepClock()
         install_step_clock(self, self.step_clock, self._record_after_step)
+
+    @staticmethod
+    def _can_defer_pixels(engine: Any, pipeline: Stage2Pipeline) -> bool:
+        encoder = pipeline.encoder
+        if not (getattr(engine, "reads_images", False) and encoder.multimodal and encoder.can_defer_pixels):
+            logger.warning("vllm.pixels_during_decode: the pixels are made before the decode (engine %s reads "
+                           "pixel values, or the image processor %s cannot give an image's grid from its size)",
+                           getattr(engine, "name", engine), type(encoder.image_processor).__name__)
+            return False
+        return True
+
+    def _encode_for_decode(self, samples: Sequence[Sample]) -> tuple[list[Any], concurrent.futures.Future | None]:
+        """The step's requests for the decode; with ``pixels_during_decode`` without their pixel values, which a
+        worker thread adds meanwhile (the future's result: the requests with them)."""
+        if not self.pixels_during_decode:
+            return self.pipeline.requests(samples)[0], None
+        requests = self.pipeline.requests(samples, pixels=False)[0]
+        if self._pixel_pool is None:
+            self._pixel_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rm-pixels")
+        return requests, self._pixel_pool.submit(self.pipeline.with_pixels, samples, requests)
 
     def rollout_params(self, step: int | None = None) -> DecodingParams:
         """Decoding params for this optimizer step (sampling seed advances with the step)."""
@@ -235,9 +259,10 @@ class RolloutMatchingTrainer(Trainer):
         with self.timers.phase("rollout"):
             if prefetched is not None:
                 results, version = prefetched[0], prefetched[1]
+            pending = None
             if requests is None:
                 with self.timers.phase("encode"):
-                    requests, _ = self.pipeline.requests(samples)
+                    requests, pending = self._encode_for_decode(samples)
             if prefetched is None:
                 offload = (offload_for_rollout(self.model_wrapped, self.optimizer, *self.offload) if self.offload
                            else contextlib.nullcontext(None))
@@ -248,6 +273,9 @@ class RolloutMatchingTrainer(Trainer):
                 if moved is not None:
                     self.counters.add({"offload_param_bytes": moved.moved_param_bytes,
                                        "offload_optimizer_bytes": moved.moved_optimizer_bytes})
+            if pending is not None:  # what is left of making the pixels after the decode
+                with self.timers.phase("encode"):
+                    requests = pending.result()
             if self.prefetcher is not None and upcoming is not None:
                 # the servers decode the next step's batch, on the weights just synced, while this one trains; its
                 # chat template and image processing run in the engine's background thread first
@@ -515,6 +543,9 @@ class RolloutMatchingTrainer(Trainer):
             if self.prefetcher is not None:  # a batch read ahead past max_steps is never trained
                 self.prefetcher.discard()
             self._lookahead, self._plan = None, []
+            if self._pixel_pool is not None:
+                self._pixel_pool.shutdown(wait=True)
+                self._pixel_pool = None
             self._write_carried()
 
     def _write_carried(self) -> None:
