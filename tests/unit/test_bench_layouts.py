@@ -143,3 +143,20 @@ def test_fault_outcome_reads_the_learners_log():
     other = fault_outcome({"killed_at": 1.0}, "http://127.0.0.1:10", log)
     assert not other["quarantined"] and not other["readmitted"], "another server's lines do not count"
     assert "not_injected" in fault_outcome({}, url, "")
+
+
+def test_a_layout_waits_for_its_gpus_and_names_who_holds_them():
+    """Session 16: a learner left over from a stopped layout held 25 GiB of GPU 0 and the next layout's vLLM servers
+    failed to start; the bench now waits for the GPUs to be free and names the holders when they stay busy."""
+    from trainer.bench.layouts import wait_for_free_gpus
+
+    calls = []
+
+    def exiting(gpus):
+        calls.append(gpus)
+        return {0: [4242]} if len(calls) < 3 else {}
+
+    wait_for_free_gpus([0, 1], timeout_s=30, holders=exiting)
+    assert len(calls) == 3 and calls[0] == [0, 1]
+    with pytest.raises(RuntimeError, match=r"GPU 0 by pid\(s\) \[4242\]"):
+        wait_for_free_gpus([0, 1], timeout_s=0.5, holders=lambda gpus: {0: [4242]})

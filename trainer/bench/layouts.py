@@ -129,6 +129,38 @@ def gpu_count() -> int:
         return 0
 
 
+def gpu_holders(gpus: list[int]) -> dict[int, list[int]]:
+    """The pids other than this process with a compute context on each of ``gpus`` (NVML; only GPUs that have
+    some)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    held = {}
+    for i in gpus:
+        pids = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))
+                if p.pid != os.getpid()]
+        if pids:
+            held[i] = pids
+    return held
+
+
+def wait_for_free_gpus(gpus: list[int], timeout_s: float = 60.0,
+                       holders: Callable[[list[int]], dict[int, list[int]]] = gpu_holders) -> None:
+    """Wait until no process holds any of ``gpus`` (the last layout's engines may still be exiting); a layout that
+    started beside another process would fail for want of memory, or measure the other's work. ``RuntimeError``
+    naming the GPUs and pids after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while True:
+        held = holders(gpus)
+        if not held:
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"GPU(s) still held after {timeout_s:.0f} s: "
+                               + "; ".join(f"GPU {g} by pid(s) {pids}" for g, pids in held.items())
+                               + ": stop those processes (an earlier run's learner or server?) and run again")
+        time.sleep(1.0)
+
+
 class GpuSampler(threading.Thread):
     """NVML utilisation and memory of every GPU, ``(time, [util %], [used GiB])`` every ``interval_s``."""
 
@@ -360,6 +392,8 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
     sampler = GpuSampler() if cuda else None
     learner_gpus = list(range(layout.servers, layout.gpus)) if cuda else None
     try:
+        if cuda:
+            wait_for_free_gpus(list(range(layout.gpus)))
         ports = listen_ports(layout.servers) if layout.servers else []
         def start_server(i: int) -> subprocess.Popen:
             argv = [sys.executable, "-m", "trainer", "serve", "--engine", "vllm" if cuda else "hf", "--model",
