@@ -179,6 +179,44 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+class GcClock:
+    """Python's garbage collector, seen from its callbacks: seconds paused in collections and their count (all,
+    and of the oldest generation) since the last ``pop``. Collections run inside whatever phase allocated; these
+    overlap the phases, they are not one of them. Counting from ``open`` to ``close`` (the callback's lifetime)."""
+
+    def __init__(self):
+        import gc
+
+        self._gc = gc
+        self._started: float | None = None
+        self.seconds = 0.0
+        self.collections = 0
+        self.oldest = 0
+
+    def open(self) -> None:
+        if self._on_gc not in self._gc.callbacks:
+            self._gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, event: str, info: dict[str, Any]) -> None:
+        if event == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+            self.collections += 1
+            self.oldest += int(info.get("generation") == 2)
+
+    def pop(self) -> dict[str, float]:
+        out = {"gc/pause_s": self.seconds, "gc/collections": float(self.collections),
+               "gc/gen2_collections": float(self.oldest)}
+        self.seconds, self.collections, self.oldest = 0.0, 0, 0
+        return out
+
+    def close(self) -> None:
+        if self._on_gc in self._gc.callbacks:
+            self._gc.callbacks.remove(self._on_gc)
+
+
 class StepClock:
     """Per optimizer step: ``optimizer_s`` (the last ``training_step``'s end to ``on_step_end``: clipping,
     ``optimizer.step()``, the scheduler, ``zero_grad``) and ``step_wall_s`` (one ``on_step_end`` to the next, the first

@@ -105,3 +105,29 @@ def test_step_phases_are_disjoint_and_sum_to_the_step(tmp_path, monkeypatch):
     assert t["weight_sync"] < SYNC_S + GENERATE_S and t["target"] < TARGET_S + SYNC_S, "a phase leaked into another"
     assert t["backward"] > 0
     assert logged["time/parse_s"] + logged["time/match_s"] + logged["time/build_target_s"] <= t["target"]
+    assert logged["gc/pause_s"] >= 0 and logged["gc/collections"] >= logged["gc/gen2_collections"] >= 0
+    assert trainer.gc_clock._on_gc not in __import__("gc").callbacks, "the callback is removed when train returns"
+
+
+def test_the_gc_clock_counts_pauses_between_open_and_close():
+    import gc
+
+    clock = telemetry.GcClock()
+    gc.collect()
+    assert clock.pop()["gc/collections"] == 0, "not counting before open"
+    clock.open()
+    clock.open()  # idempotent: one callback
+    junk = []
+    for _ in range(2000):
+        a, b = [], []
+        a.append(b)
+        b.append(a)
+        junk.append(a)
+    del junk
+    gc.collect()
+    got = clock.pop()
+    assert got["gc/collections"] >= 1 and got["gc/gen2_collections"] >= 1 and got["gc/pause_s"] > 0
+    assert clock.pop() == {"gc/pause_s": 0.0, "gc/collections": 0.0, "gc/gen2_collections": 0.0}
+    clock.close()
+    gc.collect()
+    assert clock.pop()["gc/collections"] == 0

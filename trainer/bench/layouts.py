@@ -358,7 +358,8 @@ def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
                                        "time/generate_s", "time/encode_s", "time/target_s", "time/target_ahead_s",
                                        "time/forward_s", "time/backward_s", "time/optimizer_s", "rollout/samples",
                                        "rollout/staleness_mean", "batch/rows_per_step", "batch/fill",
-                                       "batch/filler_rows", "packing/carried")},
+                                       "batch/filler_rows", "packing/carried", "gc/pause_s",
+                                       "gc/gen2_collections")},
         "learner_peak_gib": max((r.get("mem/step_peak_gib", 0.0) for r in steps), default=None),
         "carried_at_end": len(carried),
     }

@@ -51,6 +51,7 @@ from trainer.sft.stage2 import Stage2Pipeline
 from trainer.sync.update_check import NonFiniteWeightsError, check_learner_weights
 from trainer.telemetry import (
     Counters,
+    GcClock,
     JsonlWriter,
     PhaseTimers,
     StepClock,
@@ -200,6 +201,9 @@ class RolloutMatchingTrainer(Trainer):
         self.timeline: list[tuple[str, float, float]] | None = None
         self.step_clock = StepClock()
         install_step_clock(self, self.step_clock, self._record_after_step)
+        #: ``gc/pause_s`` per logged step: Python's collector pauses, wherever they fell (a long-lived engine heap
+        #: beside the learner makes full collections expensive)
+        self.gc_clock = GcClock()
 
     @staticmethod
     def _can_defer_pixels(engine: Any, pipeline: Stage2Pipeline) -> bool:
@@ -533,6 +537,7 @@ class RolloutMatchingTrainer(Trainer):
             self._truncate_ledger(step)
             if self.rollout_buffer is not None:
                 self._skip_repeated_batches(step)
+        self.gc_clock.open()
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except NonFiniteWeightsError as exc:  # stop the run, naming the last good checkpoint
@@ -546,6 +551,7 @@ class RolloutMatchingTrainer(Trainer):
             if self._pixel_pool is not None:
                 self._pixel_pool.shutdown(wait=True)
                 self._pixel_pool = None
+            self.gc_clock.close()
             self._write_carried()
 
     def _write_carried(self) -> None:
@@ -719,4 +725,5 @@ class RolloutMatchingTrainer(Trainer):
                 logs["batch/rows_per_step"] = c["rows"] / steps
                 logs["batch/filler_rows"] = c.get("filler_rows", 0.0)
             logs.update(gpu_memory_snapshot(self.timers))
+            logs.update(self.gc_clock.pop())
         super().log(logs, start_time)
