@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections import defaultdict
@@ -185,17 +186,14 @@ class GcClock:
     overlap the phases, they are not one of them. Counting from ``open`` to ``close`` (the callback's lifetime)."""
 
     def __init__(self):
-        import gc
-
-        self._gc = gc
         self._started: float | None = None
         self.seconds = 0.0
         self.collections = 0
         self.oldest = 0
 
     def open(self) -> None:
-        if self._on_gc not in self._gc.callbacks:
-            self._gc.callbacks.append(self._on_gc)
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, event: str, info: dict[str, Any]) -> None:
         if event == "start":
@@ -213,8 +211,8 @@ class GcClock:
         return out
 
     def close(self) -> None:
-        if self._on_gc in self._gc.callbacks:
-            self._gc.callbacks.remove(self._on_gc)
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
 
 class StepClock:

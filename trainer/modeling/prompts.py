@@ -133,19 +133,22 @@ class PromptEncoder:
         """A Qwen2/2.5/3-VL-style processor that resizes (``patch_size``, ``merge_size``, ``size`` with
         ``shortest_edge`` / ``longest_edge`` in pixels): its grid follows from the image size alone."""
         ip = self.image_processor
-        size = getattr(ip, "size", None)
-        edges = [getattr(size, k, None) if not isinstance(size, dict) else size.get(k)
-                 for k in ("shortest_edge", "longest_edge")]
         return (ip is not None and getattr(ip, "do_resize", False) and isinstance(getattr(ip, "patch_size", None), int)
-                and isinstance(getattr(ip, "merge_size", None), int) and all(isinstance(e, int) for e in edges))
+                and isinstance(getattr(ip, "merge_size", None), int)
+                and all(isinstance(e, int) for e in self._pixel_bounds()))
+
+    def _pixel_bounds(self) -> tuple[Any, Any]:
+        """The processor's ``size`` as ``(min_pixels, max_pixels)`` (a dict or transformers' ``SizeDict``)."""
+        size = getattr(self.image_processor, "size", None)
+        keys = ("shortest_edge", "longest_edge")
+        return tuple(size.get(k) if isinstance(size, dict) else getattr(size, k, None) for k in keys)
 
     def image_grid(self, width: int, height: int) -> list[int]:
         """``[t, h, w]`` patches the image processor makes of a ``width`` x ``height`` image (one frame)."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         ip = self.image_processor
-        size = ip.size
-        lo, hi = (size.get(k) if isinstance(size, dict) else getattr(size, k) for k in ("shortest_edge", "longest_edge"))
+        lo, hi = self._pixel_bounds()
         h, w = smart_resize(height, width, factor=ip.patch_size * ip.merge_size, min_pixels=lo, max_pixels=hi)
         return [1, h // ip.patch_size, w // ip.patch_size]
 

@@ -161,7 +161,7 @@ class RolloutMatchingTrainer(Trainer):
         self.supervised_logits = supervised_logits
         self.logit_chunk_rows = logit_chunk_rows  # ``loss.logit_chunk_rows`` (``trainer.losses.chunked_objective``)
         self.eager_rollouts = eager_rollouts
-        #: ``vllm.pixels_during_decode``: the training pixels are made on ``_pixel_worker`` while the engine decodes
+        #: ``vllm.pixels_during_decode``: the training pixels are made on ``_pixel_pool``'s thread while the engine decodes
         self.pixels_during_decode = pixels_during_decode and self._can_defer_pixels(engine, pipeline)
         self._pixel_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._layout_stack: contextlib.ExitStack | None = None
