@@ -99,3 +99,16 @@ def test_prewake_knob_runs_both_and_reaches_the_sync_config(tmp_path):
                                                "vllm")).custom.extra.rollout_matching.vllm.sync.prewake is False
     with pytest.raises(SystemExit, match="RM_BENCH_SCALE_PREWAKE"):
         scale.lever_knobs(None, None, None, "yes")
+
+
+def test_compile_knob_is_an_axis_eager_and_compiled_in_one_call(tmp_path):
+    runs = scale.with_levers(scale.selected("2b"), scale.lever_knobs("1", None, None, None, "0,1"))
+    assert [(r.liger, r.compile_layers) for r in runs] == [(True, False), (True, True)]
+    assert runs[1].name.endswith("-compiled-liger") and "compiled" not in runs[0].name
+    from trainer.config.schema import validate_config
+
+    assert validate_config(scale.stage2_config(runs[1], tmp_path, tmp_path / "o", "vllm")).training.compile_decoder_layers
+    assert not validate_config(scale.stage2_config(runs[0], tmp_path, tmp_path / "o",
+                                                   "vllm")).training.compile_decoder_layers
+    with pytest.raises(SystemExit, match="RM_BENCH_SCALE_COMPILE"):
+        scale.lever_knobs(None, None, None, None, "true")

@@ -188,10 +188,48 @@ def test_the_wake_hands_torch_s_cached_blocks_back_before_vllm_maps_its_pool(mon
     engine.sleep()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: llm.calls.append(("empty_cache",)))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 << 30, 80 << 30))
     monkeypatch.setattr(vllm_compat, "restore_pinned_buffers", lambda worker: 0)
+    monkeypatch.setattr(vllm_compat, "sleeping_bytes", lambda tags: 12 << 30)
     engine.wake()
     names = [c[0] for c in llm.calls]
     assert names[-2:] == ["empty_cache", "wake_up"], names
+
+
+@pytest.mark.parametrize("need_gib, free_gib, released", [(12, 10, True), (9.5, 10, True), (8, 10, False),
+                                                          (None, 70, True)])
+def test_the_wake_releases_torch_s_cache_only_when_the_free_memory_does_not_cover_the_pool(
+        monkeypatch, need_gib, free_gib, released):
+    """Free memory >= what the wake maps + 1 GiB: the learner keeps its cached blocks; an allocator that does not
+    say how much it maps (None) gets the release."""
+    llm = _LLM()
+    engine = _engine(2, llm)
+    engine.sleep()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: llm.calls.append(("empty_cache",)))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (int(free_gib * 2**30), 80 << 30))
+    monkeypatch.setattr(vllm_compat, "restore_pinned_buffers", lambda worker: 0)
+    asked = []
+    monkeypatch.setattr(vllm_compat, "sleeping_bytes",
+                        lambda tags: asked.append(tuple(tags)) or (None if need_gib is None else int(need_gib * 2**30)))
+    engine.wake()
+    assert ("empty_cache",) in llm.calls if released else ("empty_cache",) not in llm.calls
+    assert asked == [("weights", "kv_cache")] and llm.calls[-1][0] == "wake_up"
+
+
+def test_sleeping_bytes_sums_the_sleeping_allocations_of_the_tags(monkeypatch):
+    from vllm.device_allocator.cumem import AllocationData, CuMemAllocator
+
+    class _Alloc:
+        pointer_to_data = {1: AllocationData((0, 4 << 20, 1, 0), "weights", is_asleep=True),
+                           2: AllocationData((0, 6 << 20, 2, 0), "kv_cache", is_asleep=True),
+                           3: AllocationData((0, 8 << 20, 3, 0), "weights", is_asleep=False)}
+
+    monkeypatch.setattr(CuMemAllocator, "get_instance", staticmethod(lambda: _Alloc()))
+    assert vllm_compat.sleeping_bytes(["weights"]) == 4 << 20
+    assert vllm_compat.sleeping_bytes(["weights", "kv_cache"]) == 10 << 20
+    monkeypatch.setattr(CuMemAllocator, "get_instance", staticmethod(lambda: (_ for _ in ()).throw(AssertionError())))
+    assert vllm_compat.sleeping_bytes(["weights"]) is None
 
 
 def test_sleep_waits_for_a_background_wake_first():

@@ -84,7 +84,8 @@ class ScaleRun:
     #: LoRA/DoRA learners: False = merged full sync into an engine without LoRA kernels (``sync.mode: full``, what
     #: TRL does); True = adapter sync into an engine with ``enable_lora`` (``sync.mode: adapter``)
     vllm_lora: bool = False
-    #: ``training.compile_decoder_layers`` for the teacher-forced step (``RM_BENCH_SCALE_COMPILE=1``)
+    #: ``training.compile_decoder_layers`` for the teacher-forced step (``RM_BENCH_SCALE_COMPILE=1``, or ``0,1``
+    #: for eager and compiled in one call; name suffix ``-compiled``)
     compile_layers: bool = False
     #: the stage-2 step whose forward + backward runs under torch.profiler (``RM_BENCH_SCALE_PROFILE=N``; 0: none);
     #: the profiled step is left out of the per-step means
@@ -558,14 +559,16 @@ def recomputed_fraction(levers: dict[str, Any], default: bool) -> bool | float:
 
 #: the values each lever knob takes (``lever_knobs``); the first is the default
 LEVER_VALUES = {"RM_BENCH_SCALE_LIGER": ("0", "1"), "RM_BENCH_SCALE_CKPT": ("full", "selective", "off", "auto"),
-                "RM_BENCH_SCALE_OPTIM": ("adamw_torch_fused", "adamw_torch"), "RM_BENCH_SCALE_PREWAKE": ("0", "1")}
+                "RM_BENCH_SCALE_OPTIM": ("adamw_torch_fused", "adamw_torch"), "RM_BENCH_SCALE_PREWAKE": ("0", "1"),
+                "RM_BENCH_SCALE_COMPILE": ("0", "1")}
 
 
 def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None,
-                prewake: str | None = None) -> list[dict[str, Any]]:
+                prewake: str | None = None, compile_layers: str | None = None) -> list[dict[str, Any]]:
     """``ScaleRun`` overrides from ``RM_BENCH_SCALE_LIGER`` (``training.use_liger_kernel``), ``RM_BENCH_SCALE_CKPT``
-    (``training.gradient_checkpointing_policy``), ``RM_BENCH_SCALE_OPTIM`` (``training.optim``) and
-    ``RM_BENCH_SCALE_PREWAKE`` (``vllm.sync.prewake``): each takes one
+    (``training.gradient_checkpointing_policy``), ``RM_BENCH_SCALE_OPTIM`` (``training.optim``),
+    ``RM_BENCH_SCALE_PREWAKE`` (``vllm.sync.prewake``) and ``RM_BENCH_SCALE_COMPILE``
+    (``training.compile_decoder_layers``): each takes one
     value or a comma-separated list, and every combination runs (``RM_BENCH_SCALE_LIGER=0,1`` measures Liger beside
     the default in one call). Unset: ``[{}]``, nothing overridden."""
     import itertools
@@ -574,7 +577,9 @@ def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None,
     for env, field, value, convert in (("RM_BENCH_SCALE_LIGER", "liger", liger, lambda v: v == "1"),
                                        ("RM_BENCH_SCALE_CKPT", "checkpointing", ckpt, str),
                                        ("RM_BENCH_SCALE_OPTIM", "optim", optim, str),
-                                       ("RM_BENCH_SCALE_PREWAKE", "prewake", prewake, lambda v: v == "1")):
+                                       ("RM_BENCH_SCALE_PREWAKE", "prewake", prewake, lambda v: v == "1"),
+                                       ("RM_BENCH_SCALE_COMPILE", "compile_layers", compile_layers,
+                                        lambda v: v == "1")):
         if not value:
             continue
         values = [v.strip() for v in value.split(",") if v.strip()]
@@ -625,14 +630,14 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     steps = int(os.environ.get("RM_BENCH_SCALE_STEPS", "0"))
     profile_step = int(os.environ.get("RM_BENCH_SCALE_PROFILE", "0"))
     knobs = logit_and_merge_knobs(os.environ.get("RM_BENCH_SCALE_LOGIT_CHUNK"), os.environ.get("RM_BENCH_SCALE_MERGE"))
-    compile_layers = os.environ.get("RM_BENCH_SCALE_COMPILE", "0") == "1"
     runs = [QUICK] if quick else with_utilisations(selected(os.environ.get("RM_BENCH_SCALE")),
                                                    os.environ.get("RM_BENCH_SCALE_UTILS"))
     runs = with_levers(runs, lever_knobs(os.environ.get("RM_BENCH_SCALE_LIGER"), os.environ.get("RM_BENCH_SCALE_CKPT"),
-                                         os.environ.get("RM_BENCH_SCALE_OPTIM"), os.environ.get("RM_BENCH_SCALE_PREWAKE")))
+                                         os.environ.get("RM_BENCH_SCALE_OPTIM"), os.environ.get("RM_BENCH_SCALE_PREWAKE"),
+                                         os.environ.get("RM_BENCH_SCALE_COMPILE")))
     for cfg in runs:
         cfg = replace(cfg, steps=steps) if steps else cfg
-        cfg = replace(cfg, profile_step=profile_step, compile_layers=compile_layers or cfg.compile_layers, **knobs)
+        cfg = replace(cfg, profile_step=profile_step, **knobs)
         if cfg.profile_step > cfg.steps:
             raise SystemExit(f"RM_BENCH_SCALE_PROFILE={cfg.profile_step} is past the run's {cfg.steps} steps")
         print(f"bench scale: {cfg.name} ...", flush=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +140,18 @@ def load_checkpoint_tensors(worker, tensors: dict[str, torch.Tensor]) -> int:
             model.load_weights(weights=iter(tensors.items()))
     reset_derived_state(worker)
     return len(tensors)
+
+
+def sleeping_bytes(tags: Sequence[str]) -> int | None:
+    """Bytes this process's sleep-mode allocator maps back when ``tags`` wake (its sleeping allocations of those
+    tags), or None when this vLLM keeps no such record (then a caller must assume the worst)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        allocations = CuMemAllocator.get_instance().pointer_to_data.values()
+        return sum(int(d.handle[1]) for d in allocations if d.tag in tags and getattr(d, "is_asleep", True))
+    except Exception:  # noqa: BLE001 - no cumem allocator here (CPU build) or another layout of its records
+        return None
 
 
 def pin_saved_buffers(worker) -> int:

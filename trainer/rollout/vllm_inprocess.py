@@ -102,6 +102,10 @@ def exception_chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
+#: free device memory a wake keeps beyond what it maps before it leaves torch's cached blocks in place
+WAKE_HEADROOM_BYTES = 1 << 30
+
+
 def _chain_text(exc: BaseException) -> str:
     return "\n".join(f"{type(e).__name__}: {e}" for e in exception_chain(exc))
 
@@ -114,7 +118,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 def wake_out_of_memory(tags: Sequence[str], exc: BaseException, settings: VllmSettings) -> torch.OutOfMemoryError:
     """The ``torch.OutOfMemoryError`` for a sleeping engine that could not map ``tags`` back: vLLM's message, the
-    device's free memory and what torch's allocator still holds after ``_wake_now`` emptied its cache."""
+    device's free memory and what torch's allocator still holds (``_wake_now`` released its cache when the free memory
+    did not cover the pool)."""
     held = ""
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
@@ -316,14 +321,20 @@ class InProcessVllm:
                 self._weights_valid = False
 
     def _wake_now(self, todo: list[str]) -> None:
-        """vLLM's wake of ``todo``, after handing torch's cached free blocks back to the driver: vLLM 0.26's wake maps
-        its pool without doing so (0.32's empties the cache itself), so the blocks a learner's backward left cached
-        in this process kept the engine from mapping its KV cache back (session 15, H100). Its allocator's
+        """vLLM's wake of ``todo``, after handing torch's cached free blocks back to the driver when the device's free
+        memory does not cover what the wake maps (``vllm_compat.sleeping_bytes`` + ``WAKE_HEADROOM_BYTES``; always
+        when the allocator does not say): vLLM 0.26's wake maps its pool without doing so (0.32's empties the cache
+        itself), so the blocks a learner's backward left cached in this process kept the engine from mapping its KV
+        cache back (session 15, H100); where the memory is free anyway, the learner keeps its cached blocks (no
+        ``cudaFree`` now, no ``cudaMalloc`` in its next forward). The release is timed as ``wake_cache_release``. Its allocator's
         out-of-memory (a ``RuntimeError`` from ``cumem_allocator.cpp``, not torch's error) is raised as
         ``torch.OutOfMemoryError`` (``wake_out_of_memory``), so that the step's out-of-memory handling names the
         phase and what to change."""
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            need = vllm_compat.sleeping_bytes(todo)
+            if need is None or torch.cuda.mem_get_info()[0] < need + WAKE_HEADROOM_BYTES:
+                with phase("wake_cache_release"):
+                    torch.cuda.empty_cache()
         try:
             self.llm.wake_up(tags=todo)
         except Exception as exc:
