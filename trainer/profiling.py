@@ -6,7 +6,10 @@ the edge: it runs ``torch.profiler`` around a region (``train``: a step's forwar
 push of the learner's weights into the rollout engine) and writes ``step<N>_<region>.json`` (the summary) and
 ``step<N>_<region>_kernels.txt`` (the profiler's own table) under a directory, plus a gzipped Chrome trace on request;
 a GPU ``weight_sync`` region also records Python stacks and groups its host-to-device copies by the code that issued
-them (``host_to_device_sources``: the 146 pageable copies of the 8B sync are still unexplained).
+them (``host_to_device_sources``), and traces every aten operator that reads a host tensor into a device result with
+the Python frames that called it (``HostToDeviceTracer``, ``host_to_device_ops``): the profiler's stacks came back empty
+for the 8B sync's 146 pageable copies (session 17), so the tracer names them from the dispatcher instead; a copy it
+does not see was not issued through aten (a driver-level ``cudaMemcpy``).
 
 Invariants: every profiled kernel lands in exactly one category, so the categories sum to the device-busy time;
 ``busy_fraction`` = device-busy seconds / wall seconds of the region (below 1: the device waited on the host).
@@ -14,6 +17,7 @@ Invariants: every profiled kernel lands in exactly one category, so the categori
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import shutil
@@ -69,6 +73,9 @@ class ProfileSummary:
     #: ``weight_sync`` on a GPU: host-to-device copies grouped by the Python frames that issued them
     #: (``host_to_device_sources``)
     host_to_device: list[dict] = field(default_factory=list)
+    #: ``weight_sync`` on a GPU: aten operators that read host tensors into device results, by caller
+    #: (``HostToDeviceTracer``)
+    host_to_device_ops: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -113,6 +120,62 @@ def host_to_device_sources(ops: Sequence[tuple[Sequence[str], Sequence[tuple[str
     return sorted(groups.values(), key=lambda g: (-g["calls"], -g["seconds"]))[:top_n]
 
 
+class HostToDeviceTracer:
+    """While entered, every aten operator whose arguments hold a host (CPU) tensor and whose result holds a tensor on
+    ``device_type`` is counted by its name and the Python frames that called it (outside torch's own plumbing, the
+    innermost ``frames``). ``sources()``: the groups, most calls first: ``op``, ``frames``, ``calls``,
+    ``host_bytes`` (the host tensors' bytes), ``pinned`` (calls whose host tensors were all page-locked)."""
+
+    def __init__(self, device_type: str = "cuda", frames: int = 6, top_n: int = 12):
+        self.device_type, self.frames, self.top_n = device_type, frames, top_n
+        self._groups: dict[tuple, dict] = {}
+        self._mode = None
+        self.errors: list[str] = []
+
+    def __enter__(self) -> HostToDeviceTracer:
+        import traceback
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        tracer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                host = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)
+                        and t.device.type == "cpu"]
+                if host and any(isinstance(t, torch.Tensor) and t.device.type == tracer.device_type
+                                for t in tree_leaves(out)):
+                    try:
+                        stack = [f"{f.filename}:{f.lineno} {f.name}"
+                                 for f in reversed(traceback.extract_stack()[:-1])]
+                        tracer._record(str(func), stack, host)
+                    except Exception as exc:  # noqa: BLE001 - a diagnostic must not fail the sync it watches
+                        tracer.errors.append(f"{type(exc).__name__}: {exc}")
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None
+
+    def _record(self, op: str, stack: list[str], host: list) -> None:
+        frames = tuple(f for f in stack if not any(m in f for m in _PLUMBING) and not f.startswith(__file__ + ":"))
+        key = (op, frames[:self.frames])
+        g = self._groups.setdefault(key, {"op": op, "frames": list(key[1]), "calls": 0, "host_bytes": 0, "pinned": 0})
+        g["calls"] += 1
+        g["host_bytes"] += sum(t.numel() * t.element_size() for t in host)
+        g["pinned"] += int(all(t.is_pinned() for t in host)) if self.device_type == "cuda" else 0
+
+    def sources(self) -> list[dict]:
+        return sorted(self._groups.values(), key=lambda g: (-g["calls"], -g["host_bytes"]))[:self.top_n]
+
+
 def _ops_with_kernels(prof) -> list[tuple[list[str], list[tuple[str, float]]]]:
     """(Python stack, [(kernel name, seconds)]) of every profiled operator that launched device work."""
     return [(list(ev.stack or ()), [(k.name, k.duration / 1e6) for k in ev.kernels]) for ev in prof.events()
@@ -150,7 +213,8 @@ def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     out_dir.mkdir(parents=True, exist_ok=True)
     stacks = region == "weight_sync" and cuda  # which code issues the sync's host-to-device copies
-    with profile(activities=activities, with_stack=stacks) as prof:
+    tracer = HostToDeviceTracer() if stacks else contextlib.nullcontext()
+    with profile(activities=activities, with_stack=stacks) as prof, tracer:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -161,6 +225,7 @@ def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = 
     summary = summarize(_kernel_times(prof, cuda), wall, step, "cuda" if cuda else "cpu", region=region)
     if stacks:
         summary.host_to_device = host_to_device_sources(_ops_with_kernels(prof))
+        summary.host_to_device_ops = tracer.sources()
     stem = f"step{step}_{region}"
     (out_dir / f"{stem}.json").write_text(json.dumps(summary.to_json(), indent=2))
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"

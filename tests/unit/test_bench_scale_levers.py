@@ -102,9 +102,10 @@ def test_prewake_knob_runs_both_and_reaches_the_sync_config(tmp_path):
 
 
 def test_compile_knob_is_an_axis_eager_and_compiled_in_one_call(tmp_path):
-    runs = scale.with_levers(scale.selected("2b"), scale.lever_knobs("1", None, None, None, "0,1"))
-    assert [(r.liger, r.compile_layers) for r in runs] == [(True, False), (True, True)]
-    assert runs[1].name.endswith("-compiled-liger") and "compiled" not in runs[0].name
+    runs = scale.with_levers(scale.selected("2b"), scale.lever_knobs(None, "full,selective", None, None, "0,1"))
+    assert [(r.checkpointing, r.compile_layers) for r in runs] == [("full", False), ("full", True),
+                                                                  ("selective", False), ("selective", True)]
+    assert runs[1].name.endswith("-compiled") and "compiled" not in runs[0].name
     from trainer.config.schema import validate_config
 
     assert validate_config(scale.stage2_config(runs[1], tmp_path, tmp_path / "o", "vllm")).training.compile_decoder_layers
@@ -112,3 +113,6 @@ def test_compile_knob_is_an_axis_eager_and_compiled_in_one_call(tmp_path):
                                                    "vllm")).training.compile_decoder_layers
     with pytest.raises(SystemExit, match="RM_BENCH_SCALE_COMPILE"):
         scale.lever_knobs(None, None, None, None, "true")
+    liger_compiled = scale.with_levers(scale.selected("2b"), scale.lever_knobs("1", None, None, None, "1"))[0]
+    with pytest.raises(Exception, match="use_liger_kernel and compile_decoder_layers do not combine"):
+        validate_config(scale.stage2_config(liger_compiled, tmp_path, tmp_path / "o", "vllm"))

@@ -117,3 +117,17 @@ def test_other_model_types_are_refused_with_the_key(fake_liger):
     with pytest.raises(ValueError, match="training.use_liger_kernel: Liger is wired for qwen3, qwen3_vl models"):
         liger.apply_liger_kernel(model)
     assert fake_liger == []
+
+
+def test_liger_with_compiled_decoder_layers_is_refused_naming_both_keys():
+    """Measured on an H100 (session 17): Dynamo cannot trace Liger's RMSNorm inside a compiled decoder layer; the
+    config says so at load instead of failing at the first forward after minutes of set-up."""
+    import pytest
+
+    from trainer.config.schema import TrainingConfig
+
+    with pytest.raises(ValueError, match="use_liger_kernel and compile_decoder_layers do not combine") as info:
+        TrainingConfig(output_dir="o", use_liger_kernel=True, compile_decoder_layers=True)
+    assert "set one of them false" in str(info.value)
+    assert TrainingConfig(output_dir="o", use_liger_kernel=True).use_liger_kernel
+    assert TrainingConfig(output_dir="o", compile_decoder_layers=True).compile_decoder_layers

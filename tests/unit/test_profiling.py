@@ -155,3 +155,29 @@ def test_profile_steps_are_validated():
         == [1, 3]
     with pytest.raises(ConfigErrors, match=r"training\.profile_trace"):
         validate_config({**base, "training": {"max_steps": 3, "profile_trace": True}})
+
+
+def _norm_weights_to_device(weights):
+
+    return [w.to("meta") for w in weights]
+
+
+def test_host_to_device_tracer_names_the_caller_of_each_host_to_device_op():
+    """The dispatcher sees every aten op that reads a host tensor into a device result (``meta`` stands in for
+    ``cuda`` on this CPU machine); ops that stay on one side are not counted."""
+    import torch
+
+    from trainer.profiling import HostToDeviceTracer
+
+    weights = [torch.ones(4) for _ in range(5)]
+    with HostToDeviceTracer(device_type="meta", frames=2) as tracer:
+        _norm_weights_to_device(weights)
+        torch.ones(3, device="meta") * 2  # device only
+        torch.ones(3) + 1  # host only
+    (group,) = tracer.sources()
+    assert group["calls"] == 5 and group["host_bytes"] == 5 * 4 * 4, group
+    assert "_to_copy" in group["op"] and any("_norm_weights_to_device" in f for f in group["frames"]), group
+    assert tracer._mode is None, "the mode is popped on exit"
+    with HostToDeviceTracer(device_type="meta") as quiet:
+        torch.ones(2) * 3
+    assert quiet.sources() == []

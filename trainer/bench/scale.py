@@ -655,6 +655,7 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
             p = rec["profile_weight_sync"]
             print(json.dumps({"sync_profile_wall_s": p["wall_s"], "busy_fraction": p["busy_fraction"],
                               "by_category_s": p["by_category_s"], "host_to_device": p.get("host_to_device", [])[:4],
+                              "host_to_device_ops": p.get("host_to_device_ops", [])[:4],
                               "top": [(k["name"][:70], round(k["seconds"], 4)) for k in p["top"][:12]]}), flush=True)
         print(json.dumps({"trl_step_wall_s": rec.get("trl", {}).get("step_wall_s"),
                           "trl_optimizer_s": rec.get("trl", {}).get("optimizer_s"),
