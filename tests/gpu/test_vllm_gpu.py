@@ -249,6 +249,10 @@ def sleep_check(level: int) -> dict:
         sleep_s = time.perf_counter() - t0
         freed = torch.cuda.mem_get_info()[0] - free_awake
         assert freed > 0.5 * 0.3 * torch.cuda.get_device_properties(0).total_memory, freed
+        from trainer.rollout.vllm_compat import inner_worker
+
+        left = engine.vllm.collective_rpc(lambda w: len(inner_worker(w)._sleep_saved_buffers))[0]
+        assert left == 0 or level != 2, f"vLLM's worker still restores {left} buffers with pageable copies"
         t0 = time.perf_counter()
         engine.begin_sync()  # level 2: the weights start waking on a thread (sync.prewake, off by default)
         assert engine.vllm._waking is not None or level != 2
@@ -256,7 +260,7 @@ def sleep_check(level: int) -> dict:
         engine.end_sync()
         sync_s = time.perf_counter() - t0
         assert engine.vllm.collective_rpc(_buffer_sums)[0] == buffers, "model buffers after the wake differ"
-        pinned = engine.vllm.collective_rpc(lambda w: getattr(w, "_rm_pinned_block", None) is not None)[0]
+        pinned = engine.vllm.collective_rpc(lambda w: getattr(inner_worker(w), "_rm_pinned_block", None) is not None)[0]
         assert pinned == (level == 2), "level 2 keeps vLLM's saved buffers page-locked"
         t0 = time.perf_counter()
         engine.vllm.wake()

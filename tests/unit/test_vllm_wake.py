@@ -66,7 +66,19 @@ class _LLM:
             self.worker._sleep_saved_buffers = {}
 
     def collective_rpc(self, fn, args=()):
-        return [fn(self.worker, *args)]
+        return [fn(_WorkerWrapper(self.worker), *args)]
+
+
+class _WorkerWrapper:
+    """What vLLM's ``collective_rpc`` hands a callable: ``WorkerWrapperBase``, which reads through to its worker
+    (``__getattr__``) but keeps attributes set on it to itself (session 17, H100: the pinned-buffer change set
+    ``_sleep_saved_buffers`` on the wrapper, so vLLM still restored every buffer with a pageable copy)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, attr):
+        return getattr(self.worker, attr)
 
 
 def _engine(level: int, llm: _LLM) -> InProcessVllm:

@@ -154,10 +154,18 @@ def sleeping_bytes(tags: Sequence[str]) -> int | None:
         return None
 
 
+def inner_worker(worker):
+    """The GPU worker itself: ``collective_rpc`` hands a callable vLLM's ``WorkerWrapperBase``, which reads through
+    to its ``worker`` but keeps attributes set on it to itself, so state vLLM reads back (``_sleep_saved_buffers``)
+    must be written on the worker it wraps."""
+    return vars(worker).get("worker") or worker
+
+
 def pin_saved_buffers(worker) -> int:
     """After a level-2 sleep: move the model buffers vLLM saved to pageable host tensors (restored on wake by one
     blocking copy each) into one page-locked block the worker keeps (reused while the sizes hold); vLLM then restores
     none of them and ``restore_pinned_buffers`` does, with one copy. Returns the bytes kept (0: nothing saved)."""
+    worker = inner_worker(worker)
     saved = getattr(worker, "_sleep_saved_buffers", None)
     if not saved:
         return 0
@@ -181,6 +189,7 @@ def pin_saved_buffers(worker) -> int:
 def restore_pinned_buffers(worker) -> int:
     """Write the buffers ``pin_saved_buffers`` kept back into the woken model: one host-to-device copy of the block,
     then device-to-device copies into each buffer (no host wait per buffer). Returns how many buffers it wrote."""
+    worker = inner_worker(worker)
     layout = getattr(worker, "_rm_pinned_layout", None)
     if not layout:
         return 0
