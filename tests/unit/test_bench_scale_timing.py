@@ -121,3 +121,19 @@ def test_trl_step_clock_runs_as_a_trainer_callback():
 def test_trl_steady_mean_leaves_out_the_first_step():
     assert trl_peer.steady_mean([9.0, 2.0, 4.0]) == pytest.approx(3.0)
     assert trl_peer.steady_mean([5.0]) == 5.0 and trl_peer.steady_mean([]) == 0.0
+
+
+def test_each_timed_step_keeps_its_own_mfu_so_the_spread_behind_the_mean_is_in_the_record():
+    run = scale.ScaleRun("4b", "full", steps=4, profile_step=4)
+    rows = [_row(50.0, 1.0, 60.0), _row(10.0, 1.0, 12.0, **{"batch/tokens": 32000.0, "batch/rows_per_step": 2.0}),
+            _row(8.0, 1.0, 9.0, **{"batch/tokens": 16000.0, "batch/rows_per_step": 1.0}), _row(30.0, 1.0, 31.0)]
+    out = scale.summarise_steps(run, rows, "cuda", checkpointing=True)
+    steps = out["timed_steps"]
+    assert [t["step"] for t in steps] == [2, 3], "warm-up step 1 and profiled step 4 are not timed"
+    assert [t["rows"] for t in steps] == [2.0, 1.0] and steps[0]["fwd_bwd_s"] == pytest.approx(2.5)
+    for t in steps:
+        flops = scale.fwd_bwd_flops("4b", t["tokens"], run.batch, (run.image_size // 16) ** 2, checkpointing=True)
+        assert t["mfu"] == pytest.approx(flops["model"] / t["fwd_bwd_s"] / 1e12 / scale.H100_BF16_TFLOPS)
+    assert min(t["mfu"] for t in steps) <= out["mfu"] <= max(t["mfu"] for t in steps)
+    assert steps[0]["mfu"] != pytest.approx(steps[1]["mfu"])
+    assert scale.summarise_steps(scale.QUICK, rows[:2], "cpu", True)["timed_steps"][0]["mfu"] is None
