@@ -277,6 +277,58 @@ def sleep_check(level: int) -> dict:
         engine.close()
 
 
+def recorded_load_check() -> dict:
+    """``vllm.sync.recorded_load`` at sleep level 2: the first sync records vLLM's loader, later ones (across a sleep
+    and wake, which keeps the parameters' addresses) replay it; the served weights are the learner's bit for bit and
+    decode greedily under it, and vLLM's own loader on the same update leaves every parameter equal to the replay.
+    Load seconds of each path."""
+    import tempfile
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from trainer.modeling.coord_vocab import stop_token_ids
+    from trainer.modeling.fixtures import save_tiny_model, tiny_tokenizer
+    from trainer.rollout.vllm_compat import inner_worker, worker_model
+
+    text_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "text", "text")
+    tok = tiny_tokenizer()
+    hf_model = AutoModelForCausalLM.from_pretrained(text_dir, dtype=DT).cuda().eval()
+    engine, _ = colocate(text_dir, sorted(stop_token_ids(tok)), sleep_level=2, util=0.3, recorded_load=True)
+
+    def state():
+        worker = engine.vllm.llm.collective_rpc(lambda w: inner_worker(w))[0]
+        return worker._rm_load_path, {n: p.detach().clone() for n, p in worker_model(worker).named_parameters()}
+
+    try:
+        reqs = make_requests(tok)
+        paths, loads = [], []
+        for seed in (1, 2, 3):
+            learner = perturbed(hf_model, seed=seed, scale=0.05)
+            engine.sync_full(learner)
+            paths.append(state()[0])
+            loads.append(engine.vllm.last_load.load_s)
+            assert_weights_bit_exact(engine, learner)
+            assert_greedy(learner, engine.generate(reqs, params()), f"replayed load, seed {seed}")
+            assert engine.vllm.asleep
+        assert paths == ["recorded", "replayed", "replayed"], paths
+        _, replayed = state()
+        engine.vllm.settings = replace(engine.vllm.settings, recorded_load=False)
+        engine.sync_full(perturbed(hf_model, seed=4, scale=0.05))
+        engine.sync_full(learner)
+        path, loaded = state()
+        assert path == "loader"
+        assert all(torch.equal(v, replayed[n]) for n, v in loaded.items()), "replay differs from vLLM's loader"
+        return {"load_s": loads, "loader_load_s": engine.vllm.last_load.load_s}
+    finally:
+        engine.close()
+
+
+def test_recorded_load_replays_vllm_s_loader():
+    """In a fresh process (a sleep-mode engine, ``in_fresh_process``)."""
+    record("recorded_load", **in_fresh_process("recorded_load"))
+
+
 def in_fresh_process(check: str, *args: str, timeout: float = 300) -> dict:
     """Run ``check`` (a name in ``CHECKS``) with ``args`` in a new Python process; its result dict. A sleep-mode
     engine needs a process of its own: vLLM's sleep-mode allocator (CuMemAllocator) is one per process, a second
@@ -527,7 +579,7 @@ def test_stage2_training_server_mode_one_gpu(tmp_path):
         _stop(proc)
 
 
-CHECKS = {"sleep": lambda level: sleep_check(int(level)),
+CHECKS = {"sleep": lambda level: sleep_check(int(level)), "recorded_load": recorded_load_check,
           "stage2": lambda kind, level, out: stage2_colocate_check(kind, int(level), Path(out))}
 
 if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in CHECKS:

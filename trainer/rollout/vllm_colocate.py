@@ -110,7 +110,7 @@ class VllmColocateEngine:
                  max_lora_rank: int = 16, enable_prefix_caching: bool = True, sleep_level: int = 0, seed: int = 0,
                  dtype: str = "auto", rank: int | None = None, world_size: int | None = None,
                  allow_dtype_cast: bool = False, engine_kwargs: dict[str, Any] | None = None,
-                 merge_precision: str = "weight_dtype", prewake: bool = False):
+                 merge_precision: str = "weight_dtype", prewake: bool = False, recorded_load: bool = False):
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
@@ -140,7 +140,7 @@ class VllmColocateEngine:
             enable_prefix_caching=enable_prefix_caching, sleep_level=sleep_level,
             seed=seed + (self.rank // self.tp if self.world_size > 1 else 0), dtype=dtype,
             external_launcher=dist_on, allow_dtype_cast=allow_dtype_cast,
-            engine_kwargs=dict(engine_kwargs or {}), key=KEY))
+            engine_kwargs=dict(engine_kwargs or {}), key=KEY, recorded_load=recorded_load))
         self.timings: dict[str, float] = {}
 
     @property
@@ -256,4 +256,5 @@ def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
                        **({"disable_custom_all_reduce": True} if v.disable_custom_all_reduce else {})} or None,
         merge_precision=v.sync.merge_precision,
         prewake=v.sync.prewake,
+        recorded_load=v.sync.recorded_load,
     )

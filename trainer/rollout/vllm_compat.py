@@ -19,12 +19,17 @@ Tested: vLLM 0.26.0 on CUDA (H100, bf16; the release built for torch 2.11) and `
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from trainer.telemetry import phase
+
+logger = logging.getLogger(__name__)
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -123,9 +128,44 @@ def lora_wrappers_removed(model: torch.nn.Module) -> Iterator[int]:
             parent._modules[name] = wrapper
 
 
-def load_checkpoint_tensors(worker, tensors: dict[str, torch.Tensor]) -> int:
-    """Load HF-checkpoint-named ``tensors`` into the worker's model (see module docstring); returns the count."""
+def load_checkpoint_tensors(worker, tensors: dict[str, torch.Tensor], recorded: bool = False) -> int:
+    """Load HF-checkpoint-named ``tensors`` into the worker's model (see module docstring); returns the count.
+
+    ``recorded`` (``sync.recorded_load``, in-process engines): an update with the names, shapes, dtypes and aliasing
+    of the last one recorded is written by replaying that load's copies (``trainer.rollout.load_plan``; timed as
+    ``sync_load_replay``); any other update goes through vLLM's loader, recorded as it runs (``sync_load_record``).
+    A loader that does more than copy (``LoadRefused``) is not recorded again for the run; the reason is logged
+    once."""
     model = worker_model(worker)
+    inner = inner_worker(worker)
+    plan = getattr(inner, "_rm_load_plan", None) if recorded else None
+    if plan is not None and plan.mismatch(tensors) is None:
+        with phase("sync_load_replay"):
+            plan.replay(tensors)
+        reset_derived_state(worker)
+        inner._rm_load_path = "replayed"
+        return len(tensors)
+    if recorded and getattr(inner, "_rm_load_refused", None) is None and not needs_layerwise_reload(worker):
+        from trainer.rollout.load_plan import LoadRefused, record_load
+
+        params = [p for p in model.parameters()]
+        try:
+            with phase("sync_load_record"):
+                inner._rm_load_plan = record_load(lambda: _load_with_vllm(worker, model, tensors), tensors, params)
+            inner._rm_load_path = "recorded"
+        except LoadRefused as exc:
+            inner._rm_load_plan, inner._rm_load_refused, inner._rm_load_path = None, str(exc), "loader"
+            logger.warning("vllm.sync.recorded_load: vLLM's loader does more than copy the update (%s); every sync "
+                           "loads through it", exc)
+        reset_derived_state(worker)
+        return len(tensors)
+    _load_with_vllm(worker, model, tensors)
+    reset_derived_state(worker)
+    inner._rm_load_path = "loader"
+    return len(tensors)
+
+
+def _load_with_vllm(worker, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     with torch.no_grad(), lora_wrappers_removed(model):
         if needs_layerwise_reload(worker):
             from vllm.model_executor.model_loader.reload.layerwise import (
@@ -138,8 +178,6 @@ def load_checkpoint_tensors(worker, tensors: dict[str, torch.Tensor]) -> int:
             finalize_layerwise_reload(model, worker.model_runner.model_config)
         else:
             model.load_weights(weights=iter(tensors.items()))
-    reset_derived_state(worker)
-    return len(tensors)
 
 
 def sleeping_bytes(tags: Sequence[str]) -> int | None:

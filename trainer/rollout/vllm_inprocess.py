@@ -67,6 +67,8 @@ class VllmSettings:
     allow_dtype_cast: bool = False
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     key: str = "custom.extra.rollout_matching.vllm"
+    #: ``sync.recorded_load``: replay vLLM's recorded loader copies for an update like the last (``load_plan``)
+    recorded_load: bool = False
 
 
 @dataclass(frozen=True)
@@ -173,8 +175,8 @@ def check_sleep_engine_slot(settings: VllmSettings, started: int | None = None) 
                               + one_allocator_message(settings, started))
 
 
-def _load_in_worker(worker, tensors: dict[str, torch.Tensor]) -> int:
-    return vllm_compat.load_checkpoint_tensors(worker, tensors)
+def _load_in_worker(worker, tensors: dict[str, torch.Tensor], recorded: bool = False) -> int:
+    return vllm_compat.load_checkpoint_tensors(worker, tensors, recorded=recorded)
 
 
 def _pin_buffers_in_worker(worker) -> int:
@@ -269,7 +271,7 @@ class InProcessVllm:
         t0 = time.perf_counter()
         with phase("sync_load"):
             if vllm_compat.engine_in_process():
-                self.llm.collective_rpc(_load_in_worker, args=(tensors,))
+                self.llm.collective_rpc(_load_in_worker, args=(tensors, self.settings.recorded_load))
             else:
                 cpu = {k: v.detach().to("cpu") for k, v in tensors.items()}
                 self.llm.collective_rpc(_load_in_worker, args=(cpu,))

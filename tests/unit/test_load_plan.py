@@ -1,0 +1,112 @@
+"""``trainer.rollout.load_plan``: a loader shaped like vLLM's (stacked qkv shards, a padded vocabulary with zeroed
+rows, a plain copy) recorded once and replayed for a new update gives exactly what the loader gives; a loader that
+computes with the values, or copies anywhere but a parameter, is refused after its load completed; an update or
+parameters unlike the recording are not replayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.rollout.load_plan import LoadRefused, record_load
+
+
+class _Engine(torch.nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(12, 8, dtype=dtype), requires_grad=False)
+        self.o = torch.nn.Parameter(torch.zeros(8, 8, dtype=dtype), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(8, dtype=dtype), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.full((10, 8), 5.0, dtype=dtype), requires_grad=False)
+
+
+def vllm_like_load(engine: _Engine, tensors: dict[str, torch.Tensor]) -> None:
+    """Stacked shards by offset, a padded embedding (copy the rows, zero the rest), plain copies."""
+    with torch.no_grad():
+        for name, w in tensors.items():
+            if name in ("q", "k", "v"):
+                shard = {"q": 0, "k": 4, "v": 8}[name]
+                engine.qkv.data.narrow(0, shard, 4).copy_(w)
+            elif name == "embed":
+                engine.embed.data[: w.shape[0]].copy_(w)
+                engine.embed.data[w.shape[0]:].fill_(0)
+            else:
+                getattr(engine, name).data.copy_(w)
+
+
+def _update(seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (4, 8), "k": (4, 8), "v": (4, 8), "o": (8, 8), "norm": (8,), "embed": (9, 8)}
+    return {n: torch.randn(*s, generator=g).to(dtype) for n, s in shapes.items()}
+
+
+def _params(engine: _Engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.named_parameters()}
+
+
+def test_a_recorded_load_replays_a_new_update_exactly_as_the_loader_loads_it():
+    engine = _Engine()
+    first = _update(0)
+    plan = record_load(lambda: vllm_like_load(engine, first), first, list(engine.parameters()))
+    assert len(plan.copies) == 6
+    recorded = _params(engine)
+    reference = _Engine()
+    vllm_like_load(reference, first)
+    assert all(torch.equal(recorded[n], v) for n, v in _params(reference).items()), "recording ran the load"
+
+    second = _update(1)
+    assert plan.mismatch(second) is None
+    assert plan.replay(second) == 6
+    vllm_like_load(reference, second)
+    for name, want in _params(reference).items():
+        assert torch.equal(dict(engine.named_parameters())[name], want), name
+    assert not engine.embed[9].any(), "the zeroed padding row stays as the recorded load left it"
+
+
+def test_inputs_that_are_views_of_one_stacked_tensor_are_told_apart():
+    engine = _Engine()
+    stacked = torch.randn(3, 4, 8)
+    first = {"q": stacked[0], "k": stacked[1], "v": stacked[2]}
+    plan = record_load(lambda: vllm_like_load(engine, first), first, list(engine.parameters()))
+    again = torch.randn(3, 4, 8)
+    second = {"q": again[0], "k": again[1], "v": again[2]}
+    assert plan.mismatch(second) is None
+    plan.replay(second)
+    assert torch.equal(engine.qkv.data, again.reshape(12, 8))
+    separate = {n: t.clone() for n, t in second.items()}
+    assert "share storage differently" in plan.mismatch(separate)
+
+
+def test_a_cast_into_the_parameter_dtype_is_replayed_with_the_cast():
+    engine = _Engine(torch.float32)
+    first, second = _update(0, torch.bfloat16), _update(1, torch.bfloat16)
+    plan = record_load(lambda: vllm_like_load(engine, first), first, list(engine.parameters()))
+    plan.replay(second)
+    assert torch.equal(engine.o.data, second["o"].float())
+
+
+@pytest.mark.parametrize("loader, reason", [
+    (lambda e, t: e.o.data.copy_(t["o"] * 2), "aten.mul.Tensor reads o"),
+    (lambda e, t: torch.empty(8, 8).copy_(t["o"]), "not a parameter"),
+    (lambda e, t: (e.o.data.copy_(t["o"]), e.norm.data.add_(1.0)), "writes a parameter outside a copy"),
+    (lambda e, t: None, "copied nothing"),
+])
+def test_a_loader_that_does_more_than_copy_is_refused_after_its_load_completed(loader, reason):
+    engine = _Engine()
+    update = {"o": torch.randn(8, 8), "norm": torch.randn(8)}
+    with pytest.raises(LoadRefused, match=reason):
+        record_load(lambda: loader(engine, update), update, list(engine.parameters()))
+    if "mul" in reason:
+        assert torch.equal(engine.o.data, update["o"] * 2), "the load itself ran"
+
+
+def test_an_update_or_engine_unlike_the_recording_is_not_replayed():
+    engine = _Engine()
+    first = _update(0)
+    plan = record_load(lambda: vllm_like_load(engine, first), first, list(engine.parameters()))
+    assert "names differ" in plan.mismatch({k: v for k, v in first.items() if k != "o"})
+    assert "names differ" in plan.mismatch(dict(reversed(list(first.items()))))
+    assert "o: shape" in plan.mismatch({**first, "o": torch.randn(8, 8).t()})
+    assert "o: shape" in plan.mismatch({**first, "o": torch.randn(8, 8, dtype=torch.float64)})
+    engine.o.data = torch.zeros(8, 8)
+    assert "parameters moved" in plan.mismatch(_update(1))

@@ -1,0 +1,174 @@
+"""vLLM's weight loading, recorded once and replayed as grouped copies (``vllm.sync.recorded_load``).
+
+vLLM's ``load_weights`` walks every checkpoint tensor through Python (name mapping, the stacked qkv / gate_up
+shards, tensor-parallel narrowing) and ends, for each one, in a ``copy_`` into a view of a parameter: host time that
+grows with the tensor count (0.05–0.08 s per sync at Qwen3-VL-8B on an H100). ``record_load`` runs the loader under a
+dispatch mode that writes down each of those copies — which input, which view of it, into which view of which
+parameter — and ``LoadPlan.replay`` repeats them for a later update with the same names, shapes, strides, dtypes and
+aliasing into the same parameters, as one multi-tensor copy per dtype pair.
+
+A load is recorded only when the loader did nothing else with the values: an input read by any operator that is not a
+view or the source of a ``copy_`` into a parameter (a cast, arithmetic, ``.item()``), a copy into a tensor that is
+not a parameter, or a parameter written by anything but such a copy makes it unrecordable (``LoadRefused`` names
+what; a constant written into a parameter, such as vLLM's zeroed padding rows, is independent of the update and stays
+as the recorded load left it), and vLLM's loader keeps running for every update. Replay refuses (``plan.mismatch`` says why) when the update
+or the parameters differ from the recording; the caller then loads through vLLM again and records anew.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: (shape, stride, dtype, device) of an input tensor
+Signature = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, str]
+
+
+#: writes of a constant into a parameter (vLLM's padded vocabulary rows): independent of the update, so what the
+#: recorded load left there holds for every replay
+CONSTANT_WRITES = frozenset({torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default})
+
+
+class LoadRefused(RuntimeError):
+    """The loader did something a replay of copies cannot repeat."""
+
+
+@dataclass(frozen=True)
+class RecordedCopy:
+    """``dst.copy_(inputs[name].as_strided(size, stride, offset + inputs[name].storage_offset()))``; ``dst`` is a view
+    of ``param``, the engine parameter as the loader found it."""
+
+    name: str
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dst: torch.Tensor
+    param: torch.Tensor
+
+
+def _signature(t: torch.Tensor) -> Signature:
+    return tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)
+
+
+def _aliasing(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    """Per name (in order): the index of the first name on the same storage and this tensor's storage offset."""
+    first: dict[int, int] = {}
+    out = []
+    for i, t in enumerate(tensors.values()):
+        out.append((first.setdefault(t.untyped_storage().data_ptr(), i), t.storage_offset()))
+    return tuple(out)
+
+
+@dataclass
+class LoadPlan:
+    """The copies of one recorded load and what an update must look like to replay them."""
+
+    signatures: dict[str, Signature]
+    aliasing: tuple[tuple[int, int], ...]
+    copies: list[RecordedCopy]
+    destinations: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.destinations:
+            self.destinations = tuple(c.param.data_ptr() for c in self.copies)
+
+    def mismatch(self, tensors: Mapping[str, torch.Tensor]) -> str | None:
+        """Why ``tensors`` cannot be replayed into the recorded parameters, or None when they can."""
+        if list(tensors) != list(self.signatures):
+            return "the update's tensor names differ from the recorded load's"
+        bad = next((n for n, t in tensors.items() if _signature(t) != self.signatures[n]), None)
+        if bad is not None:
+            return f"{bad}: shape, stride, dtype or device differs from the recorded load's"
+        if _aliasing(tensors) != self.aliasing:
+            return "the update's tensors share storage differently from the recorded load's"
+        if tuple(c.param.data_ptr() for c in self.copies) != self.destinations:
+            return "the engine's parameters moved since the load was recorded"
+        return None
+
+    def replay(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Repeat the recorded copies from ``tensors`` (``mismatch`` must be None); returns how many."""
+        groups: dict[tuple[torch.dtype, torch.dtype, str], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for c in self.copies:
+            src = tensors[c.name]
+            view = src.as_strided(c.size, c.stride, src.storage_offset() + c.offset)
+            dsts, srcs = groups.setdefault((c.dst.dtype, view.dtype, str(c.dst.device)), ([], []))
+            dsts.append(c.dst)
+            srcs.append(view)
+        with torch.no_grad():
+            for (dst_dtype, src_dtype, _), (dsts, srcs) in groups.items():
+                if dst_dtype == src_dtype:
+                    torch._foreach_copy_(dsts, srcs)
+                else:
+                    for d, s in zip(dsts, srcs):
+                        d.copy_(s)
+        return len(self.copies)
+
+
+def record_load(load: Callable[[], Any], tensors: Mapping[str, torch.Tensor],
+                parameters: list[torch.Tensor]) -> LoadPlan:
+    """Run ``load`` (which reads ``tensors`` into ``parameters``) and return its copies as a ``LoadPlan``; the load
+    itself always completes. Raises ``LoadRefused`` after it when the loader did something a replay cannot repeat."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    inputs: dict[int, list[tuple[str, int, int, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        inputs.setdefault(t.untyped_storage().data_ptr(), []).append((name, t.storage_offset(), t.numel(), t))
+    params = {p.untyped_storage().data_ptr(): p for p in parameters}
+    copies: list[RecordedCopy] = []
+    refusals: list[str] = []
+
+    def source(t: torch.Tensor) -> tuple[str, int] | None:
+        """(input name, element offset within it) of a view of an input, None when ``t`` is no input's."""
+        found = inputs.get(t.untyped_storage().data_ptr())
+        if not found:
+            return None
+        span = [(n, start) for n, start, numel, inp in found
+                if start <= t.storage_offset() < start + max(numel, 1) and inp.dtype == t.dtype]
+        if len(span) != 1:
+            refusals.append(f"a view of {found[0][0]} could not be told apart from the other inputs on its storage")
+            return None
+        return span[0][0], t.storage_offset() - span[0][1]
+
+    def is_input(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs
+
+    def writes_param(func, args, kwargs) -> bool:
+        schema_args = func._schema.arguments
+        for i, a in enumerate(schema_args):
+            value = args[i] if i < len(args) else (kwargs or {}).get(a.name)
+            if a.alias_info is not None and a.alias_info.is_write:
+                if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in params
+                       for t in tree_leaves(value)):
+                    return True
+        return False
+
+    class _Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            leaves = tree_leaves((args, kwargs or {}))
+            if func is torch.ops.aten.copy_.default and is_input(args[1]) and not is_input(args[0]):
+                dst = args[0]
+                if dst.untyped_storage().data_ptr() not in params:
+                    refusals.append(f"{func}: a copy into a tensor that is not a parameter")
+                else:
+                    where = source(args[1])
+                    if where is not None:
+                        copies.append(RecordedCopy(where[0], where[1], tuple(args[1].shape), tuple(args[1].stride()),
+                                                   dst, params[dst.untyped_storage().data_ptr()]))
+            elif any(is_input(t) for t in leaves) and not func.is_view:
+                name = next(n for t in leaves if is_input(t) for n, *_ in inputs[t.untyped_storage().data_ptr()])
+                refusals.append(f"{func} reads {name}")
+            elif func._schema.is_mutable and func not in CONSTANT_WRITES and writes_param(func, args, kwargs):
+                refusals.append(f"{func} writes a parameter outside a copy from the update")
+            return func(*args, **(kwargs or {}))
+
+    with _Recorder():
+        load()
+    if refusals:
+        raise LoadRefused(refusals[0] + (f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""))
+    if not copies:
+        raise LoadRefused("the loader copied nothing from the update into a parameter")
+    return LoadPlan({n: _signature(t) for n, t in tensors.items()}, _aliasing(tensors), copies)
