@@ -127,3 +127,17 @@ def test_recorded_load_knob_reaches_the_sync_config(tmp_path):
     for r in runs:
         cfg = validate_config(scale.stage2_config(r, tmp_path, tmp_path / "o", "vllm"))
         assert cfg.custom.extra.rollout_matching.vllm.sync.recorded_load is r.recorded_load
+
+
+def test_packing_length_knob_runs_each_length_and_reaches_the_training_config(tmp_path):
+    from trainer.config.schema import validate_config
+
+    runs = scale.with_packing_lengths(scale.selected("4b"), "16384,8192")
+    assert [r.packing_length for r in runs] == [16384, 8192]
+    assert runs[0].name == "4b-full-sleep2-util0.2" and runs[1].name.endswith("-pack8192")
+    assert validate_config(scale.stage2_config(runs[1], tmp_path, tmp_path / "o", "vllm")).training.packing_length \
+        == 8192
+    assert scale.with_packing_lengths(runs[:1], None) == runs[:1]
+    for bad in ("8k", "512", ","):
+        with pytest.raises(SystemExit, match="RM_BENCH_SCALE_PACKING"):
+            scale.with_packing_lengths(runs, bad)

@@ -108,6 +108,9 @@ class ScaleRun:
     prewake: bool = False
     #: ``vllm.sync.recorded_load`` (``RM_BENCH_SCALE_RECLOAD``: 0, the default, or 1, suffix ``-recload``)
     recorded_load: bool = False
+    #: ``training.packing_length`` (``RM_BENCH_SCALE_PACKING``: comma-separated token counts; suffix ``-pack<n>``
+    #: unless 16384, what every earlier row ran)
+    packing_length: int = 16384
 
     @property
     def name(self) -> str:
@@ -120,7 +123,8 @@ class ScaleRun:
         levers = ("-liger" if self.liger else "") + (
             "" if self.checkpointing == "full" else f"-ckpt{self.checkpointing}") + (
             "-unfusedadam" if self.optim == "adamw_torch" else "") + ("-prewake" if self.prewake else "") + (
-            "-recload" if self.recorded_load else "")
+            "-recload" if self.recorded_load else "") + (
+            "" if self.packing_length == 16384 else f"-pack{self.packing_length}")
         return (f"{self.size}-{tuner}{served}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
 
@@ -281,7 +285,8 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
                                "max_objects": run.max_objects, "image_size": run.image_size}},
         "training": {"output_dir": str(out_dir), "max_steps": run.steps, "per_device_train_batch_size": run.batch,
                      "learning_rate": 1e-5, "logging_steps": 1, "seed": 0, "disable_tqdm": True,
-                     "bf16": backend == "vllm", "report_to": ["jsonl"], "packing": True, "packing_length": 16384,
+                     "bf16": backend == "vllm", "report_to": ["jsonl"], "packing": True,
+                     "packing_length": run.packing_length,
                      "gradient_checkpointing": True},
         "custom": {"extra": {"rollout_matching": rm}},
     }
@@ -630,6 +635,18 @@ def with_utilisations(runs: list[ScaleRun], utils: str | None) -> list[ScaleRun]
     return [replace(r, gpu_memory_utilization=u) for r in runs for u in values]
 
 
+def with_packing_lengths(runs: list[ScaleRun], lengths: str | None) -> list[ScaleRun]:
+    """Each run once per ``training.packing_length`` of the comma-separated ``lengths`` (``RM_BENCH_SCALE_PACKING``:
+    shorter rows hold fewer activations, so a cheaper checkpointing policy may fit), in that order; ``runs`` as
+    they are without."""
+    if not lengths:
+        return runs
+    values = [v.strip() for v in lengths.split(",") if v.strip()]
+    if not values or not all(v.isdigit() and int(v) >= 1024 for v in values):
+        raise SystemExit(f"RM_BENCH_SCALE_PACKING={lengths!r}: comma-separated token counts >= 1024, e.g. 16384,8192")
+    return [replace(r, packing_length=int(v)) for r in runs for v in dict.fromkeys(values)]
+
+
 def run(out: Path, quick: bool = False) -> dict[str, Any]:
     """Run the configurations into ``out/scale.json`` (merged by name into an existing file) and ``scale.png``;
     the JSON is written after each configuration."""
@@ -656,6 +673,7 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
                                          os.environ.get("RM_BENCH_SCALE_OPTIM"), os.environ.get("RM_BENCH_SCALE_PREWAKE"),
                                          os.environ.get("RM_BENCH_SCALE_COMPILE"),
                                          os.environ.get("RM_BENCH_SCALE_RECLOAD")))
+    runs = with_packing_lengths(runs, os.environ.get("RM_BENCH_SCALE_PACKING"))
     for cfg in runs:
         cfg = replace(cfg, steps=steps) if steps else cfg
         cfg = replace(cfg, profile_step=profile_step, **knobs)
