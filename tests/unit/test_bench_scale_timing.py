@@ -137,3 +137,19 @@ def test_each_timed_step_keeps_its_own_mfu_so_the_spread_behind_the_mean_is_in_t
     assert min(t["mfu"] for t in steps) <= out["mfu"] <= max(t["mfu"] for t in steps)
     assert steps[0]["mfu"] != pytest.approx(steps[1]["mfu"])
     assert scale.summarise_steps(scale.QUICK, rows[:2], "cpu", True)["timed_steps"][0]["mfu"] is None
+
+
+def test_trl_side_runs_with_liger_whatever_our_levers_unless_told_not_to(tmp_path):
+    """Issue 37: TRL with ``use_liger_kernel`` where it supports it — also beside our compiled or plain runs."""
+    from pathlib import Path
+
+    compiled = scale.with_levers(scale.selected("2b"), scale.lever_knobs(None, None, None, None, "1"))[0]
+    for liger in (None, "1"):
+        args = scale.trl_peer_args(compiled, Path("m"), Path("d"), Path("o"), liger)
+        assert args[:2] == ["-m", "trainer.bench.trl_peer"] and args[-1] == "--liger"
+    assert "--liger" not in scale.trl_peer_args(compiled, Path("m"), Path("d"), Path("o"), "0")
+    lora = scale.selected("8b-lora64-sleep2-util0.35")[0]
+    args = scale.trl_peer_args(lora, Path("m"), Path("d"), Path("o"), None)
+    assert args[args.index("--lora-rank") + 1] == "64" and args[args.index("--vllm-util") + 1] == "0.35"
+    with pytest.raises(SystemExit, match="RM_BENCH_TRL_LIGER"):
+        scale.trl_peer_args(lora, Path("m"), Path("d"), Path("o"), "yes")

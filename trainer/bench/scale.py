@@ -465,15 +465,25 @@ def trl_side_by_side(run: ScaleRun, model_dir: Path, data: Path, work: Path, our
     import sys
 
     out = work / "runs" / f"{run.name}-trl.json"
-    cmd = [sys.executable, "-m", "trainer.bench.trl_peer", str(model_dir), str(data), str(out), "--steps",
-           str(run.steps), "--batch", str(run.batch), "--max-new-tokens", str(run.max_new_tokens), "--vllm-util",
-           str(run.gpu_memory_utilization), "--lora-rank", str(run.lora_rank if run.tuner != "full" else 0)] + (["--liger"] if run.liger else [])
+    cmd = [sys.executable, *trl_peer_args(run, model_dir, data, out, os.environ.get("RM_BENCH_TRL_LIGER"))]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_PLUGINS": ""})
     if proc.returncode or not out.is_file():
         return {"error": f"trl_peer exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"}
     trl = json.loads(out.read_text())
     trl["trl_over_ours"] = trl_over_ours(trl, ours)
     return trl
+
+
+def trl_peer_args(run: ScaleRun, model_dir: Path, data: Path, out: Path, liger: str | None) -> list[str]:
+    """``python -m trainer.bench.trl_peer`` arguments for ``run``'s work. TRL runs with ``use_liger_kernel`` (its
+    kernels and fused GRPO loss, what issue 37 compares against) whatever our side's levers are; ``liger``
+    (``RM_BENCH_TRL_LIGER``) ``0`` turns that off, ``None`` / ``1`` keep it."""
+    if liger not in (None, "", "0", "1"):
+        raise SystemExit(f"RM_BENCH_TRL_LIGER={liger!r}: 1 (the default: TRL with use_liger_kernel) or 0")
+    return ["-m", "trainer.bench.trl_peer", str(model_dir), str(data), str(out), "--steps", str(run.steps),
+            "--batch", str(run.batch), "--max-new-tokens", str(run.max_new_tokens), "--vllm-util",
+            str(run.gpu_memory_utilization), "--lora-rank", str(run.lora_rank if run.tuner != "full" else 0)] + (
+        [] if liger == "0" else ["--liger"])
 
 
 def trl_over_ours(trl: dict[str, Any], ours: dict[str, Any]) -> dict[str, float | None]:
