@@ -110,3 +110,20 @@ def test_an_update_or_engine_unlike_the_recording_is_not_replayed():
     assert "o: shape" in plan.mismatch({**first, "o": torch.randn(8, 8, dtype=torch.float64)})
     engine.o.data = torch.zeros(8, 8)
     assert "parameters moved" in plan.mismatch(_update(1))
+
+
+def test_names_of_one_tensor_a_tied_lm_head_record_and_replay_while_they_stay_tied():
+    engine = _Engine()
+    embed = torch.randn(9, 8)
+    first = {"embed": embed, "lm_head": embed, "o": torch.randn(8, 8)}
+
+    def load():
+        vllm_like_load(engine, {"embed": first["embed"], "o": first["o"]})
+
+    plan = record_load(load, first, list(engine.parameters()))
+    tied = torch.randn(9, 8)
+    assert plan.mismatch({"embed": tied, "lm_head": tied, "o": torch.randn(8, 8)}) is None
+    plan.replay({"embed": tied, "lm_head": tied, "o": torch.randn(8, 8)})
+    assert torch.equal(engine.embed.data[:9], tied)
+    untied = {"embed": tied, "lm_head": tied.clone(), "o": torch.randn(8, 8)}
+    assert "share storage differently" in plan.mismatch(untied)

@@ -126,8 +126,10 @@ def record_load(load: Callable[[], Any], tensors: Mapping[str, torch.Tensor],
         found = inputs.get(t.untyped_storage().data_ptr())
         if not found:
             return None
-        span = [(n, start) for n, start, numel, inp in found
+        span = [(n, start, numel) for n, start, numel, inp in found
                 if start <= t.storage_offset() < start + max(numel, 1) and inp.dtype == t.dtype]
+        if len({(start, numel) for _, start, numel in span}) == 1:
+            span = span[:1]  # names of one tensor (a tied lm_head): the replay checks they still are
         if len(span) != 1:
             refusals.append(f"a view of {found[0][0]} could not be told apart from the other inputs on its storage")
             return None

@@ -142,26 +142,24 @@ def load_checkpoint_tensors(worker, tensors: dict[str, torch.Tensor], recorded: 
     if plan is not None and plan.mismatch(tensors) is None:
         with phase("sync_load_replay"):
             plan.replay(tensors)
-        reset_derived_state(worker)
-        inner._rm_load_path = "replayed"
-        return len(tensors)
-    if recorded and getattr(inner, "_rm_load_refused", None) is None and not needs_layerwise_reload(worker):
+        path = "replayed"
+    elif recorded and getattr(inner, "_rm_load_refused", None) is None and not needs_layerwise_reload(worker):
         from trainer.rollout.load_plan import LoadRefused, record_load
 
-        params = [p for p in model.parameters()]
         try:
             with phase("sync_load_record"):
-                inner._rm_load_plan = record_load(lambda: _load_with_vllm(worker, model, tensors), tensors, params)
-            inner._rm_load_path = "recorded"
+                inner._rm_load_plan = record_load(lambda: _load_with_vllm(worker, model, tensors), tensors,
+                                                  list(model.parameters()))
+            path = "recorded"
         except LoadRefused as exc:
-            inner._rm_load_plan, inner._rm_load_refused, inner._rm_load_path = None, str(exc), "loader"
+            inner._rm_load_plan, inner._rm_load_refused, path = None, str(exc), "loader"
             logger.warning("vllm.sync.recorded_load: vLLM's loader does more than copy the update (%s); every sync "
                            "loads through it", exc)
-        reset_derived_state(worker)
-        return len(tensors)
-    _load_with_vllm(worker, model, tensors)
+    else:
+        _load_with_vllm(worker, model, tensors)
+        path = "loader"
     reset_derived_state(worker)
-    inner._rm_load_path = "loader"
+    inner._rm_load_path = path
     return len(tensors)
 
 
