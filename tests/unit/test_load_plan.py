@@ -90,6 +90,7 @@ def test_a_cast_into_the_parameter_dtype_is_replayed_with_the_cast():
     (lambda e, t: torch.empty(8, 8).copy_(t["o"]), "not a parameter"),
     (lambda e, t: (e.o.data.copy_(t["o"]), e.norm.data.add_(1.0)), "writes a parameter outside a copy"),
     (lambda e, t: None, "copied nothing"),
+    (lambda e, t: (e.o.data.copy_(t["o"]), setattr(e.norm, "data", t["norm"])), "new storage"),
 ])
 def test_a_loader_that_does_more_than_copy_is_refused_after_its_load_completed(loader, reason):
     engine = _Engine()

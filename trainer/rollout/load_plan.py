@@ -9,7 +9,8 @@ aliasing into the same parameters, as one multi-tensor copy per dtype pair.
 
 A load is recorded only when the loader did nothing else with the values: an input read by any operator that is not a
 view or the source of a ``copy_`` into a parameter (a cast, arithmetic, ``.item()``), a copy into a tensor that is
-not a parameter, or a parameter written by anything but such a copy makes it unrecordable (``LoadRefused`` names
+not a parameter, a parameter written by anything but such a copy, or a parameter given new storage makes it
+unrecordable (``LoadRefused`` names
 what; a constant written into a parameter, such as vLLM's zeroed padding rows, is independent of the update and stays
 as the recorded load left it), and vLLM's loader keeps running for every update. Replay refuses (``plan.mismatch`` says why) when the update
 or the parameters differ from the recording; the caller then loads through vLLM again and records anew.
@@ -167,8 +168,12 @@ def record_load(load: Callable[[], Any], tensors: Mapping[str, torch.Tensor],
                 refusals.append(f"{func} writes a parameter outside a copy from the update")
             return func(*args, **(kwargs or {}))
 
+    before = [p.data_ptr() for p in parameters]
     with _Recorder():
         load()
+    moved = sum(p.data_ptr() != ptr for p, ptr in zip(parameters, before))
+    if moved:
+        refusals.append(f"the loader gave {moved} parameter(s) new storage (a replay would write the old one)")
     if refusals:
         raise LoadRefused(refusals[0] + (f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""))
     if not copies:
