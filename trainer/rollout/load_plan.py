@@ -7,19 +7,19 @@ dispatch mode that writes down each of those copies — which input, which view 
 parameter — and ``LoadPlan.replay`` repeats them for a later update with the same names, shapes, strides, dtypes and
 aliasing into the same parameters, as one multi-tensor copy per dtype pair.
 
-A load is recorded only when the loader did nothing else with the values: an input read by any operator that is not a
-view or the source of a ``copy_`` into a parameter (a cast, arithmetic, ``.item()``), a copy into a tensor that is
-not a parameter, a parameter written by anything but such a copy, or a parameter given new storage makes it
-unrecordable (``LoadRefused`` names
-what; a constant written into a parameter, such as vLLM's zeroed padding rows, is independent of the update and stays
-as the recorded load left it), and vLLM's loader keeps running for every update. Replay refuses (``plan.mismatch`` says why) when the update
-or the parameters differ from the recording; the caller then loads through vLLM again and records anew.
+A load is recorded only when the loader did nothing else with the values. Any of these makes it unrecordable
+(``LoadRefused`` names which), and vLLM's loader then keeps running for every update: an input read by an operator
+that is neither a view nor the source of a ``copy_`` into a parameter (a cast, arithmetic, ``.item()``); a copy into
+a tensor that is not a parameter; a parameter written by anything but such a copy; a parameter given new storage. A
+constant written into a parameter (vLLM's zeroed padding rows) does not depend on the update and stays as the
+recorded load left it. Replay refuses (``LoadPlan.mismatch`` says why) when the update or the parameters differ from
+the recording; the caller then loads through vLLM again and records anew.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,11 +70,8 @@ class LoadPlan:
     signatures: dict[str, Signature]
     aliasing: tuple[tuple[int, int], ...]
     copies: list[RecordedCopy]
-    destinations: tuple[int, ...] = field(default=())
-
-    def __post_init__(self) -> None:
-        if not self.destinations:
-            self.destinations = tuple(c.param.data_ptr() for c in self.copies)
+    #: each copy's parameter address when recorded (a parameter given new storage since is not replayed into)
+    destinations: tuple[int, ...]
 
     def mismatch(self, tensors: Mapping[str, torch.Tensor]) -> str | None:
         """Why ``tensors`` cannot be replayed into the recorded parameters, or None when they can."""
@@ -178,4 +175,5 @@ def record_load(load: Callable[[], Any], tensors: Mapping[str, torch.Tensor],
         raise LoadRefused(refusals[0] + (f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""))
     if not copies:
         raise LoadRefused("the loader copied nothing from the update into a parameter")
-    return LoadPlan({n: _signature(t) for n, t in tensors.items()}, _aliasing(tensors), copies)
+    return LoadPlan({n: _signature(t) for n, t in tensors.items()}, _aliasing(tensors), copies,
+                    tuple(c.param.data_ptr() for c in copies))
