@@ -221,8 +221,9 @@ def _buffer_sums(worker) -> dict[str, float]:
     return {n: float(b.double().sum()) for n, b in worker.model_runner.model.named_buffers()}
 
 
-def sleep_check(level: int) -> dict:
-    """One sleep level in this process: memory released, outputs after wake equal outputs before, timings."""
+def sleep_check(level: int | str) -> dict:
+    """One sleep level in this process: memory released, outputs after wake equal outputs before, timings.
+    ``kv_cache``: the weights stay mapped through the sleep (nothing of theirs sleeps, no wake in the sync)."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
@@ -249,6 +250,11 @@ def sleep_check(level: int) -> dict:
         sleep_s = time.perf_counter() - t0
         freed = torch.cuda.mem_get_info()[0] - free_awake
         assert freed > 0.5 * 0.3 * torch.cuda.get_device_properties(0).total_memory, freed
+        if level == "kv_cache":
+            from trainer.rollout.vllm_compat import sleeping_bytes
+
+            assert engine.vllm._asleep == {"kv_cache"} and sleeping_bytes(["weights"]) == 0
+            assert sleeping_bytes(["kv_cache"]) > 0.5 * freed
         from trainer.rollout.vllm_compat import inner_worker
 
         left = engine.vllm.collective_rpc(lambda w: len(getattr(inner_worker(w), "_sleep_saved_buffers", {})))[0]
@@ -341,7 +347,7 @@ def in_fresh_process(check: str, *args: str, timeout: float = 300) -> dict:
     return json.loads(line.removeprefix("CHECK_RESULT "))
 
 
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [1, 2, "kv_cache"])
 def test_sleep_levels_release_memory_and_wake_identical(level):
     """Each level in a fresh process (``in_fresh_process``)."""
     record(f"sleep_level_{level}", **in_fresh_process("sleep", str(level)))
@@ -579,7 +585,7 @@ def test_stage2_training_server_mode_one_gpu(tmp_path):
         _stop(proc)
 
 
-CHECKS = {"sleep": lambda level: sleep_check(int(level)), "recorded_load": recorded_load_check,
+CHECKS = {"sleep": lambda level: sleep_check(int(level) if level.isdigit() else level), "recorded_load": recorded_load_check,
           "stage2": lambda kind, level, out: stage2_colocate_check(kind, int(level), Path(out))}
 
 if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in CHECKS:

@@ -129,6 +129,20 @@ def test_recorded_load_knob_reaches_the_sync_config(tmp_path):
         assert cfg.custom.extra.rollout_matching.vllm.sync.recorded_load is r.recorded_load
 
 
+def test_sleep_knob_runs_level_2_beside_the_kv_cache_sleep_and_reaches_the_vllm_config(tmp_path):
+    from trainer.config.schema import validate_config
+
+    runs = scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"),
+                             scale.lever_knobs(None, None, None, None, None, None, "2,kv_cache"))
+    assert [r.sleep_level for r in runs] == [2, "kv_cache"]
+    assert runs[0].name == "8b-lora64-sleep2-util0.35" and runs[1].name == "8b-lora64-sleepkv-util0.35"
+    for r in runs:
+        cfg = validate_config(scale.stage2_config(r, tmp_path, tmp_path / "o", "vllm"))
+        assert cfg.custom.extra.rollout_matching.vllm.sleep_level == r.sleep_level
+    with pytest.raises(SystemExit, match="RM_BENCH_SCALE_SLEEP"):
+        scale.lever_knobs(None, None, None, None, None, None, "3")
+
+
 def test_packing_length_knob_runs_each_length_and_reaches_the_training_config(tmp_path):
     from trainer.config.schema import validate_config
 

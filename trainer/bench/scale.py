@@ -73,7 +73,9 @@ class ScaleRun:
     size: str
     tuner: str = "full"  # full | lora | dora
     lora_rank: int = 64
-    sleep_level: int = 2
+    #: 0, 1, 2 (vLLM's levels) or ``kv_cache`` (``RM_BENCH_SCALE_SLEEP``: the KV cache alone sleeps, the weights stay
+    #: mapped; name ``-sleepkv``)
+    sleep_level: int | str = 2
     gpu_memory_utilization: float = 0.3
     batch: int = 8
     steps: int = 3
@@ -125,7 +127,8 @@ class ScaleRun:
             "-unfusedadam" if self.optim == "adamw_torch" else "") + ("-prewake" if self.prewake else "") + (
             "-recload" if self.recorded_load else "") + (
             "" if self.packing_length == 16384 else f"-pack{self.packing_length}")
-        return (f"{self.size}-{tuner}{served}-sleep{self.sleep_level}-util{self.gpu_memory_utilization:g}{compiled}"
+        sleep = "kv" if self.sleep_level == "kv_cache" else self.sleep_level
+        return (f"{self.size}-{tuner}{served}-sleep{sleep}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
 
 
@@ -592,16 +595,18 @@ def recomputed_fraction(levers: dict[str, Any], default: bool) -> bool | float:
 #: the values each lever knob takes (``lever_knobs``); the first is the default
 LEVER_VALUES = {"RM_BENCH_SCALE_LIGER": ("0", "1"), "RM_BENCH_SCALE_CKPT": ("full", "selective", "off", "auto"),
                 "RM_BENCH_SCALE_OPTIM": ("adamw_torch_fused", "adamw_torch"), "RM_BENCH_SCALE_PREWAKE": ("0", "1"),
-                "RM_BENCH_SCALE_COMPILE": ("0", "1"), "RM_BENCH_SCALE_RECLOAD": ("0", "1")}
+                "RM_BENCH_SCALE_COMPILE": ("0", "1"), "RM_BENCH_SCALE_RECLOAD": ("0", "1"),
+                "RM_BENCH_SCALE_SLEEP": ("2", "1", "0", "kv_cache")}
 
 
 def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None,
                 prewake: str | None = None, compile_layers: str | None = None,
-                recorded_load: str | None = None) -> list[dict[str, Any]]:
+                recorded_load: str | None = None, sleep_level: str | None = None) -> list[dict[str, Any]]:
     """``ScaleRun`` overrides from ``RM_BENCH_SCALE_LIGER`` (``training.use_liger_kernel``), ``RM_BENCH_SCALE_CKPT``
     (``training.gradient_checkpointing_policy``), ``RM_BENCH_SCALE_OPTIM`` (``training.optim``),
     ``RM_BENCH_SCALE_PREWAKE`` (``vllm.sync.prewake``), ``RM_BENCH_SCALE_COMPILE``
-    (``training.compile_decoder_layers``) and ``RM_BENCH_SCALE_RECLOAD`` (``vllm.sync.recorded_load``): each takes one
+    (``training.compile_decoder_layers``), ``RM_BENCH_SCALE_RECLOAD`` (``vllm.sync.recorded_load``) and
+    ``RM_BENCH_SCALE_SLEEP`` (``vllm.sleep_level``: 2, 1, 0 or kv_cache; replaces the run's own): each takes one
     value or a comma-separated list, and every combination runs (``RM_BENCH_SCALE_LIGER=0,1`` measures Liger beside
     the default in one call). Unset: ``[{}]``, nothing overridden."""
     import itertools
@@ -614,7 +619,9 @@ def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None,
                                        ("RM_BENCH_SCALE_COMPILE", "compile_layers", compile_layers,
                                         lambda v: v == "1"),
                                        ("RM_BENCH_SCALE_RECLOAD", "recorded_load", recorded_load,
-                                        lambda v: v == "1")):
+                                        lambda v: v == "1"),
+                                       ("RM_BENCH_SCALE_SLEEP", "sleep_level", sleep_level,
+                                        lambda v: int(v) if v.isdigit() else v)):
         if not value:
             continue
         values = [v.strip() for v in value.split(",") if v.strip()]
@@ -682,7 +689,8 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     runs = with_levers(runs, lever_knobs(os.environ.get("RM_BENCH_SCALE_LIGER"), os.environ.get("RM_BENCH_SCALE_CKPT"),
                                          os.environ.get("RM_BENCH_SCALE_OPTIM"), os.environ.get("RM_BENCH_SCALE_PREWAKE"),
                                          os.environ.get("RM_BENCH_SCALE_COMPILE"),
-                                         os.environ.get("RM_BENCH_SCALE_RECLOAD")))
+                                         os.environ.get("RM_BENCH_SCALE_RECLOAD"),
+                                         os.environ.get("RM_BENCH_SCALE_SLEEP")))
     runs = with_packing_lengths(runs, os.environ.get("RM_BENCH_SCALE_PACKING"))
     for cfg in runs:
         cfg = replace(cfg, steps=steps) if steps else cfg

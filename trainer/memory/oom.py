@@ -49,7 +49,7 @@ class MemorySettings:
     rollout_backend: str = "vllm"
     vllm_mode: str = "colocate"
     gpu_memory_utilization: float = 0.45
-    sleep_level: int = 0
+    sleep_level: int | str = 0
     enable_lora: bool = False
     sync_mode: str = "full"
     sync_transport: str = "auto"
@@ -112,10 +112,17 @@ def _train_advice(s: MemorySettings) -> list[str]:
     if s.colocate and s.sleep_level == 0:
         out.append(f"{RM}.vllm.sleep_level: 2 (now 0): the colocated engine keeps gpu_memory_utilization="
                    f"{s.gpu_memory_utilization:g} of the GPU through the forward and backward; asleep it gives it back")
+    if s.colocate and s.sleep_level == "kv_cache":
+        out.append(_weights_kept_line(s, "the forward and backward"))
     if s.tuner == "full" and not s.deepspeed:
         out.append("tuner.train_type: lora (now full), or training.deepspeed: zero2_offload / zero3_offload: a full "
                    "fine-tune holds weights, gradients and AdamW's two states for every parameter")
     return out
+
+
+def _weights_kept_line(s: MemorySettings, through: str) -> str:
+    return (f"{RM}.vllm.sleep_level: 2 (now kv_cache): the colocated engine keeps its weights on the GPU through "
+            f"{through}; at 2 it gives them back too (each sync then maps them back before loading)")
 
 
 def _checkpointing_line(s: MemorySettings, why: str) -> str:
@@ -185,6 +192,8 @@ def _optimizer_advice(s: MemorySettings) -> list[str]:
     if s.colocate and s.sleep_level == 0:
         out.append(f"{RM}.vllm.sleep_level: 2 (now 0): the colocated engine keeps gpu_memory_utilization="
                    f"{s.gpu_memory_utilization:g} of the GPU through the optimizer step; asleep it gives it back")
+    if s.colocate and s.sleep_level == "kv_cache":
+        out.append(_weights_kept_line(s, "the optimizer step"))
     return out
 
 

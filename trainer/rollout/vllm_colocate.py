@@ -107,7 +107,7 @@ class VllmColocateEngine:
 
     def __init__(self, model_dir: str | Path, stop_ids: Sequence[int], *, max_model_len: int,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.45, enable_lora: bool = False,
-                 max_lora_rank: int = 16, enable_prefix_caching: bool = True, sleep_level: int = 0, seed: int = 0,
+                 max_lora_rank: int = 16, enable_prefix_caching: bool = True, sleep_level: int | str = 0, seed: int = 0,
                  dtype: str = "auto", rank: int | None = None, world_size: int | None = None,
                  allow_dtype_cast: bool = False, engine_kwargs: dict[str, Any] | None = None,
                  merge_precision: str = "weight_dtype", prewake: bool = False, recorded_load: bool = False):

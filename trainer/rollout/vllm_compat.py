@@ -197,6 +197,34 @@ def inner_worker(worker):
     return vars(worker).get("worker") or worker
 
 
+def release_kv_cache(worker) -> int:
+    """``sleep_level: kv_cache``: unmap the KV-cache allocations of this process's sleep-mode allocator
+    (``CuMemAllocator``) and keep the weights mapped, so that a wake maps the KV cache alone and a weight load writes
+    into live parameters. vLLM 0.26's own sleep unmaps every tag (level 1 copies the weights out first, level 2 drops
+    them), so this releases the KV tag with the allocator's own ``unmap_and_release``, marking each allocation asleep
+    as vLLM's sleep does; vLLM's worker ``wake_up(tags=["kv_cache"])`` maps them back (``map_kv_cache``). Returns the
+    bytes released (0: nothing mapped, or no cumem allocator here)."""
+    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    released = 0
+    for data in CuMemAllocator.get_instance().pointer_to_data.values():
+        if data.tag == "kv_cache" and not data.is_asleep:
+            try:
+                unmap_and_release(data.handle)
+            finally:
+                data.is_asleep = True
+            released += int(data.handle[1])
+    return released
+
+
+def map_kv_cache(worker) -> None:
+    """Map back what ``release_kv_cache`` released, through vLLM's worker ``wake_up`` for the KV tag (which also
+    re-initialises what its model runner derives from the cache)."""
+    inner_worker(worker).wake_up(tags=["kv_cache"])
+
+
 def pin_saved_buffers(worker) -> int:
     """After a level-2 sleep: move the model buffers vLLM saved to pageable host tensors (restored on wake by one
     blocking copy each) into one page-locked block the worker keeps (reused while the sizes hold); vLLM then restores

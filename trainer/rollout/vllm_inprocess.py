@@ -12,7 +12,9 @@ Contracts:
 - sleep mode (``sleep_level`` 1/2): the engine sleeps between uses. ``load_weights`` wakes only the weights (the KV
   cache stays released), ``generate`` wakes the rest. After a level-2 sleep the weights are gone: the next
   ``generate`` reloads them from ``weights_source`` (set by the caller, e.g. the learner's current weights) and fails
-  naming that setting when there is none;
+  naming that setting when there is none. ``sleep_level: kv_cache`` releases the KV cache alone: the weights stay
+  mapped on the GPU between uses (a load writes into them, nothing is woken for it) and ``generate`` maps the KV
+  cache back (``vllm_compat.release_kv_cache`` / ``map_kv_cache``); the prefix cache is reset before that decode;
 - images are passed to multimodal models only (each expanded image-pad run collapsed to the one placeholder vLLM
   expands itself; the prompt ids vLLM returns are checked against ours by the caller); a text-only model decodes the
   prompt ids alone (as the HF backend does), and says so once in the log;
@@ -41,6 +43,8 @@ from trainer.telemetry import phase
 
 log = logging.getLogger(__name__)
 
+#: ``sleep_level`` value that releases the KV cache alone (the weights stay mapped)
+KV_CACHE_ONLY = "kv_cache"
 LORA_NAME = "rm_policy"
 LORA_ID = 1
 
@@ -60,7 +64,7 @@ class VllmSettings:
     enable_lora: bool = False
     max_lora_rank: int = 16
     enable_prefix_caching: bool = True
-    sleep_level: int = 0
+    sleep_level: int | str = 0  # 0, 1, 2 (vLLM's levels) or KV_CACHE_ONLY
     seed: int = 0
     dtype: str = "auto"
     external_launcher: bool = False
@@ -177,6 +181,14 @@ def check_sleep_engine_slot(settings: VllmSettings, started: int | None = None) 
 
 def _load_in_worker(worker, tensors: dict[str, torch.Tensor], recorded: bool = False) -> int:
     return vllm_compat.load_checkpoint_tensors(worker, tensors, recorded=recorded)
+
+
+def _release_kv_cache_in_worker(worker) -> int:
+    return vllm_compat.release_kv_cache(worker)
+
+
+def _map_kv_cache_in_worker(worker) -> None:
+    vllm_compat.map_kv_cache(worker)
 
 
 def _pin_buffers_in_worker(worker) -> int:
@@ -310,9 +322,17 @@ class InProcessVllm:
     # -- sleep -----------------------------------------------------------------------------------------------------
     def sleep(self) -> None:
         """Sleep at ``sleep_level``; after a level-2 sleep the model buffers vLLM saved are kept page-locked
-        (``vllm_compat.pin_saved_buffers``) and written back with one copy when the weights wake."""
+        (``vllm_compat.pin_saved_buffers``) and written back with one copy when the weights wake. ``kv_cache``
+        releases the KV cache and keeps the weights (see the module docstring)."""
         self._join_wake()
         level = self.settings.sleep_level
+        if level == KV_CACHE_ONLY:
+            if "kv_cache" not in self._asleep:
+                with phase("sleep"):
+                    self.llm.collective_rpc(_release_kv_cache_in_worker)
+                self._asleep = {"kv_cache"}
+                self._prefix_stale = True
+            return
         if level and not self._asleep:
             with phase("sleep"):
                 self.llm.sleep(level=level)
@@ -338,7 +358,10 @@ class InProcessVllm:
                 with phase("wake_cache_release"):
                     torch.cuda.empty_cache()
         try:
-            self.llm.wake_up(tags=todo)
+            if self.settings.sleep_level == KV_CACHE_ONLY:
+                self.llm.collective_rpc(_map_kv_cache_in_worker)
+            else:
+                self.llm.wake_up(tags=todo)
         except Exception as exc:
             if isinstance(exc, torch.OutOfMemoryError) or not is_out_of_memory(exc):
                 raise
