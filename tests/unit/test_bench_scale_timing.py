@@ -3,6 +3,8 @@ step-to-step wall time from the metrics rows, TRL's from ``trl_peer``'s callback
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trainer.bench import scale, trl_peer
@@ -153,3 +155,37 @@ def test_trl_side_runs_with_liger_whatever_our_levers_unless_told_not_to(tmp_pat
     assert args[args.index("--lora-rank") + 1] == "64" and args[args.index("--vllm-util") + 1] == "0.35"
     with pytest.raises(SystemExit, match="RM_BENCH_TRL_LIGER"):
         scale.trl_peer_args(lora, Path("m"), Path("d"), Path("o"), "yes")
+
+
+def test_a_second_run_of_one_name_on_one_machine_reads_only_its_own_steps(tmp_path, monkeypatch):
+    """Session 18 (H200 x4): two device calls ran ``8b-lora64-sleepkv-util0.35`` on one card; the trainer appended
+    the second run's rows to the first's ``metrics.jsonl`` and the record's means covered both runs' steps."""
+    import json
+    from types import SimpleNamespace
+
+    import trainer.config.schema as schema
+    import trainer.sft.run as sft_run
+
+    runs_made: list[float] = []
+
+    def fake_training(cfg):
+        out = Path(cfg["training"]["output_dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        step_s = 10.0 * (len(runs_made) + 1)
+        runs_made.append(step_s)
+        with (out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"phase": "setup"}) + "\n")
+            for _ in range(3):
+                f.write(json.dumps(_row(step_s, 1.0, step_s + 2.0)) + "\n")
+        return SimpleNamespace(metrics_path=out / "metrics.jsonl")
+
+    monkeypatch.setattr(scale, "save_random_vl_model", lambda path, size, device: (path, {}))
+    monkeypatch.setattr(scale, "stage2_config",
+                        lambda run, model_dir, out_dir, backend: {"training": {"output_dir": str(out_dir),
+                                                                               "gradient_checkpointing": True}})
+    monkeypatch.setattr(schema, "validate_config", lambda cfg: cfg)
+    monkeypatch.setattr(sft_run, "run_training", fake_training)
+    first = scale.run_one(scale.QUICK, tmp_path, "cpu")
+    second = scale.run_one(scale.QUICK, tmp_path, "cpu")
+    assert first["step_s"] == pytest.approx(10.0)
+    assert second["step_s"] == pytest.approx(20.0) and len(second["timed_steps"]) == 2, second["timed_steps"]

@@ -91,3 +91,21 @@ def test_trl_liger_loss_path_gets_mm_token_type_ids(model_and_data, tmp_path, mo
     assert [name for name, _ in handed] == ["Qwen3VLModel"] * STEPS
     for _, mm in handed:  # the processor's types over prompt + completion: one image token (32 px, 2x2 merge) a row
         assert mm is not None and mm.shape[0] == 2 and mm.sum(dim=1).tolist() == [1, 1]
+
+
+def test_vision_special_tokens_are_kept_out_of_trl_s_completions(model_and_data):
+    """Session 18 (8B, H200): TRL's random-model completions held one ``<|image_pad|>``, and its forward over prompt +
+    completion refused the step (8193 image tokens, 8192 features). The peer bans the vision tokens in sampling."""
+    model_dir, _ = model_and_data
+    tok = trl_peer.processor_for(model_dir).tokenizer
+    ids = trl_peer.vision_token_ids(tok)
+    assert sorted(tok.convert_ids_to_tokens(ids)) == sorted(trl_peer.VISION_SPECIAL_TOKENS)
+    assert trl_peer.suppressed_tokens_kwargs(ids, use_vllm=True) == {"logit_bias": {i: -100.0 for i in ids}}
+    assert trl_peer.suppressed_tokens_kwargs(ids, use_vllm=False) == {"suppress_tokens": ids}
+    assert trl_peer.suppressed_tokens_kwargs([], use_vllm=True) == {}
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import SuppressTokensLogitsProcessor
+
+    cfg = GenerationConfig(**trl_peer.suppressed_tokens_kwargs(ids, use_vllm=False))
+    scores = SuppressTokensLogitsProcessor(cfg.suppress_tokens)(torch.zeros(1, 3), torch.zeros(1, len(tok)))
+    assert torch.isinf(scores[0, ids]).all() and torch.isfinite(scores[0, [i for i in range(8) if i not in ids]]).all()

@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -315,6 +316,13 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
     return cfg
 
 
+def fresh_output_dir(out_dir: Path) -> Path:
+    """``out_dir`` emptied: the trainer appends to ``metrics.jsonl``, so a run of the same name earlier on the same
+    machine (a second device call, session 18) would have its steps read into this run's means."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return out_dir
+
+
 def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
     from trainer.config.schema import validate_config
     from trainer.memory.oom import TrainingOutOfMemory, advice, memory_settings
@@ -324,7 +332,7 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
     rec: dict[str, Any] = {"config": asdict(run), "name": run.name}
     model_dir, build = save_random_vl_model(work / f"qwen3-vl-{run.size}-random", run.size, device)
     rec["model_build"] = build
-    out_dir = work / "runs" / run.name
+    out_dir = fresh_output_dir(work / "runs" / run.name)
     backend = "vllm" if device != "cpu" else "hf"
     cfg = stage2_config(run, model_dir, out_dir, backend)
     if device != "cpu":

@@ -10,7 +10,8 @@ optimizer step's end to the next (``step_wall_s``, the first from ``on_train_beg
 scale bench compares with our ``time/step_wall_s``). Same work as ours: ``batch`` completions of
 exactly ``max_new_tokens`` (random weights never stop), one optimizer step per batch, bf16, gradient checkpointing,
 no KL term (``beta=0``: stage 2 has no reference model), vLLM sleep mode on. The reward is a constant: it does not
-change the time of anything but the advantage arithmetic.
+change the time of anything but the advantage arithmetic. Qwen3-VL's vision special tokens are kept out of TRL's
+completions (``suppressed_tokens_kwargs``): a random model that samples one breaks TRL's forward.
 """
 
 from __future__ import annotations
@@ -38,6 +39,28 @@ def records_dataset(jsonl: Path, instruction: str):
         rows.append({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": instruction}]}],
                      "image": image})
     return Dataset.from_list(rows)
+
+
+#: Qwen3-VL's vision special tokens: a random model samples them now and then (8B on an H200, session 18: one
+#: ``<|image_pad|>`` among 8 completions), and TRL's forward over prompt + completion then counts one image token
+#: more than the images have features ("Image features and image tokens do not match, tokens: 8193, features: 8192")
+VISION_SPECIAL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def vision_token_ids(tokenizer) -> list[int]:
+    """The ids of ``VISION_SPECIAL_TOKENS`` the tokenizer knows (unknown ones left out)."""
+    unk = tokenizer.unk_token_id
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_SPECIAL_TOKENS]
+    return sorted({i for i in ids if isinstance(i, int) and i >= 0 and i != unk})
+
+
+def suppressed_tokens_kwargs(token_ids: list[int], use_vllm: bool) -> dict[str, Any]:
+    """TRL's ``generation_kwargs`` that keep ``token_ids`` out of the completions: vLLM's ``SamplingParams`` take a
+    ``logit_bias`` of -100 per id, HF's ``GenerationConfig`` ``suppress_tokens``. Our side needs none: its targets are
+    rebuilt from the parsed objects, so a stray vision token in a rollout never reaches the training forward."""
+    if not token_ids:
+        return {}
+    return {"logit_bias": {i: -100.0 for i in token_ids}} if use_vllm else {"suppress_tokens": list(token_ids)}
 
 
 def processor_for(model_dir: Path):
@@ -164,13 +187,15 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
             optimizer_peaks.append(torch.cuda.max_memory_allocated() / 2**30)
 
     on_gpu = torch.cuda.is_available()
+    processor = processor_for(model_dir)
     args = GRPOConfig(
         output_dir=str(out.parent / "trl-run"), max_steps=steps, per_device_train_batch_size=batch,
         num_generations=2, gradient_accumulation_steps=1, learning_rate=1e-5, beta=0.0, logging_steps=1,
         max_completion_length=max_new_tokens, temperature=1.0, bf16=on_gpu, gradient_checkpointing=True,
         report_to=[], save_strategy="no", use_vllm=use_vllm, vllm_mode="colocate",
         vllm_gpu_memory_utilization=vllm_util, vllm_enable_sleep_mode=use_vllm, vllm_max_model_length=4096,
-        seed=0, dataloader_num_workers=0, remove_unused_columns=False, use_cpu=not on_gpu, use_liger_kernel=liger)
+        seed=0, dataloader_num_workers=0, remove_unused_columns=False, use_cpu=not on_gpu, use_liger_kernel=liger,
+        generation_kwargs=suppressed_tokens_kwargs(vision_token_ids(processor.tokenizer), use_vllm))
     peft_config = None
     if lora_rank:
         from peft import LoraConfig
@@ -183,7 +208,7 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
     model.model.visual.requires_grad_(False)  # as ours: freeze_vit / freeze_aligner default true
     trainer = TimedGRPOTrainer(model=model, args=args, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                train_dataset=records_dataset(data, DEFAULT_INSTRUCTION),
-                               processing_class=processor_for(model_dir), peft_config=peft_config)
+                               processing_class=processor, peft_config=peft_config)
     install_step_clock(trainer, clock, optimizer_peak)
     t0 = time.perf_counter()
     trainer.train()
