@@ -312,13 +312,13 @@ def recorded_load_check() -> dict:
         for seed in (1, 2, 3):
             learner = perturbed(hf_model, seed=seed, scale=0.05)
             engine.sync_full(learner)
-            paths.append(state()[0])
+            path, replayed = state()  # read while the weights are mapped: the decode below puts them to sleep
+            paths.append(path)
             loads.append(engine.vllm.last_load.load_s)
             assert_weights_bit_exact(engine, learner)
             assert_greedy(learner, engine.generate(reqs, params()), f"replayed load, seed {seed}")
             assert engine.vllm.asleep
         assert paths == ["recorded", "replayed", "replayed"], paths
-        _, replayed = state()
         engine.vllm.settings = replace(engine.vllm.settings, recorded_load=False)
         engine.sync_full(perturbed(hf_model, seed=4, scale=0.05))
         engine.sync_full(learner)
