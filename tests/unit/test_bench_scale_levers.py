@@ -143,6 +143,22 @@ def test_sleep_knob_runs_level_2_beside_the_kv_cache_sleep_and_reaches_the_vllm_
         scale.lever_knobs(None, None, None, None, None, None, "3")
 
 
+def test_pixels_knob_makes_the_training_pixels_during_the_decode_on_the_gpu_only(tmp_path):
+    from trainer.config.schema import validate_config
+
+    runs = scale.with_levers(scale.selected("4b"), scale.lever_knobs(None, None, None, None, None, None, None, "0,1"))
+    assert [r.pixels_during_decode for r in runs] == [False, True]
+    assert runs[0].name == "4b-full-sleep2-util0.2" and runs[1].name == "4b-full-sleep2-util0.2-pixels"
+    for r in runs:
+        cfg = validate_config(scale.stage2_config(r, tmp_path, tmp_path / "o", "vllm"))
+        assert cfg.custom.extra.rollout_matching.vllm.pixels_during_decode is r.pixels_during_decode
+    hf = validate_config(scale.stage2_config(runs[1], tmp_path, tmp_path / "o", "hf"))  # the CPU --quick backend
+    assert hf.custom.extra.rollout_matching.rollout_backend == "hf"
+    assert not hf.custom.extra.rollout_matching.vllm.pixels_during_decode
+    with pytest.raises(SystemExit, match="RM_BENCH_SCALE_PIXELS"):
+        scale.lever_knobs(None, None, None, None, None, None, None, "on")
+
+
 def test_packing_length_knob_runs_each_length_and_reaches_the_training_config(tmp_path):
     from trainer.config.schema import validate_config
 

@@ -114,6 +114,9 @@ class ScaleRun:
     #: ``training.packing_length`` (``RM_BENCH_SCALE_PACKING``: comma-separated token counts; suffix ``-pack<n>``
     #: unless 16384, what every earlier row ran)
     packing_length: int = 16384
+    #: ``vllm.pixels_during_decode`` (``RM_BENCH_SCALE_PIXELS``: 0, the default, or 1, suffix ``-pixels``): the
+    #: training pixels made on a thread while vLLM decodes (GPU runs only: the CPU ``--quick`` run decodes with HF)
+    pixels_during_decode: bool = False
 
     @property
     def name(self) -> str:
@@ -127,7 +130,8 @@ class ScaleRun:
             "" if self.checkpointing == "full" else f"-ckpt{self.checkpointing}") + (
             "-unfusedadam" if self.optim == "adamw_torch" else "") + ("-prewake" if self.prewake else "") + (
             "-recload" if self.recorded_load else "") + (
-            "" if self.packing_length == 16384 else f"-pack{self.packing_length}")
+            "" if self.packing_length == 16384 else f"-pack{self.packing_length}") + (
+            "-pixels" if self.pixels_during_decode else "")
         sleep = "kv" if self.sleep_level == "kv_cache" else self.sleep_level
         return (f"{self.size}-{tuner}{served}-sleep{sleep}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
@@ -298,6 +302,7 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
     if backend == "vllm":
         rm["vllm"]["sync"] = {"merge_precision": run.merge_precision, "prewake": run.prewake,
                               "recorded_load": run.recorded_load}
+        rm["vllm"]["pixels_during_decode"] = run.pixels_during_decode
     if run.compile_layers:
         cfg["training"]["compile_decoder_layers"] = True
     if run.liger:
@@ -604,17 +609,19 @@ def recomputed_fraction(levers: dict[str, Any], default: bool) -> bool | float:
 LEVER_VALUES = {"RM_BENCH_SCALE_LIGER": ("0", "1"), "RM_BENCH_SCALE_CKPT": ("full", "selective", "off", "auto"),
                 "RM_BENCH_SCALE_OPTIM": ("adamw_torch_fused", "adamw_torch"), "RM_BENCH_SCALE_PREWAKE": ("0", "1"),
                 "RM_BENCH_SCALE_COMPILE": ("0", "1"), "RM_BENCH_SCALE_RECLOAD": ("0", "1"),
-                "RM_BENCH_SCALE_SLEEP": ("2", "1", "0", "kv_cache")}
+                "RM_BENCH_SCALE_SLEEP": ("2", "1", "0", "kv_cache"), "RM_BENCH_SCALE_PIXELS": ("0", "1")}
 
 
 def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None,
                 prewake: str | None = None, compile_layers: str | None = None,
-                recorded_load: str | None = None, sleep_level: str | None = None) -> list[dict[str, Any]]:
+                recorded_load: str | None = None, sleep_level: str | None = None,
+                pixels: str | None = None) -> list[dict[str, Any]]:
     """``ScaleRun`` overrides from ``RM_BENCH_SCALE_LIGER`` (``training.use_liger_kernel``), ``RM_BENCH_SCALE_CKPT``
     (``training.gradient_checkpointing_policy``), ``RM_BENCH_SCALE_OPTIM`` (``training.optim``),
     ``RM_BENCH_SCALE_PREWAKE`` (``vllm.sync.prewake``), ``RM_BENCH_SCALE_COMPILE``
     (``training.compile_decoder_layers``), ``RM_BENCH_SCALE_RECLOAD`` (``vllm.sync.recorded_load``) and
-    ``RM_BENCH_SCALE_SLEEP`` (``vllm.sleep_level``: 2, 1, 0 or kv_cache; replaces the run's own): each takes one
+    ``RM_BENCH_SCALE_SLEEP`` (``vllm.sleep_level``: 2, 1, 0 or kv_cache; replaces the run's own) and
+    ``RM_BENCH_SCALE_PIXELS`` (``vllm.pixels_during_decode``): each takes one
     value or a comma-separated list, and every combination runs (``RM_BENCH_SCALE_LIGER=0,1`` measures Liger beside
     the default in one call). Unset: ``[{}]``, nothing overridden."""
     import itertools
@@ -629,7 +636,9 @@ def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None,
                                        ("RM_BENCH_SCALE_RECLOAD", "recorded_load", recorded_load,
                                         lambda v: v == "1"),
                                        ("RM_BENCH_SCALE_SLEEP", "sleep_level", sleep_level,
-                                        lambda v: int(v) if v.isdigit() else v)):
+                                        lambda v: int(v) if v.isdigit() else v),
+                                       ("RM_BENCH_SCALE_PIXELS", "pixels_during_decode", pixels,
+                                        lambda v: v == "1")):
         if not value:
             continue
         values = [v.strip() for v in value.split(",") if v.strip()]
@@ -698,7 +707,8 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
                                          os.environ.get("RM_BENCH_SCALE_OPTIM"), os.environ.get("RM_BENCH_SCALE_PREWAKE"),
                                          os.environ.get("RM_BENCH_SCALE_COMPILE"),
                                          os.environ.get("RM_BENCH_SCALE_RECLOAD"),
-                                         os.environ.get("RM_BENCH_SCALE_SLEEP")))
+                                         os.environ.get("RM_BENCH_SCALE_SLEEP"),
+                                         os.environ.get("RM_BENCH_SCALE_PIXELS")))
     runs = with_packing_lengths(runs, os.environ.get("RM_BENCH_SCALE_PACKING"))
     for cfg in runs:
         cfg = replace(cfg, steps=steps) if steps else cfg
