@@ -129,7 +129,7 @@ class VllmConfig(Section):
         0, description="colocate: what the engine gives back between decodes. 0: nothing; 1: vLLM offloads the "
         "weights to CPU memory and drops the KV cache; 2: vLLM drops both (the next sync maps the weights back and "
         "loads the learner's); kv_cache: the KV cache alone, the weights stay on the GPU through the training "
-        "(the sync loads into them, nothing is mapped back for it; the learner has the engine's weights less)")
+        "(the sync loads into them, nothing is mapped back for it; the learner has that much less memory)")
     enforce_eager: bool = False
     disable_custom_all_reduce: bool = Field(
         False, description="colocate TP groups: all-reduce through NCCL only (vLLM's disable_custom_all_reduce), "

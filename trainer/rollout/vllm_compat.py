@@ -203,7 +203,7 @@ def release_kv_cache(worker) -> int:
     into live parameters. vLLM 0.26's own sleep unmaps every tag (level 1 copies the weights out first, level 2 drops
     them), so this releases the KV tag with the allocator's own ``unmap_and_release``, marking each allocation asleep
     as vLLM's sleep does; vLLM's worker ``wake_up(tags=["kv_cache"])`` maps them back (``map_kv_cache``). Returns the
-    bytes released (0: nothing mapped, or no cumem allocator here)."""
+    bytes released (0 when the KV cache was already released)."""
     from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
 
     if torch.cuda.is_available():
