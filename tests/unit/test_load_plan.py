@@ -128,3 +128,32 @@ def test_names_of_one_tensor_a_tied_lm_head_record_and_replay_while_they_stay_ti
     assert torch.equal(engine.embed.data[:9], tied)
     untied = {"embed": tied, "lm_head": tied.clone(), "o": torch.randn(8, 8)}
     assert "share storage differently" in plan.mismatch(untied)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_the_recorded_update_is_freed_when_the_caller_drops_it_without_a_collection(refused):
+    """Session 18 (8B, H200): the step that recorded the load held 11.5 GiB more through its decode and training than
+    every later step — the update, kept alive by the recorder's reference cycle until Python's collector ran."""
+    import gc
+    import weakref
+
+    engine = _Engine()
+    held = {"update": _update(0)}
+    watched = weakref.ref(held["update"]["o"])
+
+    def load():
+        vllm_like_load(engine, held["update"])
+        if refused:
+            _ = held["update"]["o"] * 2  # arithmetic on the update: refused
+
+    gc.disable()
+    try:
+        if refused:
+            with pytest.raises(LoadRefused):
+                record_load(load, held["update"], list(engine.parameters()))
+        else:
+            assert len(record_load(load, held["update"], list(engine.parameters())).copies) == 6
+        held.clear()
+        assert watched() is None, "the update outlived record_load"
+    finally:
+        gc.enable()

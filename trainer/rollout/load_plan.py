@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 #: (shape, stride, dtype, device) of an input tensor
 Signature = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, str]
@@ -105,23 +107,29 @@ class LoadPlan:
         return len(self.copies)
 
 
-def record_load(load: Callable[[], Any], tensors: Mapping[str, torch.Tensor],
-                parameters: list[torch.Tensor]) -> LoadPlan:
-    """Run ``load`` (which reads ``tensors`` into ``parameters``) and return its copies as a ``LoadPlan``; the load
-    itself always completes. Raises ``LoadRefused`` after it when the loader did something a replay cannot repeat."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+class _CopyRecorder(TorchDispatchMode):
+    """Writes down each ``copy_`` from a view of an input into a view of a parameter; anything else done with an
+    input or to a parameter goes into ``refusals``. A module-level class holding its maps as attributes: a class
+    defined inside ``record_load`` closing over them formed a reference cycle that kept the whole update alive until
+    Python's collector ran (session 18, 8B on an H200: 11.5 GiB more through the recording step)."""
 
-    inputs: dict[int, list[tuple[str, int, int, torch.Tensor]]] = {}
-    for name, t in tensors.items():
-        inputs.setdefault(t.untyped_storage().data_ptr(), []).append((name, t.storage_offset(), t.numel(), t))
-    params = {p.untyped_storage().data_ptr(): p for p in parameters}
-    copies: list[RecordedCopy] = []
-    refusals: list[str] = []
+    def __init__(self, tensors: Mapping[str, torch.Tensor], parameters: list[torch.Tensor]):
+        super().__init__()
+        self.inputs: dict[int, list[tuple[str, int, int, torch.Tensor]]] = {}
+        for name, t in tensors.items():
+            self.inputs.setdefault(t.untyped_storage().data_ptr(), []).append((name, t.storage_offset(), t.numel(), t))
+        self.params = {p.untyped_storage().data_ptr(): p for p in parameters}
+        self.copies: list[RecordedCopy] = []
+        self.refusals: list[str] = []
 
-    def source(t: torch.Tensor) -> tuple[str, int] | None:
+    def release(self) -> None:
+        """Drop every reference to the update (the recorded copies keep parameter views only)."""
+        self.inputs.clear()
+        self.params.clear()
+
+    def source(self, t: torch.Tensor) -> tuple[str, int] | None:
         """(input name, element offset within it) of a view of an input, None when ``t`` is no input's."""
-        found = inputs.get(t.untyped_storage().data_ptr())
+        found = self.inputs.get(t.untyped_storage().data_ptr())
         if not found:
             return None
         span = [(n, start, numel) for n, start, numel, inp in found
@@ -129,45 +137,56 @@ def record_load(load: Callable[[], Any], tensors: Mapping[str, torch.Tensor],
         if len({(start, numel) for _, start, numel in span}) == 1:
             span = span[:1]  # names of one tensor (a tied lm_head): the replay checks they still are
         if len(span) != 1:
-            refusals.append(f"a view of {found[0][0]} could not be told apart from the other inputs on its storage")
+            self.refusals.append(f"a view of {found[0][0]} could not be told apart from the other inputs on its "
+                                 "storage")
             return None
         return span[0][0], t.storage_offset() - span[0][1]
 
-    def is_input(t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs
+    def is_input(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.inputs
 
-    def writes_param(func, args, kwargs) -> bool:
-        schema_args = func._schema.arguments
-        for i, a in enumerate(schema_args):
+    def writes_param(self, func, args, kwargs) -> bool:
+        for i, a in enumerate(func._schema.arguments):
             value = args[i] if i < len(args) else (kwargs or {}).get(a.name)
             if a.alias_info is not None and a.alias_info.is_write:
-                if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in params
+                if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.params
                        for t in tree_leaves(value)):
                     return True
         return False
 
-    class _Recorder(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            leaves = tree_leaves((args, kwargs or {}))
-            if func is torch.ops.aten.copy_.default and is_input(args[1]) and not is_input(args[0]):
-                dst = args[0]
-                if dst.untyped_storage().data_ptr() not in params:
-                    refusals.append(f"{func}: a copy into a tensor that is not a parameter")
-                else:
-                    where = source(args[1])
-                    if where is not None:
-                        copies.append(RecordedCopy(where[0], where[1], tuple(args[1].shape), tuple(args[1].stride()),
-                                                   dst, params[dst.untyped_storage().data_ptr()]))
-            elif any(is_input(t) for t in leaves) and not func.is_view:
-                name = next(n for t in leaves if is_input(t) for n, *_ in inputs[t.untyped_storage().data_ptr()])
-                refusals.append(f"{func} reads {name}")
-            elif func._schema.is_mutable and func not in CONSTANT_WRITES and writes_param(func, args, kwargs):
-                refusals.append(f"{func} writes a parameter outside a copy from the update")
-            return func(*args, **(kwargs or {}))
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = tree_leaves((args, kwargs or {}))
+        if func is torch.ops.aten.copy_.default and self.is_input(args[1]) and not self.is_input(args[0]):
+            dst = args[0]
+            if dst.untyped_storage().data_ptr() not in self.params:
+                self.refusals.append(f"{func}: a copy into a tensor that is not a parameter")
+            else:
+                where = self.source(args[1])
+                if where is not None:
+                    self.copies.append(RecordedCopy(where[0], where[1], tuple(args[1].shape),
+                                                    tuple(args[1].stride()), dst,
+                                                    self.params[dst.untyped_storage().data_ptr()]))
+        elif any(self.is_input(t) for t in leaves) and not func.is_view:
+            name = next(n for t in leaves if self.is_input(t) for n, *_ in self.inputs[t.untyped_storage().data_ptr()])
+            self.refusals.append(f"{func} reads {name}")
+        elif func._schema.is_mutable and func not in CONSTANT_WRITES and self.writes_param(func, args, kwargs):
+            self.refusals.append(f"{func} writes a parameter outside a copy from the update")
+        return func(*args, **(kwargs or {}))
 
+
+def record_load(load: Callable[[], Any], tensors: Mapping[str, torch.Tensor],
+                parameters: list[torch.Tensor]) -> LoadPlan:
+    """Run ``load`` (which reads ``tensors`` into ``parameters``) and return its copies as a ``LoadPlan``; the load
+    itself always completes. Raises ``LoadRefused`` after it when the loader did something a replay cannot repeat.
+    Neither the plan nor the error keeps a reference to ``tensors``."""
+    recorder = _CopyRecorder(tensors, parameters)
     before = [p.data_ptr() for p in parameters]
-    with _Recorder():
-        load()
+    try:
+        with recorder:
+            load()
+    finally:
+        recorder.release()
+    copies, refusals = recorder.copies, recorder.refusals
     moved = sum(p.data_ptr() != ptr for p, ptr in zip(parameters, before))
     if moved:
         refusals.append(f"the loader gave {moved} parameter(s) new storage (a replay would write the old one)")
