@@ -11,8 +11,12 @@ from trainer.bench import scale
 from trainer.config.schema import validate_config
 
 
+def _env(liger=None, ckpt=None, optim=None) -> dict[str, str | None]:
+    """The three learner knobs as the bench reads them from the environment."""
+    return {"RM_BENCH_SCALE_LIGER": liger, "RM_BENCH_SCALE_CKPT": ckpt, "RM_BENCH_SCALE_OPTIM": optim}
+
 def test_unset_knobs_leave_every_run_as_it_was(tmp_path):
-    assert scale.lever_knobs(None, None, None) == [{}] and scale.lever_knobs("", "", "") == [{}]
+    assert scale.lever_knobs({}) == [{}] and scale.lever_knobs(_env("", "", "")) == [{}]
     runs = scale.selected("2b,8b-lora64-sleep2-util0.35")
     assert scale.with_levers(runs, [{}]) == runs
     training = validate_config(scale.stage2_config(runs[0], tmp_path / "m", tmp_path / "o", "vllm")).training
@@ -34,7 +38,7 @@ def test_unset_knobs_leave_every_run_as_it_was(tmp_path):
 ])
 def test_each_knob_names_the_run_and_reaches_its_config(tmp_path, liger, ckpt, optim, suffix, expected):
     for base in scale.selected("2b,4b,8b-lora64-sleep2-util0.35"):
-        (knob,) = scale.lever_knobs(liger, ckpt, optim)
+        (knob,) = scale.lever_knobs(_env(liger, ckpt, optim))
         run = dataclasses.replace(base, **knob)
         assert run.name == base.name + suffix
         t = validate_config(scale.stage2_config(run, tmp_path / "m", tmp_path / "o", "vllm")).training
@@ -42,10 +46,10 @@ def test_each_knob_names_the_run_and_reaches_its_config(tmp_path, liger, ckpt, o
 
 
 def test_several_values_run_beside_the_default_in_one_call():
-    runs = scale.with_levers(scale.selected("2b"), scale.lever_knobs("0,1", "full,selective", None))
+    runs = scale.with_levers(scale.selected("2b"), scale.lever_knobs(_env("0,1", "full,selective")))
     assert [r.name for r in runs] == ["2b-full-sleep2-util0.3", "2b-full-sleep2-util0.3-ckptselective",
                                       "2b-full-sleep2-util0.3-liger", "2b-full-sleep2-util0.3-liger-ckptselective"]
-    knobs = scale.lever_knobs(None, None, "adamw_torch_fused,adamw_torch")
+    knobs = scale.lever_knobs({"RM_BENCH_SCALE_OPTIM": "adamw_torch_fused,adamw_torch"})
     names = [r.name for r in scale.with_levers(scale.selected("4b"), knobs)]
     assert names == ["4b-full-sleep2-util0.2", "4b-full-sleep2-util0.2-unfusedadam"]
 
@@ -57,7 +61,7 @@ def test_several_values_run_beside_the_default_in_one_call():
                                                      (None, ",", None, "RM_BENCH_SCALE_CKPT")])
 def test_bad_knob_values_are_refused_with_the_variable(liger, ckpt, optim, env):
     with pytest.raises(SystemExit, match=env):
-        scale.lever_knobs(liger, ckpt, optim)
+        scale.lever_knobs(_env(liger, ckpt, optim))
 
 
 def test_hfu_counts_the_recompute_of_the_layers_that_ran_checkpointed():
@@ -87,7 +91,7 @@ def test_quick_bench_records_the_levers_that_ran(tmp_path, monkeypatch):
 
 def test_prewake_knob_runs_both_and_reaches_the_sync_config(tmp_path):
     runs = scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"),
-                             scale.lever_knobs(None, None, None, "1,0"))
+                             scale.lever_knobs({"RM_BENCH_SCALE_PREWAKE": "1,0"}))
     assert [r.prewake for r in runs][:2] == [True, False]
     assert runs[0].name.endswith("-prewake") and not runs[1].name.endswith("prewake"), "the default (off) has no suffix"
     cfg = scale.stage2_config(runs[1], tmp_path, tmp_path / "out", "vllm")
@@ -98,11 +102,12 @@ def test_prewake_knob_runs_both_and_reaches_the_sync_config(tmp_path):
     assert validate_config(scale.stage2_config(scale.selected("8b-lora64-sleep2-util0.35")[0], tmp_path, tmp_path / "o",
                                                "vllm")).custom.extra.rollout_matching.vllm.sync.prewake is False
     with pytest.raises(SystemExit, match="RM_BENCH_SCALE_PREWAKE"):
-        scale.lever_knobs(None, None, None, "yes")
+        scale.lever_knobs({"RM_BENCH_SCALE_PREWAKE": "yes"})
 
 
 def test_compile_knob_is_an_axis_eager_and_compiled_in_one_call(tmp_path):
-    runs = scale.with_levers(scale.selected("2b"), scale.lever_knobs(None, "full,selective", None, None, "0,1"))
+    knobs = scale.lever_knobs({**_env(ckpt="full,selective"), "RM_BENCH_SCALE_COMPILE": "0,1"})
+    runs = scale.with_levers(scale.selected("2b"), knobs)
     assert [(r.checkpointing, r.compile_layers) for r in runs] == [("full", False), ("full", True),
                                                                   ("selective", False), ("selective", True)]
     assert runs[1].name.endswith("-compiled") and "compiled" not in runs[0].name
@@ -112,8 +117,9 @@ def test_compile_knob_is_an_axis_eager_and_compiled_in_one_call(tmp_path):
     assert not validate_config(scale.stage2_config(runs[0], tmp_path, tmp_path / "o",
                                                    "vllm")).training.compile_decoder_layers
     with pytest.raises(SystemExit, match="RM_BENCH_SCALE_COMPILE"):
-        scale.lever_knobs(None, None, None, None, "true")
-    liger_compiled = scale.with_levers(scale.selected("2b"), scale.lever_knobs("1", None, None, None, "1"))[0]
+        scale.lever_knobs({"RM_BENCH_SCALE_COMPILE": "true"})
+    knobs = scale.lever_knobs({**_env("1"), "RM_BENCH_SCALE_COMPILE": "1"})
+    liger_compiled = scale.with_levers(scale.selected("2b"), knobs)[0]
     with pytest.raises(Exception, match="use_liger_kernel and compile_decoder_layers do not combine"):
         validate_config(scale.stage2_config(liger_compiled, tmp_path, tmp_path / "o", "vllm"))
 
@@ -122,7 +128,7 @@ def test_recorded_load_knob_reaches_the_sync_config(tmp_path):
     from trainer.config.schema import validate_config
 
     runs = scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"),
-                             scale.lever_knobs(None, None, None, None, None, "0,1"))
+                             scale.lever_knobs({"RM_BENCH_SCALE_RECLOAD": "0,1"}))
     assert [r.recorded_load for r in runs] == [False, True] and runs[1].name.endswith("-recload")
     for r in runs:
         cfg = validate_config(scale.stage2_config(r, tmp_path, tmp_path / "o", "vllm"))
@@ -133,20 +139,20 @@ def test_sleep_knob_runs_level_2_beside_the_kv_cache_sleep_and_reaches_the_vllm_
     from trainer.config.schema import validate_config
 
     runs = scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"),
-                             scale.lever_knobs(None, None, None, None, None, None, "2,kv_cache"))
+                             scale.lever_knobs({"RM_BENCH_SCALE_SLEEP": "2,kv_cache"}))
     assert [r.sleep_level for r in runs] == [2, "kv_cache"]
     assert runs[0].name == "8b-lora64-sleep2-util0.35" and runs[1].name == "8b-lora64-sleepkv-util0.35"
     for r in runs:
         cfg = validate_config(scale.stage2_config(r, tmp_path, tmp_path / "o", "vllm"))
         assert cfg.custom.extra.rollout_matching.vllm.sleep_level == r.sleep_level
     with pytest.raises(SystemExit, match="RM_BENCH_SCALE_SLEEP"):
-        scale.lever_knobs(None, None, None, None, None, None, "3")
+        scale.lever_knobs({"RM_BENCH_SCALE_SLEEP": "3"})
 
 
 def test_pixels_knob_makes_the_training_pixels_during_the_decode_on_the_gpu_only(tmp_path):
     from trainer.config.schema import validate_config
 
-    runs = scale.with_levers(scale.selected("4b"), scale.lever_knobs(None, None, None, None, None, None, None, "0,1"))
+    runs = scale.with_levers(scale.selected("4b"), scale.lever_knobs({"RM_BENCH_SCALE_PIXELS": "0,1"}))
     assert [r.pixels_during_decode for r in runs] == [False, True]
     assert runs[0].name == "4b-full-sleep2-util0.2" and runs[1].name == "4b-full-sleep2-util0.2-pixels"
     for r in runs:
@@ -156,7 +162,7 @@ def test_pixels_knob_makes_the_training_pixels_during_the_decode_on_the_gpu_only
     assert hf.custom.extra.rollout_matching.rollout_backend == "hf"
     assert not hf.custom.extra.rollout_matching.vllm.pixels_during_decode
     with pytest.raises(SystemExit, match="RM_BENCH_SCALE_PIXELS"):
-        scale.lever_knobs(None, None, None, None, None, None, None, "on")
+        scale.lever_knobs({"RM_BENCH_SCALE_PIXELS": "on"})
 
 
 def test_packing_length_knob_runs_each_length_and_reaches_the_training_config(tmp_path):

@@ -145,7 +145,7 @@ def test_trl_side_runs_with_liger_whatever_our_levers_unless_told_not_to(tmp_pat
     """Issue 37: TRL with ``use_liger_kernel`` where it supports it — also beside our compiled or plain runs."""
     from pathlib import Path
 
-    compiled = scale.with_levers(scale.selected("2b"), scale.lever_knobs(None, None, None, None, "1"))[0]
+    compiled = scale.with_levers(scale.selected("2b"), scale.lever_knobs({"RM_BENCH_SCALE_COMPILE": "1"}))[0]
     for liger in (None, "1"):
         args = scale.trl_peer_args(compiled, Path("m"), Path("d"), Path("o"), liger)
         assert args[:2] == ["-m", "trainer.bench.trl_peer"] and args[-1] == "--liger"

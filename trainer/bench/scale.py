@@ -33,6 +33,7 @@ import re
 import shutil
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -605,46 +606,39 @@ def recomputed_fraction(levers: dict[str, Any], default: bool) -> bool | float:
     return True if done == layers else done / layers
 
 
-#: the values each lever knob takes (``lever_knobs``); the first is the default
-LEVER_VALUES = {"RM_BENCH_SCALE_LIGER": ("0", "1"), "RM_BENCH_SCALE_CKPT": ("full", "selective", "off", "auto"),
-                "RM_BENCH_SCALE_OPTIM": ("adamw_torch_fused", "adamw_torch"), "RM_BENCH_SCALE_PREWAKE": ("0", "1"),
-                "RM_BENCH_SCALE_COMPILE": ("0", "1"), "RM_BENCH_SCALE_RECLOAD": ("0", "1"),
-                "RM_BENCH_SCALE_SLEEP": ("2", "1", "0", "kv_cache"), "RM_BENCH_SCALE_PIXELS": ("0", "1")}
+def _on(v: str) -> bool:
+    return v == "1"
 
 
-def lever_knobs(liger: str | None, ckpt: str | None, optim: str | None,
-                prewake: str | None = None, compile_layers: str | None = None,
-                recorded_load: str | None = None, sleep_level: str | None = None,
-                pixels: str | None = None) -> list[dict[str, Any]]:
-    """``ScaleRun`` overrides from ``RM_BENCH_SCALE_LIGER`` (``training.use_liger_kernel``), ``RM_BENCH_SCALE_CKPT``
-    (``training.gradient_checkpointing_policy``), ``RM_BENCH_SCALE_OPTIM`` (``training.optim``),
-    ``RM_BENCH_SCALE_PREWAKE`` (``vllm.sync.prewake``), ``RM_BENCH_SCALE_COMPILE``
-    (``training.compile_decoder_layers``), ``RM_BENCH_SCALE_RECLOAD`` (``vllm.sync.recorded_load``) and
-    ``RM_BENCH_SCALE_SLEEP`` (``vllm.sleep_level``: 2, 1, 0 or kv_cache; replaces the run's own) and
-    ``RM_BENCH_SCALE_PIXELS`` (``vllm.pixels_during_decode``): each takes one
-    value or a comma-separated list, and every combination runs (``RM_BENCH_SCALE_LIGER=0,1`` measures Liger beside
-    the default in one call). Unset: ``[{}]``, nothing overridden."""
+#: each lever knob: the environment variable, the ``ScaleRun`` field it sets, the values it takes (the first is the
+#: default) and how a value becomes the field's
+LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[str], Any]]] = {
+    "RM_BENCH_SCALE_LIGER": ("liger", ("0", "1"), _on),  # training.use_liger_kernel
+    "RM_BENCH_SCALE_CKPT": ("checkpointing", ("full", "selective", "off", "auto"), str),  # gradient_checkpointing_policy
+    "RM_BENCH_SCALE_OPTIM": ("optim", ("adamw_torch_fused", "adamw_torch"), str),  # training.optim
+    "RM_BENCH_SCALE_PREWAKE": ("prewake", ("0", "1"), _on),  # vllm.sync.prewake
+    "RM_BENCH_SCALE_COMPILE": ("compile_layers", ("0", "1"), _on),  # training.compile_decoder_layers
+    "RM_BENCH_SCALE_RECLOAD": ("recorded_load", ("0", "1"), _on),  # vllm.sync.recorded_load
+    "RM_BENCH_SCALE_SLEEP": ("sleep_level", ("2", "1", "0", "kv_cache"),  # vllm.sleep_level, replacing the run's own
+                             lambda v: int(v) if v.isdigit() else v),
+    "RM_BENCH_SCALE_PIXELS": ("pixels_during_decode", ("0", "1"), _on),  # vllm.pixels_during_decode
+}
+
+
+def lever_knobs(env: Mapping[str, str | None]) -> list[dict[str, Any]]:
+    """``ScaleRun`` overrides from the ``LEVERS`` variables set in ``env``: each takes one value or a comma-separated
+    list, and every combination runs (``RM_BENCH_SCALE_LIGER=0,1`` measures Liger beside the default in one call).
+    None set: ``[{}]``, nothing overridden."""
     import itertools
 
     axes: list[list[tuple[str, Any]]] = []
-    for env, field, value, convert in (("RM_BENCH_SCALE_LIGER", "liger", liger, lambda v: v == "1"),
-                                       ("RM_BENCH_SCALE_CKPT", "checkpointing", ckpt, str),
-                                       ("RM_BENCH_SCALE_OPTIM", "optim", optim, str),
-                                       ("RM_BENCH_SCALE_PREWAKE", "prewake", prewake, lambda v: v == "1"),
-                                       ("RM_BENCH_SCALE_COMPILE", "compile_layers", compile_layers,
-                                        lambda v: v == "1"),
-                                       ("RM_BENCH_SCALE_RECLOAD", "recorded_load", recorded_load,
-                                        lambda v: v == "1"),
-                                       ("RM_BENCH_SCALE_SLEEP", "sleep_level", sleep_level,
-                                        lambda v: int(v) if v.isdigit() else v),
-                                       ("RM_BENCH_SCALE_PIXELS", "pixels_during_decode", pixels,
-                                        lambda v: v == "1")):
+    for name, (field, allowed, convert) in LEVERS.items():
+        value = env.get(name)
         if not value:
             continue
         values = [v.strip() for v in value.split(",") if v.strip()]
-        bad = [v for v in values if v not in LEVER_VALUES[env]]
-        if bad or not values:
-            raise SystemExit(f"{env}={value!r}: one or more (comma-separated) of {', '.join(LEVER_VALUES[env])}")
+        if not values or any(v not in allowed for v in values):
+            raise SystemExit(f"{name}={value!r}: one or more (comma-separated) of {', '.join(allowed)}")
         axes.append([(field, convert(v)) for v in dict.fromkeys(values)])
     return [dict(combo) for combo in itertools.product(*axes)]
 
@@ -703,12 +697,7 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     knobs = logit_and_merge_knobs(os.environ.get("RM_BENCH_SCALE_LOGIT_CHUNK"), os.environ.get("RM_BENCH_SCALE_MERGE"))
     runs = [QUICK] if quick else with_utilisations(selected(os.environ.get("RM_BENCH_SCALE")),
                                                    os.environ.get("RM_BENCH_SCALE_UTILS"))
-    runs = with_levers(runs, lever_knobs(os.environ.get("RM_BENCH_SCALE_LIGER"), os.environ.get("RM_BENCH_SCALE_CKPT"),
-                                         os.environ.get("RM_BENCH_SCALE_OPTIM"), os.environ.get("RM_BENCH_SCALE_PREWAKE"),
-                                         os.environ.get("RM_BENCH_SCALE_COMPILE"),
-                                         os.environ.get("RM_BENCH_SCALE_RECLOAD"),
-                                         os.environ.get("RM_BENCH_SCALE_SLEEP"),
-                                         os.environ.get("RM_BENCH_SCALE_PIXELS")))
+    runs = with_levers(runs, lever_knobs(os.environ))
     runs = with_packing_lengths(runs, os.environ.get("RM_BENCH_SCALE_PACKING"))
     for cfg in runs:
         cfg = replace(cfg, steps=steps) if steps else cfg
