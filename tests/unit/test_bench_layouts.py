@@ -34,7 +34,7 @@ def test_every_layout_config_validates(layout, tmp_path):
         assert v.server.async_rollouts.enabled == layout.async_rollouts
     else:
         assert v.tensor_parallel_size == layout.tp and v.sleep_level == 2
-        assert v.pixels_during_decode == layout.pixels_during_decode == layout.name.endswith("-pixels")
+    assert v.pixels_during_decode == layout.pixels_during_decode == layout.name.endswith("-pixels")
     assert (t.deepspeed == "zero2") == (layout.zero == 2)
 
 

@@ -53,7 +53,8 @@ class Layout:
     #: whatever it was doing: a decode or a weight broadcast) and restarted on its port (``ServerKill``); the run
     #: trains ``FAULT_EXTRA_STEPS`` more steps than the work's
     fault: str | None = None
-    #: colocate: ``vllm.pixels_during_decode`` (the training pixels made while the engine decodes)
+    #: ``vllm.pixels_during_decode``: the training pixels made while the engine (colocate) or the servers (sync
+    #: server layouts) decode
     pixels_during_decode: bool = False
 
     @property
@@ -99,6 +100,7 @@ LAYOUTS = (
     Layout("colocate-4-r256-pixels", 4, records_per_step=256, pixels_during_decode=True),
     Layout("colocate-tp4", 4, tp=4),
     Layout("3v1-sync", 1, servers=3),
+    Layout("3v1-sync-pixels", 1, servers=3, pixels_during_decode=True),
     Layout("3v1-async", 1, servers=3, async_rollouts=True),
     Layout("2v2-async", 2, servers=2, async_rollouts=True),
     Layout("3v1-async-kill", 1, servers=3, async_rollouts=True, fault="kill-server"),
@@ -208,7 +210,7 @@ def layout_config(layout: Layout, work: Work, model_dir: Path, out_dir: Path, ur
         rm["vllm"] = {"mode": "server", "server": {
             "servers": [{"base_url": u} for u in urls], "timeout_s": 300, "infer_timeout_s": 900,
             "async_rollouts": {"enabled": layout.async_rollouts, "max_staleness_steps": 1}},
-            "sync": {"mode": "full"}}
+            "sync": {"mode": "full"}, "pixels_during_decode": layout.pixels_during_decode}
         if layout.fault:
             rm["vllm"]["server"].update(readmit_after_s=FAULT_READMIT_AFTER_S, readmit_max_interval_s=10.0)
     steps = work.steps

@@ -137,14 +137,16 @@ class VllmConfig(Section):
         "on its own where NVLink multicast is (TORCH_SYMM_MEM_DISABLE_MULTICAST=1)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     pixels_during_decode: bool = Field(
-        False, description="colocate: the image processor makes the step's training pixels on a thread while vLLM "
-        "decodes (the prompt ids only need each image's size), instead of before the decode on the step's path")
+        False, description="the image processor makes the step's training pixels on a thread while the rollouts "
+        "decode (the prompt ids only need each image's size), instead of before the decode on the step's path; "
+        "colocate, or rollout servers with server.async_rollouts off (the servers read the image files)")
     server: VllmServerConfig = Field(default_factory=VllmServerConfig)
     sync: VllmSyncConfig = Field(default_factory=VllmSyncConfig)
 
     @model_validator(mode="after")
-    def _pixels_during_decode_is_colocate(self) -> VllmConfig:
-        if self.pixels_during_decode and self.mode != "colocate":
-            raise ValueError("pixels_during_decode is for mode: colocate (with rollout servers, "
-                             "server.async_rollouts already encodes the next batch while this one trains)")
+    def _pixels_during_decode_is_on_the_step(self) -> VllmConfig:
+        if self.pixels_during_decode and self.mode == "server" and self.server.async_rollouts.enabled:
+            raise ValueError("pixels_during_decode and server.async_rollouts.enabled do not combine: async rollouts "
+                             "already make the next batch's requests and pixels in the background while this one "
+                             "trains; set pixels_during_decode: false")
         return self

@@ -169,6 +169,10 @@ class ServerRolloutEngine:
 
     name = "server"
     syncs_on_every_rank = False
+    #: the servers get the image files (paths, or their bytes with ``inline_images``) and make their own prompt ids;
+    #: a request's ``pixel_values`` are never read (the trainer may make them during the decode:
+    #: ``vllm.pixels_during_decode``)
+    reads_images = True
 
     def __init__(self, servers: Sequence[ServerEndpoint], *, timeout_s: float = 240.0,
                  infer_timeout_s: float | None = None, rank: int | None = None, world_size: int | None = None,

@@ -280,7 +280,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             eager_rollouts=cfg.training.compile_decoder_layers and rm.rollout_backend == "hf" and not rm.hf.compile,
             async_rollouts=((True, rm.vllm.server.async_rollouts.max_staleness_steps)
                             if rm.vllm.server.async_rollouts.enabled else None),
-            pixels_during_decode=rm.vllm.pixels_during_decode,  # validated: vllm backend, colocate
+            pixels_during_decode=rm.vllm.pixels_during_decode,  # validated: vllm backend, not with async rollouts
             profile_steps=t.profile_steps, profile_trace=t.profile_trace, memory_settings=memory_settings(cfg),
             **common)
         freeze_setup_objects()
