@@ -60,7 +60,8 @@ def _trl(step_s: float = 12.0, wall_s: float | None = 15.0, optimizer_s: float |
 def test_trl_ratio_is_on_step_to_step_wall_time_and_keeps_the_training_step_ratio_apart():
     ours = scale.summarise_steps(scale.QUICK, [_row(10.0, 2.0, 13.0), _row(10.0, 2.0, 12.0)], "cpu", True)
     r = scale.trl_over_ours(_trl(), ours)
-    assert set(r) == {"step_wall", "training_step", "generate", "weight_sync", "train_fwd_bwd", "optimizer"}
+    assert set(r) == {"step_wall", "training_step", "generate", "weight_sync", "train_fwd_bwd", "optimizer",
+                      "train_tokens", "train_fwd_bwd_per_token"}
     assert "train_fwd_bwd_opt" not in r and "step" not in r
     assert r["step_wall"] == pytest.approx(15.0 / 12.0)
     assert r["training_step"] == pytest.approx(12.0 / 10.0)
@@ -68,6 +69,15 @@ def test_trl_ratio_is_on_step_to_step_wall_time_and_keeps_the_training_step_rati
     assert r["generate"] == pytest.approx(8.0 / 5.0) and r["weight_sync"] == pytest.approx(0.3 / 1.0)
     # TRL's training_step less _prepare_inputs (generation, sync, rewards) against our forward + backward
     assert r["train_fwd_bwd"] == pytest.approx((12.0 - 9.0) / 2.5)
+    assert r["train_tokens"] is None and r["train_fwd_bwd_per_token"] is None  # a TRL JSON without its token count
+
+
+def test_trl_ratio_per_token_divides_each_side_by_its_own_tokens():
+    ours = scale.summarise_steps(scale.QUICK, [_row(10.0, 2.0, 13.0), _row(10.0, 2.0, 12.0)], "cpu", True)
+    r = scale.trl_over_ours({**_trl(), "train_tokens": 800.0}, ours)  # ours: 1000 tokens in 2.5 s of fwd + bwd
+    assert r["train_tokens"] == pytest.approx(0.8)
+    # TRL: 3.0 s for 800 tokens, ours 2.5 s for 1000: TRL spends 1.5x our seconds per token
+    assert r["train_fwd_bwd_per_token"] == pytest.approx((3.0 / 800.0) / (2.5 / 1000.0))
 
 
 def test_trl_ratio_without_wall_times_on_either_side_is_none():

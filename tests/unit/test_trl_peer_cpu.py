@@ -61,6 +61,12 @@ def _run(model_dir: Path, data: Path, out: Path, liger: bool) -> dict:
         assert math.isfinite(written[key]) and written[key] > 0.0, (key, written[key])
         assert len(written[f"{key}_runs"]) == STEPS
     assert written["use_liger_kernel"] is liger
+    # two prompts of one 32 px image each, two completions of 1..4 tokens, per step
+    prompt, completion, padded = (written[f"{k}_tokens_runs"] for k in ("prompt", "completion", "padded"))
+    assert len(prompt) == len(completion) == len(padded) == STEPS
+    for p, c, pad in zip(prompt, completion, padded):
+        assert 2 <= c <= 2 * 4 and p > 2 and p + c <= pad
+    assert written["train_tokens"] == pytest.approx(prompt[-1] + completion[-1])  # the steady mean: steps 2..
     return written
 
 

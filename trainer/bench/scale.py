@@ -511,7 +511,10 @@ def trl_over_ours(trl: dict[str, Any], ours: dict[str, Any]) -> dict[str, float 
     on either side: the ratio published under ``step`` before ``step_wall`` existed); ``generate``; ``weight_sync``;
     ``train_fwd_bwd``: TRL's ``training_step`` less its ``_prepare_inputs`` (generation, sync, rewards) against our
     forward + backward (no optimizer on either side; published as ``train_fwd_bwd_opt`` before, a wrong name);
-    ``optimizer``: the optimizer step (``optimizer_s``)."""
+    ``optimizer``: the optimizer step (``optimizer_s``); ``train_tokens``: the tokens TRL's loss ran over (prompt +
+    completion, no padding) against the tokens of our step's packed rows (``batch/tokens``): the two sides train
+    different sequences (TRL: prompt + sampled completion; ours: prompt + the rebuilt target), so
+    ``train_fwd_bwd_per_token`` divides each side's forward + backward seconds by its own tokens."""
     blocks = {k.split(".", 1)[-1]: v for k, v in trl.get("blocks_s", {}).items()}  # "GRPOTrainerSubclass.vLLM.generate"
     step = ours.get("per_step", {})
     trl_generate = blocks.get("vLLM.generate", 0.0)
@@ -529,6 +532,9 @@ def trl_over_ours(trl: dict[str, Any], ours: dict[str, Any]) -> dict[str, float 
         "weight_sync": ratio(trl_sync, step.get("time/weight_sync_s")),
         "train_fwd_bwd": ratio(trl_train, ours_train),
         "optimizer": ratio(trl.get("optimizer_s"), ours.get("optimizer_s")),
+        "train_tokens": ratio(trl.get("train_tokens"), step.get("batch/tokens")),
+        "train_fwd_bwd_per_token": ratio(ratio(trl_train, trl.get("train_tokens")),
+                                         ratio(ours_train, step.get("batch/tokens"))),
     }
 
 

@@ -152,6 +152,11 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
 
     profiling.ProfilingContext._log_metrics = record
     steps_s: list[float] = []
+    #: per training_step: the prompt and completion tokens TRL's loss forward + backward ran over (the masks' sums),
+    #: and the padded batch it ran them in (prompt + completion tensor sizes)
+    prompt_tokens: list[int] = []
+    completion_tokens: list[int] = []
+    padded_tokens: list[int] = []
     peaks: list[float] = []
     optimizer_peaks: list[float] = []
     clock = StepClock()
@@ -162,6 +167,9 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
+            prompt_tokens.append(0)
+            completion_tokens.append(0)
+            padded_tokens.append(0)
             loss = super().training_step(*args, **kwargs)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -171,6 +179,12 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
                 torch.cuda.reset_peak_memory_stats()  # from here to on_step_end: the optimizer's peak
             clock.training_step_end()
             return loss
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            prompt_tokens[-1] += int(inputs["prompt_mask"].sum())
+            completion_tokens[-1] += int(inputs["completion_mask"].sum())
+            padded_tokens[-1] += inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
+            return super().compute_loss(model, inputs, *args, **kwargs)
 
         def compute_liger_loss(self, unwrapped_model, inputs):
             """TRL 0.29.1's Liger loss (``use_liger_kernel=True``) takes the last hidden state from
@@ -225,7 +239,9 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
               "optimizer_peak_gib_runs": optimizer_peaks,
               "blocks_s": {k: mean(v[timed] if len(v) == len(steps_s) else v) for k, v in blocks.items()},
               "blocks_s_runs": dict(blocks), "completions_per_step": batch, "max_new_tokens": max_new_tokens,
-              "use_liger_kernel": liger}
+              "use_liger_kernel": liger, "prompt_tokens_runs": prompt_tokens,
+              "completion_tokens_runs": completion_tokens, "padded_tokens_runs": padded_tokens,
+              "train_tokens": steady_mean([float(a + b) for a, b in zip(prompt_tokens, completion_tokens)])}
     out.write_text(json.dumps(result, indent=2))
     return result
 
