@@ -56,6 +56,8 @@ class Layout:
     #: ``vllm.pixels_during_decode``: the training pixels made while the engine (colocate) or the servers (sync
     #: server layouts) decode
     pixels_during_decode: bool = False
+    #: colocate: ``vllm.sleep_level`` instead of the work's (``kv_cache``: the weights stay mapped between decodes)
+    sleep_level: int | str | None = None
 
     @property
     def gpus(self) -> int:
@@ -98,6 +100,8 @@ LAYOUTS = (
     Layout("colocate-4-r256", 4, records_per_step=256),  # 64 records per engine, as colocate-1 decodes
     Layout("colocate-1-pixels", 1, pixels_during_decode=True),
     Layout("colocate-4-r256-pixels", 4, records_per_step=256, pixels_during_decode=True),
+    Layout("colocate-4-r256-pixels-sleepkv", 4, records_per_step=256, pixels_during_decode=True,
+           sleep_level="kv_cache"),
     Layout("colocate-tp4", 4, tp=4),
     Layout("3v1-sync", 1, servers=3),
     Layout("3v1-sync-pixels", 1, servers=3, pixels_during_decode=True),
@@ -202,7 +206,8 @@ def layout_config(layout: Layout, work: Work, model_dir: Path, out_dir: Path, ur
     rm: dict[str, Any] = {"rollout_backend": "vllm" if cuda else "hf", "rollout_generate_batch_size": records,
                           "decoding": {"max_new_tokens": work.max_new_tokens, "temperature": 0.0}}
     if cuda and layout.mode == "colocate":
-        rm["vllm"] = {"mode": "colocate", "max_model_len": 4096, "sleep_level": work.sleep_level,
+        sleep = work.sleep_level if layout.sleep_level is None else layout.sleep_level
+        rm["vllm"] = {"mode": "colocate", "max_model_len": 4096, "sleep_level": sleep,
                       "tensor_parallel_size": layout.tp, "gpu_memory_utilization": work.colocate_util,
                       "pixels_during_decode": layout.pixels_during_decode}
     if layout.mode == "server":
