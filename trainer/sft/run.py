@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -287,11 +288,15 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
         result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:
         gc.unfreeze()
+        t_close = time.perf_counter()
         engine.close()
+        log.info("closed the rollout engine in %.1f s", time.perf_counter() - t_close)
         if exporter is not None:
             exporter.close()
     final = out / "final"
+    t_save = time.perf_counter()
     trainer.save_model(str(final))
+    log.info("saved the final model to %s in %.1f s", final, time.perf_counter() - t_save)
     summary = RunSummary(str(out), cfg.stage1.steps, trainer.state.global_step, float(result.metrics.get("train_runtime", 0.0)),
                          str(final), str(metrics_path))
     (out / "run_summary.json").write_text(json.dumps(asdict(summary), indent=2))
