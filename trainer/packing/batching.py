@@ -18,24 +18,30 @@ def loss_indices(targets: Sequence[TrainTarget], rows: Sequence[int], offsets: S
     ce_index, ce_labels, ce_seg = [], [], []
     co_index, co_targets, co_seg = [], [], []
     for seg, (t, r, off) in enumerate(zip(targets, rows, offsets)):
-        for c, lab in enumerate(t.labels):
-            if lab != IGNORE_INDEX:
-                if c == 0:
-                    raise ValueError(f"sample {t.sample_id!r}: the first token cannot carry a label")
-                ce_index.append((r, off + c))
-                ce_labels.append(lab)
-                ce_seg.append(seg)
-        for c, tgt in zip(t.coord_positions, t.coord_targets):
-            co_index.append((r, off + c))
-            co_targets.append(tgt)
-            co_seg.append(seg)
+        labels = torch.tensor(t.labels, dtype=torch.long)
+        cols = torch.nonzero(labels != IGNORE_INDEX).flatten()
+        if cols.numel() and int(cols[0]) == 0:
+            raise ValueError(f"sample {t.sample_id!r}: the first token cannot carry a label")
+        ce_index.append(torch.stack([torch.full_like(cols, r), cols + off], dim=1))
+        ce_labels.append(labels[cols])
+        ce_seg.append(torch.full_like(cols, seg))
+        positions = torch.tensor(list(t.coord_positions), dtype=torch.long)
+        co_index.append(torch.stack([torch.full_like(positions, r), positions + off], dim=1))
+        co_targets.append(torch.tensor(list(t.coord_targets), dtype=torch.float32))
+        co_seg.append(torch.full_like(positions, seg))
+
+    def cat(parts: list[torch.Tensor], dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
+        if parts:
+            return torch.cat(parts)
+        return torch.empty((0, width) if width else (0,), dtype=dtype)
+
     return {
-        "ce_index": torch.tensor(ce_index, dtype=torch.long).reshape(-1, 2),
-        "ce_labels": torch.tensor(ce_labels, dtype=torch.long),
-        "ce_segment": torch.tensor(ce_seg, dtype=torch.long),
-        "coord_index": torch.tensor(co_index, dtype=torch.long).reshape(-1, 2),
-        "coord_targets": torch.tensor(co_targets, dtype=torch.float32),
-        "coord_segment": torch.tensor(co_seg, dtype=torch.long),
+        "ce_index": cat(ce_index, torch.long, 2),
+        "ce_labels": cat(ce_labels, torch.long),
+        "ce_segment": cat(ce_seg, torch.long),
+        "coord_index": cat(co_index, torch.long, 2),
+        "coord_targets": cat(co_targets, torch.float32),
+        "coord_segment": cat(co_seg, torch.long),
     }
 
 

@@ -5,8 +5,8 @@ Attention layouts: ``flash_attention_2`` and ``rm_varlen`` (PyTorch varlen) get 
 ``cu_seq_lens_q/k`` and ``max_length_q/k`` (no mask is materialised; multimodal ``rm_varlen`` batches carry them as
 ``packed_cu_seq_lens`` / ``packed_max_length`` for ``packed_attention``'s side channel instead); ``sdpa`` gets a boolean block-diagonal causal
 mask; ``eager`` the additive form of that mask.
-For Qwen-VL models the 3-D mRoPE position ids are computed per segment (``model.get_rope_index``) and the
-image tensors are concatenated in segment order.
+For Qwen-VL models the 3-D mRoPE position ids are computed per segment (``trainer.packing.mrope``: the image rule,
+checked against ``model.get_rope_index`` first) and the image tensors are concatenated in segment order.
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import torch
 
 from trainer.matching.targets import TrainTarget
 from trainer.packing.batching import loss_indices, multimodal_inputs
+from trainer.packing.mrope import SegmentPositions
 from trainer.packing.varlen_attention import VARLEN_IMPL
 
 VARLEN_LAYOUTS = ("flash_attention_2", VARLEN_IMPL)
+#: each model's segment positions: the image rule once checked against its ``get_rope_index``, else its own
+SEGMENT_POSITIONS = SegmentPositions()
 
 
 def segment_ids(lengths: Sequence[int]) -> torch.Tensor:
@@ -39,19 +42,15 @@ def block_causal_mask(lengths: Sequence[int], additive_dtype: torch.dtype | None
 
 
 def mrope_position_ids(model, targets: Sequence[TrainTarget], image_token_id: int) -> torch.Tensor:
-    """[3, 1, L] mRoPE ids, computed for each segment alone and concatenated (each restarts at 0)."""
-    inner = getattr(model, "model", model)
-    while not hasattr(inner, "get_rope_index") and hasattr(inner, "model"):
-        inner = inner.model
+    """[3, 1, L] mRoPE ids, computed for each segment alone and concatenated (each restarts at 0;
+    ``trainer.packing.mrope``)."""
     parts = []
     for t in targets:
-        ids = torch.tensor([t.input_ids])
-        grid = t.mm_inputs.get("image_grid_thw")
-        pos, _ = inner.get_rope_index(ids, image_grid_thw=grid, video_grid_thw=None,
-                                      attention_mask=torch.ones_like(ids),
-                                      mm_token_type_ids=(ids == image_token_id).long())
-        parts.append(pos)
-    return torch.cat(parts, dim=-1)
+        try:
+            parts.append(SEGMENT_POSITIONS(model, t.input_ids, t.mm_inputs.get("image_grid_thw"), image_token_id))
+        except ValueError as exc:
+            raise ValueError(f"sample {t.sample_id!r}: mRoPE positions: {exc}") from exc
+    return torch.cat(parts, dim=-1)[:, None]
 
 
 def pack_targets(targets: Sequence[TrainTarget], attn_implementation: str, model=None,
