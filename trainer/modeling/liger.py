@@ -15,7 +15,7 @@ What is patched, read from liger-kernel 0.8.5's ``transformers/monkey_patch.py``
   it from then on. **Per-segment mRoPE is kept**: Liger's kernel rotates token ``(b, t)`` of q and k by ``cos[b, t]``
   / ``sin[b, t]`` as given and ignores ``position_ids``; those cos / sin come from HF's
   ``Qwen3VLTextRotaryEmbedding``, which still computes them from the packed row's 3-D position ids (each segment's
-  own ``get_rope_index``, ``trainer.packing.packed_batch.mrope_position_ids``) and interleaves the t / h / w sections
+  own, ``trainer.packing.packed_batch.mrope_position_ids``) and interleaves the t / h / w sections
   before the rotation, in ``cat(freqs, freqs)`` layout, the layout Liger's kernel reads (its first half). So the
   RoPE part is applied for Qwen3-VL too.
 - SwiGLU: Qwen3's entry point patches each decoder MLP (``swiglu=True``). Qwen3-VL's 0.8.5 entry point takes a
