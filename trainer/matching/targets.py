@@ -8,6 +8,7 @@ The final EOS gets CE. Positions index the full sequence (prompt + response).
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,14 +68,22 @@ def encode_tail(fn_objects: Sequence[DetObject], start_index: int, prefix_last_c
         desc_spans.append((start + 1, start + len(json.dumps(obj.desc, ensure_ascii=False)) - 1))
         cursor = start + len(obj_text)
     ids, offsets = encode_with_offsets(text)
-    ce_mask: list[bool] = []
-    bins: list[int | None] = []
-    for tid, (a, b) in zip(ids, offsets):
-        coord = coord_bin_by_id.get(tid)
-        bins.append(coord)
-        in_desc = not desc_ce and any(a < e and b > s for s, e in desc_spans)
-        ce_mask.append(coord is None and not in_desc)
+    in_desc = overlaps_any(offsets, desc_spans) if not desc_ce else [False] * len(ids)
+    bins: list[int | None] = [coord_bin_by_id.get(tid) for tid in ids]
+    ce_mask = [coord is None and not d for coord, d in zip(bins, in_desc)]
     return TailTokens(ids, ce_mask, bins)
+
+
+def overlaps_any(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[bool]:
+    """Per ``(a, b)`` character range: whether it overlaps some ``(s, e)`` of ``spans`` (``a < e and b > s``).
+    ``spans`` must be in text order and not overlap each other (their starts and ends both non-decreasing); one
+    binary search per range instead of a scan of every span."""
+    ends = [e for _, e in spans]
+    out = []
+    for a, b in offsets:
+        i = bisect.bisect_right(ends, a)  # the first span ending after a: the one with the smallest start among them
+        out.append(i < len(spans) and spans[i][0] < b)
+    return out
 
 
 def build_target(sample_id: str, prompt_ids: Sequence[int], parse: ParseResult, match: MatchResult,

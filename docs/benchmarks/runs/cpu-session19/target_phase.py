@@ -80,6 +80,31 @@ for name, fn in (("per-token loop (before)", _reference_loss_indices), ("vectori
             fn(g, [0] * len(g), [sum(t.length for t in g[:i]) for i in range(len(g))])
     best = min(timed(run) for _ in range(3))
     print(f"loss indices of {len(groups)} rows, {name}: {best:.3f} s")
+# build_target of the 64 records from random 1,536-token rollouts (nothing parses: every object is appended, as in
+# the bench's random-model runs): the desc-span test per token by a scan of every span (before) or a binary search
+import random  # noqa: E402
+
+import trainer.matching.targets as targets_module  # noqa: E402
+from trainer.rollout.types import RolloutResult  # noqa: E402
+from trainer.telemetry import PhaseTimers  # noqa: E402
+
+requests, _ = pipe.requests(samples, pixels=False)
+rng = random.Random(0)
+vocab = len(pipe.tokenizer)
+results = [RolloutResult(r.sample_id, r.prompt_token_ids, tuple(rng.randrange(vocab) for _ in range(1536)), "length",
+                         {}) for r in requests]
+bisected = targets_module.overlaps_any
+for name, overlaps in (("scan of every span (before)", lambda offsets, spans: [
+                           any(a < e and b > s for s, e in spans) for a, b in offsets]),
+                       ("binary search (after)", bisected)):
+    targets_module.overlaps_any = overlaps
+    best = float("inf")
+    for _ in range(3):
+        timers = PhaseTimers()
+        pipe.targets(samples, requests, results, timers)
+        best = min(best, timers.seconds["build_target"])
+    print(f"build_target of 64 records (all objects appended), {name}: {best:.3f} s")
+targets_module.overlaps_any = bisected
 if "--profile" in sys.argv:
     prof = cProfile.Profile()
     prof.enable()
