@@ -60,3 +60,5 @@ def test_two_ranks_train_every_sample_once_with_agreed_rows(tmp_path):
     assert all(m["rollout/samples"] == 6 for m in steps), "rank 0 decoded its 6 records of every step at once"
     assert max(m["batch/rows_per_step"] for m in steps) > 1, "a step's records fill several 512-token rows"
     assert all(m["grad_norm"] > 0 and m["loss"] == m["loss"] for m in steps)
+    assert all(0.0 <= m["time/rows_agree_s"] <= m["time/target_s"] for m in steps), \
+        "the ranks' wait for each other's row count is timed inside the target phase"

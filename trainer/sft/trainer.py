@@ -391,14 +391,17 @@ class RolloutMatchingTrainer(Trainer):
         return self._build_batch(samples)
 
     def _rows_agreed(self, local: int) -> int:
-        """The largest row count any data-parallel rank needs this step (``local`` without torch.distributed)."""
+        """The largest row count any data-parallel rank needs this step (``local`` without torch.distributed). The
+        all-reduce is where a rank that finished its rollouts first waits for the slowest: ``time/rows_agree_s``, a
+        sub-phase of ``target``."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return local
-        count = torch.tensor([local], device=self.args.device, dtype=torch.long)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return int(count.item())
+        with self.timers.phase("rows_agree"):
+            count = torch.tensor([local], device=self.args.device, dtype=torch.long)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            return int(count.item())
 
     def _build_batch(self, samples: list[Sample]) -> list[dict[str, Any]]:
         """Rollout → targets → packed rows (or padded micro-batches), each with the step's loss denominators; what an
