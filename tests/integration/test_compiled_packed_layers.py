@@ -71,4 +71,5 @@ def test_compiled_layers_compile_once_across_pack_layouts(tmp_path, monkeypatch,
     assert graphs[-1] == graphs[1], f"compiled graphs per step {graphs} over layouts {[len(c) for _, c in seen]}"
     setup = next(r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "setup")
     assert setup["train/checkpointing_policy"] == policy
-    assert 0 < setup["train/checkpointed_layers"] < setup["train/decoder_layers"] if policy == "selective" else True
+    if policy == "selective":
+        assert 0 < setup["train/checkpointed_layers"] < setup["train/decoder_layers"]

@@ -109,20 +109,25 @@ def _train_advice(s: MemorySettings) -> list[str]:
     elif s.logit_chunk_rows is None or s.logit_chunk_rows > 1024:
         out.append(f"{RM}.loss.logit_chunk_rows: 1024 (now {s.logit_chunk_rows}): the loss holds that many rows of "
                    "full-vocabulary logits at a time instead of every supervised row's")
-    if s.colocate and s.sleep_level == 0:
-        out.append(f"{RM}.vllm.sleep_level: 2 (now 0): the colocated engine keeps gpu_memory_utilization="
-                   f"{s.gpu_memory_utilization:g} of the GPU through the forward and backward; asleep it gives it back")
-    if s.colocate and s.sleep_level == "kv_cache":
-        out.append(_weights_kept_line(s, "the forward and backward"))
+    out += _engine_kept_lines(s, "the forward and backward")
     if s.tuner == "full" and not s.deepspeed:
         out.append("tuner.train_type: lora (now full), or training.deepspeed: zero2_offload / zero3_offload: a full "
                    "fine-tune holds weights, gradients and AdamW's two states for every parameter")
     return out
 
 
-def _weights_kept_line(s: MemorySettings, through: str) -> str:
-    return (f"{RM}.vllm.sleep_level: 2 (now kv_cache): the colocated engine keeps its weights on the GPU through "
-            f"{through}; at 2 it gives them back too (each sync then maps them back before loading)")
+def _engine_kept_lines(s: MemorySettings, through: str) -> list[str]:
+    """What a colocated engine keeps on the GPU ``through`` a training phase at its sleep level, and the level that
+    gives it back."""
+    if not s.colocate:
+        return []
+    if s.sleep_level == 0:
+        return [f"{RM}.vllm.sleep_level: 2 (now 0): the colocated engine keeps gpu_memory_utilization="
+                f"{s.gpu_memory_utilization:g} of the GPU through {through}; asleep it gives it back"]
+    if s.sleep_level == "kv_cache":
+        return [f"{RM}.vllm.sleep_level: 2 (now kv_cache): the colocated engine keeps its weights on the GPU through "
+                f"{through}; at 2 it gives them back too (each sync then maps them back before loading)"]
+    return []
 
 
 def _checkpointing_line(s: MemorySettings, why: str) -> str:
@@ -189,11 +194,7 @@ def _optimizer_advice(s: MemorySettings) -> list[str]:
             out.append(f"training.deepspeed: {s.deepspeed.split('_')[0]}_offload (now {s.deepspeed}): the optimizer "
                        "states live in CPU memory")
         out.append("tuner.train_type: lora (now full): optimizer states for the adapter's parameters only")
-    if s.colocate and s.sleep_level == 0:
-        out.append(f"{RM}.vllm.sleep_level: 2 (now 0): the colocated engine keeps gpu_memory_utilization="
-                   f"{s.gpu_memory_utilization:g} of the GPU through the optimizer step; asleep it gives it back")
-    if s.colocate and s.sleep_level == "kv_cache":
-        out.append(_weights_kept_line(s, "the optimizer step"))
+    out += _engine_kept_lines(s, "the optimizer step")
     return out
 
 
