@@ -538,38 +538,77 @@ def trl_over_ours(trl: dict[str, Any], ours: dict[str, Any]) -> dict[str, float 
     }
 
 
+@dataclass(frozen=True)
+class PlotRow:
+    """One run as the plot draws it: ``label`` (the run's name, with its session and card where the record has
+    them, so that records of one name from different sessions stay apart), ``split_s`` (seconds per step of each
+    of ``TRAINING_STEP_PHASES`` and the optimizer), ``trl_step_wall_s`` (TRL's step on the same card in the same
+    call, None where it did not run) and ``peak_gib`` (torch's peak per phase of ``PLOT_MEMORY_PHASES``)."""
+
+    label: str
+    split_s: dict[str, float]
+    trl_step_wall_s: float | None
+    peak_gib: dict[str, float]
+
+
+PLOT_MEMORY_PHASES = ("rollout", "weight_sync", "forward", "backward")
+
+
+def plot_rows(result: dict[str, Any]) -> list[PlotRow]:
+    """The plotted rows of a ``scale.json``, in file order; records without per-step metrics are left out."""
+    rows = []
+    for r in result["runs"]:
+        if "per_step" not in r:
+            continue
+        session = r.get("session")
+        where = ["" if session is None else f"s{session}" if isinstance(session, int) else f"session {session}",
+                 str(r.get("call", "")), str(r.get("gpu", ""))]
+        tag = " ".join(w for w in where if w)
+        trl = r.get("trl") or {}
+        rows.append(PlotRow(
+            label=f"{r['name']} ({tag})" if tag else r["name"],
+            split_s={p: float(r["per_step"].get(f"time/{p}_s", 0.0)) for p in (*TRAINING_STEP_PHASES, "optimizer")},
+            trl_step_wall_s=trl.get("step_wall_s"),
+            peak_gib={p: float(r["peak_gib"].get(f"mem/{p}_peak_gib", 0.0)) for p in PLOT_MEMORY_PHASES}))
+    return rows
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
+    """Horizontal bars, one line per run (names stay readable however many runs the file holds): the step split
+    with TRL's step on the same card marked beside it, and torch's peak memory per phase."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in result["runs"] if "per_step" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    rows = plot_rows(result)
+    n = max(len(rows), 1)
+    fig, axes = plt.subplots(1, 2, figsize=(16, 1.6 + 0.34 * n), sharey=True)
+    ys = list(range(len(rows)))
     parts = (*TRAINING_STEP_PHASES, "optimizer")
-    for i, r in enumerate(runs):
-        bottom = 0.0
-        for j, part in enumerate(parts):
-            v = r["per_step"].get(f"time/{part}_s", 0.0)
-            axes[0].bar(i, v, bottom=bottom, color=f"C{j}", label=part if i == 0 else None)
-            bottom += v
-    axes[0].set_xticks(range(len(runs)), [r["name"] for r in runs], rotation=20, fontsize=7)
-    axes[0].set_ylabel("seconds per stage-2 step")
+    for j, part in enumerate(parts):
+        left = [sum(row.split_s[q] for q in parts[:j]) for row in rows]
+        axes[0].barh(ys, [row.split_s[part] for row in rows], left=left, color=f"C{j}", label=part)
+    trl = [(y, row.trl_step_wall_s) for y, row in zip(ys, rows) if row.trl_step_wall_s]
+    if trl:
+        axes[0].scatter([t for _, t in trl], [y for y, _ in trl], marker="D", color="black", zorder=3,
+                        label="TRL GRPOTrainer step (same card, same call)")
+    axes[0].set_yticks(ys, [row.label for row in rows], fontsize=7)
+    axes[0].invert_yaxis()
+    axes[0].set_xlabel("seconds per stage-2 step (means of the timed steps)")
     axes[0].set_title("step split")
-    axes[0].legend(fontsize=7)
-    mem_parts = ("rollout", "weight_sync", "forward", "backward")
-    width = 0.8 / len(mem_parts)
-    for j, part in enumerate(mem_parts):
-        axes[1].bar([i + j * width for i in range(len(runs))],
-                    [r["peak_gib"].get(f"mem/{part}_peak_gib", 0.0) for r in runs], width, label=part)
-    axes[1].set_xticks([i + 0.4 - width / 2 for i in range(len(runs))], [r["name"] for r in runs], rotation=20,
-                       fontsize=7)
-    axes[1].set_ylabel("peak GiB (torch allocator)")
+    axes[0].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.9 / n - 0.06), ncol=4)
+    height = 0.8 / len(PLOT_MEMORY_PHASES)
+    for j, part in enumerate(PLOT_MEMORY_PHASES):
+        axes[1].barh([y - 0.4 + (j + 0.5) * height for y in ys], [row.peak_gib[part] for row in rows], height,
+                     label=part)
+    axes[1].set_xlabel("peak GiB (torch allocator)")
     axes[1].set_title("peak GPU memory per phase")
-    axes[1].legend(fontsize=7)
+    axes[1].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.9 / n - 0.06), ncol=4)
     fig.suptitle(f"stage-2 at Qwen3-VL sizes, {result['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def selected(names: str | None) -> list[ScaleRun]:
