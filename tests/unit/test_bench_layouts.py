@@ -161,3 +161,22 @@ def test_a_layout_waits_for_its_gpus_and_names_who_holds_them():
     assert len(calls) == 3 and calls[0] == [0, 1]
     with pytest.raises(RuntimeError, match=r"GPU 0 by pid\(s\) \[4242\]"):
         wait_for_free_gpus([0, 1], timeout_s=0.5, holders=lambda gpus: {0: [4242]})
+
+
+def test_figure_marks_missing_efficiency_instead_of_a_zero_bar():
+    from trainer.bench.layouts import figure
+
+    work = {"size": "2b", "records_per_step": 64}
+    without = {"device": "X", "work": work, "layouts": [
+        {"name": "colocate-4", "gpus": 4, "trained_samples_per_s": 10.9},
+        {"name": "3v1-sync", "gpus": 4, "trained_samples_per_s": 2.8}]}
+    fig = figure(without)
+    eff = fig.axes[1]
+    assert len(eff.patches) == 0
+    assert [t.get_text() for t in eff.texts] == ["no colocate-1\nin this run"] * 2
+    with_base = {"device": "X", "work": work, "layouts": [
+        {"name": "colocate-1", "gpus": 1, "trained_samples_per_s": 2.3, "per_gpu_efficiency": 1.0},
+        {"name": "colocate-4", "gpus": 4, "trained_samples_per_s": 10.9, "per_gpu_efficiency": 1.18}]}
+    eff = figure(with_base).axes[1]
+    assert [round(p.get_height(), 2) for p in eff.patches] == [1.0, 1.18] and not eff.texts
+    assert figure({"device": "X", "work": work, "layouts": [{"name": "a", "gpus": 1}]}) is None

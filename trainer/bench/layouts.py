@@ -484,7 +484,10 @@ def compare(records: list[dict[str, Any]]) -> None:
             r["per_gpu_efficiency"] = round(sps / base / r["gpus"], 3)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def figure(result: dict[str, Any]):
+    """The layouts figure, or None when no layout has a throughput: trained samples/s per layout, and each layout's
+    per-GPU efficiency against colocate-1 where the run measured colocate-1; a layout without one is marked "no
+    colocate-1 in this run" instead of drawn as a zero bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -492,19 +495,35 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     ok = [r for r in result["layouts"] if r.get("trained_samples_per_s")]
     if not ok:
-        return
+        return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     names = [r["name"] for r in ok]
-    a.bar(names, [r["trained_samples_per_s"] for r in ok], color="tab:blue")
+    xs = list(range(len(ok)))
+    a.bar(xs, [r["trained_samples_per_s"] for r in ok], color="tab:blue")
     a.set_ylabel("trained samples / s")
     a.set_title(f"{result['work']['size']}, {result['work']['records_per_step']} records/step")
-    b.bar(names, [r.get("per_gpu_efficiency") or 0 for r in ok], color="tab:green")
+    measured = [(x, r["per_gpu_efficiency"]) for x, r in zip(xs, ok) if r.get("per_gpu_efficiency") is not None]
+    b.bar([x for x, _ in measured], [e for _, e in measured], color="tab:green")
     b.axhline(1.0, color="grey", lw=0.8)
+    for x, r in zip(xs, ok):
+        if r.get("per_gpu_efficiency") is None:
+            b.text(x, 0.5, "no colocate-1\nin this run", ha="center", va="center", fontsize=8, color="grey")
+    b.set_ylim(0, max([1.1, *(e * 1.1 for _, e in measured)]))
     b.set_ylabel("per-GPU efficiency vs colocate-1")
     for ax in (a, b):
-        ax.tick_params(axis="x", rotation=45)
+        ax.set_xticks(xs, names, rotation=45, ha="right")
     fig.suptitle(result.get("device", ""))
     fig.tight_layout()
+    return fig
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """``figure`` saved to ``path`` (nothing written when no layout has a throughput)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(result)
+    if fig is None:
+        return
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
