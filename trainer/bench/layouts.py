@@ -509,6 +509,7 @@ def figure(result: dict[str, Any]):
         if r.get("per_gpu_efficiency") is None:
             b.text(x, 0.5, "no colocate-1\nin this run", ha="center", va="center", fontsize=8, color="grey")
     b.set_ylim(0, max([1.1, *(e * 1.1 for _, e in measured)]))
+    b.set_xlim(-0.6, len(ok) - 0.4)
     b.set_ylabel("per-GPU efficiency vs colocate-1")
     for ax in (a, b):
         ax.set_xticks(xs, names, rotation=45, ha="right")
