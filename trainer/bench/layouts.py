@@ -502,13 +502,13 @@ def figure(result: dict[str, Any]):
     a.bar(xs, [r["trained_samples_per_s"] for r in ok], color="tab:blue")
     a.set_ylabel("trained samples / s")
     a.set_title(f"{result['work']['size']}, {result['work']['records_per_step']} records/step")
-    measured = [(x, r["per_gpu_efficiency"]) for x, r in zip(xs, ok) if r.get("per_gpu_efficiency") is not None]
+    efficiency = [r.get("per_gpu_efficiency") for r in ok]
+    measured = [(x, e) for x, e in zip(xs, efficiency) if e is not None]
     b.bar([x for x, _ in measured], [e for _, e in measured], color="tab:green")
     b.axhline(1.0, color="grey", lw=0.8)
-    for x, r in zip(xs, ok):
-        if r.get("per_gpu_efficiency") is None:
-            b.text(x, 0.5, "no colocate-1\nin this run", ha="center", va="center", fontsize=8, color="grey")
-    b.set_ylim(0, max([1.1, *(e * 1.1 for _, e in measured)]))
+    for x in (x for x, e in zip(xs, efficiency) if e is None):
+        b.text(x, 0.5, "no colocate-1\nin this run", ha="center", va="center", fontsize=8, color="grey")
+    b.set_ylim(0, 1.1 * max([1.0, *(e for _, e in measured)]))
     b.set_xlim(-0.6, len(ok) - 0.4)
     b.set_ylabel("per-GPU efficiency vs colocate-1")
     for ax in (a, b):

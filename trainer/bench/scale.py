@@ -542,7 +542,7 @@ def trl_over_ours(trl: dict[str, Any], ours: dict[str, Any]) -> dict[str, float 
 class PlotRow:
     """One run as the plot draws it: ``label`` (the run's name, with its session and card where the record has
     them, so that records of one name from different sessions stay apart), ``split_s`` (seconds per step of each
-    of ``TRAINING_STEP_PHASES`` and the optimizer), ``trl_step_wall_s`` (TRL's step on the same card in the same
+    of ``PLOT_STEP_PARTS``), ``trl_step_wall_s`` (TRL's step on the same card in the same
     call, None where it did not run) and ``peak_gib`` (torch's peak per phase of ``PLOT_MEMORY_PHASES``)."""
 
     label: str
@@ -552,6 +552,8 @@ class PlotRow:
 
 
 PLOT_MEMORY_PHASES = ("rollout", "weight_sync", "forward", "backward")
+#: the stacked parts of a plotted step: HF's training_step phases, then the optimizer step outside it
+PLOT_STEP_PARTS = (*TRAINING_STEP_PHASES, "optimizer")
 
 
 def plot_rows(result: dict[str, Any]) -> list[PlotRow]:
@@ -567,7 +569,7 @@ def plot_rows(result: dict[str, Any]) -> list[PlotRow]:
         trl = r.get("trl") or {}
         rows.append(PlotRow(
             label=f"{r['name']} ({tag})" if tag else r["name"],
-            split_s={p: float(r["per_step"].get(f"time/{p}_s", 0.0)) for p in (*TRAINING_STEP_PHASES, "optimizer")},
+            split_s={p: float(r["per_step"].get(f"time/{p}_s", 0.0)) for p in PLOT_STEP_PARTS},
             trl_step_wall_s=trl.get("step_wall_s"),
             peak_gib={p: float(r["peak_gib"].get(f"mem/{p}_peak_gib", 0.0)) for p in PLOT_MEMORY_PHASES}))
     return rows
@@ -585,9 +587,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     n = max(len(rows), 1)
     fig, axes = plt.subplots(1, 2, figsize=(16, 1.6 + 0.34 * n), sharey=True)
     ys = list(range(len(rows)))
-    parts = (*TRAINING_STEP_PHASES, "optimizer")
-    for j, part in enumerate(parts):
-        left = [sum(row.split_s[q] for q in parts[:j]) for row in rows]
+    for j, part in enumerate(PLOT_STEP_PARTS):
+        left = [sum(row.split_s[q] for q in PLOT_STEP_PARTS[:j]) for row in rows]
         axes[0].barh(ys, [row.split_s[part] for row in rows], left=left, color=f"C{j}", label=part)
     trl = [(y, row.trl_step_wall_s) for y, row in zip(ys, rows) if row.trl_step_wall_s]
     if trl:
