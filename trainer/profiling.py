@@ -9,7 +9,10 @@ a GPU ``weight_sync`` region also records Python stacks and groups its host-to-d
 them (``host_to_device_sources``), and traces every aten operator that reads a host tensor into a device result with
 the Python frames that called it (``HostToDeviceTracer``, ``host_to_device_ops``): the profiler's stacks came back empty
 for the 8B sync's 146 pageable copies (session 17), so the tracer names them from the dispatcher instead; a copy it
-does not see was not issued through aten (a driver-level ``cudaMemcpy``).
+does not see was not issued through aten (a driver-level ``cudaMemcpy``). A GPU ``train`` region records every
+operation that made the host wait for the device, by the Python frames that issued it (``HostSyncTracer``,
+``host_syncs``: each wait drains the device's queue, so the launches after it are exposed), and writes the profiler's
+table by host time as ``..._host.txt``.
 
 Invariants: every profiled kernel lands in exactly one category, so the categories sum to the device-busy time;
 ``busy_fraction`` = device-busy seconds / wall seconds of the region (below 1: the device waited on the host).
@@ -76,6 +79,9 @@ class ProfileSummary:
     #: ``weight_sync`` on a GPU: aten operators that read host tensors into device results, by caller
     #: (``HostToDeviceTracer``)
     host_to_device_ops: list[dict] = field(default_factory=list)
+    #: ``train`` on a GPU: the operations that made the host wait for the device, by the Python frames that issued
+    #: them (``HostSyncTracer``); each one drains the device's queue, so the launches after it are not hidden
+    host_syncs: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -176,6 +182,70 @@ class HostToDeviceTracer:
         return sorted(self._groups.values(), key=lambda g: (-g["calls"], -g["host_bytes"]))[:self.top_n]
 
 
+def group_host_syncs(stacks: Sequence[Sequence[str]], frames: int = 6, top_n: int = 12) -> list[dict]:
+    """Host waits grouped by where they came from. ``stacks``: per wait, its Python stack (innermost frame first);
+    each is keyed by its first ``frames`` frames outside torch's own plumbing. Returns the ``top_n`` groups, most
+    calls first: ``frames``, ``calls``."""
+    groups: dict[tuple[str, ...], dict] = {}
+    for stack in stacks:
+        key = tuple(f for f in stack if not any(m in f for m in _PLUMBING))[:frames]
+        groups.setdefault(key, {"frames": list(key), "calls": 0})["calls"] += 1
+    return sorted(groups.values(), key=lambda g: -g["calls"])[:top_n]
+
+
+#: the warning torch's sync debug mode issues for each operation that waits for the device
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+class HostSyncTracer:
+    """While entered on a CUDA device, torch's sync debug mode (``torch.cuda.set_sync_debug_mode("warn")``) reports
+    every operation that makes the host wait for the device (``.item()``, ``.tolist()``, ``nonzero``, a
+    device-to-host copy, ...); each is recorded with the Python stack that issued it, and none is printed.
+    ``sources()``: ``group_host_syncs`` of those stacks. Other warnings pass through unchanged."""
+
+    def __init__(self, frames: int = 6, top_n: int = 12):
+        self.frames, self.top_n = frames, top_n
+        self.stacks: list[list[str]] = []
+        self._restore = None
+
+    def __enter__(self) -> HostSyncTracer:
+        import traceback
+        import warnings
+
+        import torch
+
+        catch = warnings.catch_warnings()
+        catch.__enter__()
+        warnings.filterwarnings("always", message=f".*{SYNC_WARNING}.*")
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if SYNC_WARNING in str(message):
+                self.stacks.append([f"{f.filename}:{f.lineno} {f.name}"
+                                    for f in reversed(traceback.extract_stack()[:-1])
+                                    if not f.filename.endswith("warnings.py")])
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+
+        def restore() -> None:
+            torch.cuda.set_sync_debug_mode(previous)
+            catch.__exit__(None, None, None)
+
+        self._restore = restore
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+        self._restore = None
+
+    def sources(self) -> list[dict]:
+        return group_host_syncs(self.stacks, self.frames, self.top_n)
+
+
 def _ops_with_kernels(prof) -> list[tuple[list[str], list[tuple[str, float]]]]:
     """(Python stack, [(kernel name, seconds)]) of every profiled operator that launched device work."""
     return [(list(ev.stack or ()), [(k.name, k.duration / 1e6) for k in ev.kernels]) for ev in prof.events()
@@ -214,7 +284,8 @@ def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = 
     out_dir.mkdir(parents=True, exist_ok=True)
     stacks = region == "weight_sync" and cuda  # which code issues the sync's host-to-device copies
     tracer = HostToDeviceTracer() if stacks else contextlib.nullcontext()
-    with profile(activities=activities, with_stack=stacks) as prof, tracer:
+    waits = HostSyncTracer() if region == "train" and cuda else contextlib.nullcontext()
+    with profile(activities=activities, with_stack=stacks) as prof, tracer, waits:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -226,11 +297,16 @@ def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = 
     if stacks:
         summary.host_to_device = host_to_device_sources(_ops_with_kernels(prof))
         summary.host_to_device_ops = tracer.sources()
+    if isinstance(waits, HostSyncTracer):
+        summary.host_syncs = waits.sources()
     stem = f"step{step}_{region}"
     (out_dir / f"{stem}.json").write_text(json.dumps(summary.to_json(), indent=2))
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     (out_dir / f"{stem}_kernels.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60,
                                                                                max_name_column_width=90))
+    if cuda:  # the host's side: where it launched, and where it waited (cudaStreamSynchronize, cudaMemcpy...)
+        (out_dir / f"{stem}_host.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                                            row_limit=60, max_name_column_width=90))
     if trace:
         raw = out_dir / f"{stem}.trace.json"
         prof.export_chrome_trace(str(raw))

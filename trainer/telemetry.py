@@ -46,6 +46,8 @@ class PhaseTimers:
         self._open: list[list[Any]] = []
         #: the innermost phase a ``torch.OutOfMemoryError`` left (None: none did since it was last cleared)
         self.out_of_memory_in: str | None = None
+        #: event-timed phases not yet counted: (name, start event, end event)
+        self._pending: list[tuple[str, Any, Any]] = []
 
     @classmethod
     def time_only(cls) -> PhaseTimers:
@@ -84,17 +86,49 @@ class PhaseTimers:
             self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), seen)
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, device_time: str = "wall") -> Iterator[None]:
+        """Time the block under ``name``. ``device_time`` for blocks that launch GPU work (CPU runs time the wall in
+        every mode): ``wall``, the host's time in the block; ``sync``, the device is synchronized before the block
+        ends, so its kernels' time is in it (the host waits there); ``events``, CUDA events recorded on the current
+        stream around the block, their elapsed time counted at ``settle()`` (the device's time from where it reached
+        the block to where it finished it, with no host wait inside the block)."""
+        events = device_time == "events" and torch.cuda.is_available()
+        if device_time not in ("wall", "sync", "events"):
+            raise ValueError(f"device_time must be wall, sync or events, got {device_time!r}")
         start = time.perf_counter()
+        pair = None
+        if events:
+            pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            pair[0].record()
         try:
             with self.track_peak(name):
                 yield
+                if device_time == "sync" and torch.cuda.is_available():
+                    torch.cuda.synchronize()
         except torch.OutOfMemoryError:
             if self.out_of_memory_in is None:  # the innermost phase it passed through
                 self.out_of_memory_in = name
             raise
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            if pair is None:
+                self.seconds[name] += time.perf_counter() - start
+            else:
+                pair[1].record()
+                self._pending.append((name, *pair))
+
+    def settle(self) -> None:
+        """Wait for the device to finish the event-timed phases (``phase(device_time="events")``) and add their
+        device seconds to ``seconds``: one host wait however many blocks were timed."""
+        if not self._pending:
+            return
+        self._pending[-1][2].synchronize()
+        for name, begin, end in self._pending:
+            self.seconds[name] += begin.elapsed_time(end) / 1000.0
+        self._pending.clear()
+
+    def discard_pending(self) -> None:
+        """Forget event-timed phases not yet settled (a step that failed before ``settle``)."""
+        self._pending.clear()
 
     @contextmanager
     def bound(self) -> Iterator[PhaseTimers]:

@@ -9,7 +9,7 @@ import torch
 
 from tests.unit.test_supervised_logits import _setup, _setup_batch
 from trainer.losses.chunked_objective import chunked_objective
-from trainer.losses.objective import LossWeights, objective_from_rows
+from trainer.losses.objective import LossWeights, host_terms, objective_from_rows
 from trainer.losses.supervised_logits import supervised_rows
 from trainer.packing.packed_batch import pack_targets
 from trainer.sft.forward import forward_loss
@@ -19,7 +19,8 @@ def _run(model, batch, coord_ids, w, chunk):
     model.zero_grad(set_to_none=True)
     loss, terms, _ = forward_loss(model, batch, coord_ids, w, supervised_logits=True, logit_chunk_rows=chunk)
     loss.backward()
-    return float(loss.detach()), terms, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), host_terms(terms), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                     if p.grad is not None}
 
 
 @pytest.mark.parametrize("kind, layout", [("text", "padded"), ("text", "packed"), ("vl", "packed")])
@@ -62,7 +63,7 @@ def test_batches_without_ce_rows_or_coord_slots_keep_the_head_in_the_graph(n_ce,
     want, want_terms = objective_from_rows(supervised_rows(hidden, head, batch, coord_ids), batch, coord_ids, w)
     got, terms = chunked_objective(hidden, head, batch, coord_ids, w, chunk_rows=4)
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-6, abs=1e-9)
-    assert terms == pytest.approx(want_terms, rel=1e-6, abs=1e-9)
+    assert host_terms(terms) == pytest.approx(host_terms(want_terms), rel=1e-6, abs=1e-9)
     got.backward()
     assert head.weight.grad is not None, "the LM head left the graph"
 
@@ -123,3 +124,37 @@ def test_chunks_recompute_under_the_forward_s_autocast():
     assert grads.keys() == want_grads.keys()
     for name, g in want_grads.items():  # bf16 partial products summed per chunk: compare at bf16's resolution
         assert float((grads[name] - g).norm()) <= 1e-2 * float(g.norm()) + 1e-8, name
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operations that read a tensor's value to the host (``float()``, ``.item()``, ``.tolist()``): on a
+    GPU each is a wait for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_objective_reads_nothing_to_the_host(chunked):
+    """``training.phase_timing: events``: the loss and its terms are computed without reading a value to the host,
+    so a row's forward + loss never waits for the device; ``host_terms`` reads them (as the trainer does at log)."""
+    hidden, head, batch, coord_ids = _rows_batch(9, 9)
+    w = LossWeights()
+    with _HostReads() as mode:
+        if chunked:
+            total, terms = chunked_objective(hidden, head, batch, coord_ids, w, chunk_rows=4)
+        else:
+            total, terms = objective_from_rows(supervised_rows(hidden, head, batch, coord_ids), batch, coord_ids, w)
+    assert mode.reads == 0
+    assert isinstance(terms["loss/ce"], torch.Tensor) and not terms["loss/ce"].requires_grad
+    with _HostReads() as mode:
+        read = host_terms(terms)
+    assert mode.reads == sum(isinstance(v, torch.Tensor) for v in terms.values()) == 5
+    assert all(type(v) is float for v in read.values())
+    assert read["loss/ce"] > 0 and read["tokens/ce"] == 9.0

@@ -16,7 +16,16 @@ from trainer.losses.objective import LossWeights
 from trainer.modeling.coord_vocab import stop_token_ids
 from trainer.modeling.fixtures import build_tiny_model, tiny_tokenizer
 from trainer.modeling.prompts import PromptEncoder
-from trainer.profiling import KernelTime, _ops_with_kernels, categorize, host_to_device_sources, summarize
+from trainer.profiling import (
+    SYNC_WARNING,
+    HostSyncTracer,
+    KernelTime,
+    _ops_with_kernels,
+    categorize,
+    group_host_syncs,
+    host_to_device_sources,
+    summarize,
+)
 from trainer.rollout.hf import HFRolloutEngine
 from trainer.rollout.types import DecodingParams
 from trainer.sft.stage2 import Stage2Pipeline
@@ -70,6 +79,43 @@ def test_host_to_device_copies_are_grouped_by_the_frames_that_issued_them():
     assert got[1] == {"frames": merge[:2], "calls": 1, "seconds": pytest.approx(5e-4), "pageable": 0}
     assert len(got) == 2 and host_to_device_sources(ops, frames=2, top_n=1) == got[:1]
     assert host_to_device_sources([(merge, [("nvjet_gemm", 1.0)])]) == []
+
+
+def test_host_syncs_are_grouped_by_the_frames_that_issued_them():
+    vision = ["transformers/models/qwen3_vl/modeling_qwen3_vl.py(700): rot_pos_emb", "trainer/sft/forward.py(46): _f"]
+    loss = ["trainer/losses/chunked_objective.py(75): chunked_objective", "trainer/sft/forward.py(47): _f"]
+    via_torch = ["/usr/lib/python3/site-packages/torch/_tensor.py(1100): tolist"] + vision
+    got = group_host_syncs([vision, via_torch, loss, vision], frames=1)
+    assert got == [{"frames": vision[:1], "calls": 3}, {"frames": loss[:1], "calls": 1}]
+    assert group_host_syncs([vision, loss], top_n=1) == [{"frames": vision, "calls": 1}]
+    assert group_host_syncs([]) == []
+
+
+def _sync_here():
+    import warnings
+    warnings.warn(f"{SYNC_WARNING} (as torch's sync debug mode warns)", UserWarning, stacklevel=1)
+
+
+def test_host_sync_tracer_records_each_wait_with_its_caller_and_passes_other_warnings(monkeypatch):
+    """The tracer turns torch's sync debug mode on for the region and back off after it; each synchronizing
+    operation's warning becomes a stack (not printed), any other warning is shown as before."""
+    import warnings
+
+    modes = []
+    monkeypatch.setattr("torch.cuda.get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr("torch.cuda.set_sync_debug_mode", modes.append)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with HostSyncTracer(frames=2) as tracer:
+            for _ in range(2):
+                _sync_here()
+            warnings.warn("something else", UserWarning, stacklevel=1)
+        _sync_here()  # after the region: an ordinary warning again
+    assert modes == ["warn", 0]
+    assert [str(w.message) for w in shown] == ["something else", f"{SYNC_WARNING} (as torch's sync debug mode warns)"]
+    got = tracer.sources()
+    assert len(got) == 1 and got[0]["calls"] == 2
+    assert got[0]["frames"][0].endswith("_sync_here") and "test_host_sync_tracer" in got[0]["frames"][1]
 
 
 def test_profiled_operators_give_their_stack_and_kernel_seconds():

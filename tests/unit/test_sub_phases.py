@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from tests.unit.test_phase_peaks import FakeMemory
 from trainer import telemetry
 from trainer.telemetry import PhaseTimers, phase
@@ -75,3 +77,58 @@ def test_a_sleep_mode_engine_times_its_sleep_and_each_wake_under_its_own_name():
         engine.wake()  # awake: nothing to wake, nothing timed
     assert set(timers.pop()) == {"sleep", "sync_wake", "wake"}
     assert calls == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",))], calls
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: ``record`` stamps the next time of a fake device clock."""
+
+    clock = [0.0]
+    waits: list[_FakeEvent] = []
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        _FakeEvent.clock[0] += 0.25
+        self.at = _FakeEvent.clock[0]
+
+    def synchronize(self):
+        _FakeEvent.waits.append(self)
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return (end.at - self.at) * 1000.0  # milliseconds, as CUDA's
+
+
+def test_event_timed_phases_count_device_seconds_once_settled(monkeypatch):
+    """``phase_timing: events``: the phase's seconds come from its events, not the host's wall, and only after
+    ``settle``, which waits once (on the last event) however many phases were timed; ``discard_pending`` forgets a
+    failed step's events."""
+    timers = PhaseTimers(memory=FakeMemory())
+    monkeypatch.setattr(telemetry.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(telemetry.torch.cuda, "Event", _FakeEvent)
+    _FakeEvent.clock[0], _FakeEvent.waits[:] = 0.0, []
+    for _ in range(3):
+        with timers.phase("forward", device_time="events"):
+            pass
+    assert "forward" not in timers.seconds or timers.seconds["forward"] == 0.0
+    timers.settle()
+    assert len(_FakeEvent.waits) == 1
+    assert timers.pop()["forward"] == pytest.approx(3 * 0.25)
+    with timers.phase("forward", device_time="events"):
+        pass
+    timers.discard_pending()
+    timers.settle()
+    assert timers.pop() == {} and len(_FakeEvent.waits) == 1
+    with pytest.raises(ValueError, match="device_time"):
+        with timers.phase("forward", device_time="later"):
+            pass
+
+
+def test_without_a_gpu_every_device_time_is_the_wall():
+    timers = PhaseTimers(memory=FakeMemory())
+    for mode in ("wall", "sync", "events"):
+        with timers.phase(mode, device_time=mode):
+            pass
+    timers.settle()
+    assert set(timers.pop()) == {"wall", "sync", "events"}

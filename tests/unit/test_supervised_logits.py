@@ -9,7 +9,7 @@ import torch
 
 from trainer.data.records import load_jsonl
 from trainer.data.synthetic import generate
-from trainer.losses.objective import LossWeights, objective, objective_from_rows
+from trainer.losses.objective import LossWeights, host_terms, objective, objective_from_rows
 from trainer.losses.supervised_logits import capture_lm_head_input, output_embedding, supervised_rows
 from trainer.modeling.fixtures import build_tiny_image_processor, build_tiny_model
 from trainer.modeling.prompts import PromptEncoder
@@ -52,7 +52,7 @@ def _loss_and_grads(model, batch, coord_ids, w, supervised: bool):
         loss, terms = objective(model(**inputs).logits, batch, coord_ids, w)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return float(loss.detach()), terms, grads
+    return float(loss.detach()), host_terms(terms), grads
 
 
 @pytest.mark.parametrize("kind", ["text", "vl"])

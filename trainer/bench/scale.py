@@ -118,6 +118,9 @@ class ScaleRun:
     #: ``vllm.pixels_during_decode`` (``RM_BENCH_SCALE_PIXELS``: 0, the default, or 1, suffix ``-pixels``): the
     #: training pixels made on a thread while vLLM decodes (GPU runs only: the CPU ``--quick`` run decodes with HF)
     pixels_during_decode: bool = False
+    #: ``training.phase_timing`` (``RM_BENCH_SCALE_PHASE_TIMING``: events, the default since session 21, or sync,
+    #: suffix ``-phasesync``: the device synchronized after every row's forward, as every record before session 21)
+    phase_timing: str = "events"
 
     @property
     def name(self) -> str:
@@ -132,7 +135,7 @@ class ScaleRun:
             "-unfusedadam" if self.optim == "adamw_torch" else "") + ("-prewake" if self.prewake else "") + (
             "-recload" if self.recorded_load else "") + (
             "" if self.packing_length == 16384 else f"-pack{self.packing_length}") + (
-            "-pixels" if self.pixels_during_decode else "")
+            "-pixels" if self.pixels_during_decode else "") + ("-phasesync" if self.phase_timing == "sync" else "")
         sleep = "kv" if self.sleep_level == "kv_cache" else self.sleep_level
         return (f"{self.size}-{tuner}{served}-sleep{sleep}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
@@ -312,6 +315,7 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
         cfg["training"]["gradient_checkpointing_policy"] = run.checkpointing
     if run.optim != "adamw_torch_fused":
         cfg["training"]["optim"] = run.optim
+    cfg["training"]["phase_timing"] = run.phase_timing
     if run.profile_step:
         cfg["training"]["profile_steps"] = [run.profile_step]
     if run.tuner != "full" and backend == "vllm" and run.vllm_lora:
@@ -668,6 +672,7 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[str], Any]]] = {
     "RM_BENCH_SCALE_SLEEP": ("sleep_level", ("2", "1", "0", "kv_cache"),  # vllm.sleep_level, replacing the run's own
                              lambda v: int(v) if v.isdigit() else v),
     "RM_BENCH_SCALE_PIXELS": ("pixels_during_decode", ("0", "1"), _on),  # vllm.pixels_during_decode
+    "RM_BENCH_SCALE_PHASE_TIMING": ("phase_timing", ("events", "sync"), str),  # training.phase_timing
 }
 
 
@@ -759,7 +764,9 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
         print(json.dumps({"levers": rec.get("levers")}), flush=True)
         if "profile" in rec:
             p = rec["profile"]
-            print(json.dumps({"profile_busy_fraction": p["busy_fraction"], "by_category_s": p["by_category_s"],
+            print(json.dumps({"profile_busy_fraction": p["busy_fraction"], "profile_wall_s": p["wall_s"],
+                              "by_category_s": p["by_category_s"],
+                              "host_syncs": [(g["calls"], g["frames"][:3]) for g in p.get("host_syncs", [])[:8]],
                               "top": [(k["name"][:70], round(k["seconds"], 4)) for k in p["top"][:12]]}), flush=True)
         if "profile_weight_sync" in rec:
             p = rec["profile_weight_sync"]

@@ -160,6 +160,13 @@ class TrainingConfig(Section):
         default_factory=list, description="stage-2 optimizer steps (1-based) whose weight sync and first forward + "
         "backward are profiled with torch.profiler: <output_dir>/stage2/profile/step<N>_{weight_sync,train}.json "
         "(seconds per kernel category, GPU busy fraction, top kernels) and step<N>_<region>_kernels.txt")
+    phase_timing: Literal["events", "sync"] = Field(
+        "events", description="how each packed row's forward is timed into time/forward_s on a GPU (time/backward_s "
+        "is the rest of the step's training, which ends in one wait for the device either way). events: CUDA events "
+        "around the forward, read once at the step's end, so the host launches the next row's work while the device "
+        "still runs this one's; the loss terms stay on the device until logged. sync: the device is synchronized at "
+        "the end of every forward (each row's forward time is the host's wait for it; what every run before this key "
+        "did), for a per-row split that needs no events. CPU runs time the wall either way")
     profile_trace: bool = Field(False, description="also write a gzipped Chrome trace per profiled step "
                                                    "(step<N>_<region>.trace.json.gz; tens of MB at 8B)")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve the learner's Prometheus metrics "

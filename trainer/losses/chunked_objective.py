@@ -9,7 +9,8 @@ stays for the backward is the chunks' hidden rows.
 
 Invariants: the loss and the gradients equal ``objective_from_rows(supervised_rows(...))`` on the same inputs up to
 float32 summation order (per-row terms summed per chunk, divided by the row counts); the detached terms carry the
-same keys; a batch without CE rows or coord slots keeps the LM head in the graph (a zero term through it).
+same keys and stay on the device (``LossTerms``: nothing here waits for it); a batch without CE rows or coord slots
+keeps the LM head in the graph (a zero term through it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainer.losses.coord import check_coord_only_gate, coord_row_terms
-from trainer.losses.objective import LossWeights, denominators
+from trainer.losses.objective import LossTerms, LossWeights, denominators
 from trainer.losses.supervised_logits import project_coord_columns, supervised_hidden
 
 
@@ -38,7 +39,7 @@ def _chunk_sums(fn: Callable[..., tuple[torch.Tensor, ...]], chunk_rows: int, *r
 
 def chunked_objective(hidden: torch.Tensor, head: torch.nn.Module, batch: dict[str, torch.Tensor],
                       coord_ids: torch.Tensor, w: LossWeights, chunk_rows: int, coord_only: bool = False
-                      ) -> tuple[torch.Tensor, dict[str, float]]:
+                      ) -> tuple[torch.Tensor, LossTerms]:
     """Total loss and detached terms as ``objective_from_rows`` computes them from ``supervised_rows(hidden, head,
     batch, coord_ids, coord_only)``, with at most ``chunk_rows`` rows of logits alive at a time."""
     if chunk_rows < 1:
@@ -72,11 +73,11 @@ def chunked_objective(hidden: torch.Tensor, head: torch.nn.Module, batch: dict[s
     coord = w.coord_softce * softce + w.coord_w1 * w1 + w.coord_gate * gate
     total = w.text_ce * ce + coord
     terms = {
-        "loss/ce": float(ce.detach()),
-        "loss/coord_softce": float(softce.detach()),
-        "loss/coord_w1": float(w1.detach()),
-        "loss/coord_gate": float(gate.detach()),
-        "loss/coord": float(coord.detach()),
+        "loss/ce": ce.detach(),
+        "loss/coord_softce": softce.detach(),
+        "loss/coord_w1": w1.detach(),
+        "loss/coord_gate": gate.detach(),
+        "loss/coord": coord.detach(),
         "tokens/ce": float(n_ce),
         "tokens/coord": float(n_coord),
     }

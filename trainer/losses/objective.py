@@ -10,6 +10,15 @@ import torch.nn.functional as F
 from trainer.losses.coord import coord_loss
 from trainer.losses.supervised_logits import SupervisedRows, rows_from_logits
 
+#: the detached terms of a loss: ``loss/*`` are 0-d tensors on the loss's device, so computing them never waits for
+#: the device (``float()`` on one does); ``tokens/*`` are counts known on the host
+LossTerms = dict[str, "torch.Tensor | float"]
+
+
+def host_terms(terms: LossTerms) -> dict[str, float]:
+    """``terms`` as Python floats (waits for the device once, on the first tensor read)."""
+    return {k: float(v) for k, v in terms.items()}
+
 
 @dataclass(frozen=True)
 class LossWeights:
@@ -30,10 +39,10 @@ def denominators(batch: dict[str, torch.Tensor], n_ce: int, n_coord: int) -> tup
 
 
 def objective_from_rows(rows: SupervisedRows, batch: dict[str, torch.Tensor], coord_ids: torch.Tensor,
-                        w: LossWeights) -> tuple[torch.Tensor, dict[str, float]]:
+                        w: LossWeights) -> tuple[torch.Tensor, LossTerms]:
     """Total loss (CE summed over CE tokens + coord loss summed over coord slots, each divided by ``denominators``:
-    the means over this batch unless the step's totals are given) and detached terms (no ``loss/coord_gate`` term for
-    coord-only rows: the gate is not computed there)."""
+    the means over this batch unless the step's totals are given) and detached terms (``LossTerms``; no
+    ``loss/coord_gate`` term for coord-only rows: the gate is not computed there)."""
     ce_rows = rows.ce
     labels = batch["ce_labels"].to(ce_rows.device)
     ce_den, coord_den = denominators(batch, ce_rows.shape[0], rows.coord.shape[0])
@@ -46,11 +55,11 @@ def objective_from_rows(rows: SupervisedRows, batch: dict[str, torch.Tensor], co
                        denominator=coord_den)
     total = w.text_ce * ce + coord.total
     terms = {
-        "loss/ce": float(ce.detach()),
-        "loss/coord_softce": float(coord.softce.detach()),
-        "loss/coord_w1": float(coord.w1.detach()),
-        "loss/coord_gate": float(coord.gate.detach()),
-        "loss/coord": float(coord.total.detach()),
+        "loss/ce": ce.detach(),
+        "loss/coord_softce": coord.softce.detach(),
+        "loss/coord_w1": coord.w1.detach(),
+        "loss/coord_gate": coord.gate.detach(),
+        "loss/coord": coord.total.detach(),
         "tokens/ce": float(ce_rows.shape[0]),
         "tokens/coord": float(coord.count),
     }

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from trainer.losses.chunked_objective import chunked_objective
-from trainer.losses.objective import LossWeights, objective_from_rows
+from trainer.losses.objective import LossTerms, LossWeights, objective_from_rows
 from trainer.losses.supervised_logits import capture_lm_head_input, output_embedding, rows_from_logits, supervised_rows
 
 LOSS_KEYS = ("ce_index", "ce_labels", "ce_segment", "coord_index", "coord_targets", "coord_segment", "num_segments",
@@ -17,8 +17,9 @@ LOSS_KEYS = ("ce_index", "ce_labels", "ce_segment", "coord_index", "coord_target
 
 def forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torch.Tensor, weights: LossWeights,
                  supervised_logits: bool = True, unwrapped: torch.nn.Module | None = None,
-                 logit_chunk_rows: int | None = None) -> tuple[torch.Tensor, dict[str, float], Any]:
-    """Loss, detached terms and the model outputs for a padded or packed batch.
+                 logit_chunk_rows: int | None = None) -> tuple[torch.Tensor, LossTerms, Any]:
+    """Loss, detached terms (``LossTerms``: left on the device, nothing here waits for it) and the model outputs for a
+    padded or packed batch.
 
     ``model`` may be a wrapper (DDP, DeepSpeed); ``unwrapped`` is the module that owns the LM head (default:
     ``model``). With ``supervised_logits`` the returned outputs carry zero-length logits, and ``logit_chunk_rows``
@@ -37,7 +38,7 @@ def forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torc
 
 def _forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torch.Tensor, weights: LossWeights,
                   supervised_logits: bool, unwrapped: torch.nn.Module | None,
-                  logit_chunk_rows: int | None) -> tuple[torch.Tensor, dict[str, float], Any]:
+                  logit_chunk_rows: int | None) -> tuple[torch.Tensor, LossTerms, Any]:
     model_inputs = {k: v for k, v in inputs.items() if k not in LOSS_KEYS}
     if supervised_logits:
         owner = model if unwrapped is None else unwrapped

@@ -31,7 +31,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trainer.buffering.rollout_buffer import RepeatingLoader, RolloutBuffer, repeated_length
 from trainer.data.records import Sample
-from trainer.losses.objective import LossWeights
+from trainer.losses.objective import LossTerms, LossWeights
 from trainer.matching.targets import TrainTarget
 from trainer.memory.offload import offload_for_rollout
 from trainer.memory.oom import MemorySettings, TrainingOutOfMemory
@@ -132,7 +132,8 @@ class RolloutMatchingTrainer(Trainer):
                  logit_chunk_rows: int | None = None,
                  eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None,
                  pixels_during_decode: bool = False, profile_steps: Sequence[int] = (), profile_trace: bool = False,
-                 memory_settings: MemorySettings | None = None, micro_batch_rows: int | None = None, **kwargs: Any):
+                 memory_settings: MemorySettings | None = None, micro_batch_rows: int | None = None,
+                 phase_timing: str = "events", **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -160,6 +161,10 @@ class RolloutMatchingTrainer(Trainer):
         self.weight_sync = weight_sync
         self.supervised_logits = supervised_logits
         self.logit_chunk_rows = logit_chunk_rows  # ``loss.logit_chunk_rows`` (``trainer.losses.chunked_objective``)
+        #: ``training.phase_timing``: how a row's forward is timed (``PhaseTimers.phase``'s ``device_time``)
+        if phase_timing not in ("events", "sync"):
+            raise ValueError(f"phase_timing must be 'events' or 'sync', got {phase_timing!r}")
+        self.phase_timing = phase_timing
         self.eager_rollouts = eager_rollouts
         #: ``vllm.pixels_during_decode``: the training pixels are made on ``_pixel_pool``'s thread while the engine decodes
         self.pixels_during_decode = pixels_during_decode and self._can_defer_pixels(engine, pipeline)
@@ -182,7 +187,7 @@ class RolloutMatchingTrainer(Trainer):
         self.coord_ids = torch.tensor(sorted(pipeline.coord_bin_by_id, key=pipeline.coord_bin_by_id.get))
         self.timers = PhaseTimers()
         self.counters = Counters()
-        self._loss_terms: list[dict[str, float]] = []
+        self._loss_terms: list[LossTerms] = []  # per optimizer step; read to the host when logged
         self._max_staleness = 0
         #: ``async_rollouts``: the next micro-batch is decoded while this one trains (``trainer.rollout.prefetch``)
         self.prefetcher = None
@@ -458,7 +463,7 @@ class RolloutMatchingTrainer(Trainer):
             if self._layout_stack is not None:
                 self._layout_stack.enter_context(layout)
                 layout = contextlib.nullcontext()
-        with self.timers.phase("forward"), layout:
+        with self.timers.phase("forward", device_time=self.phase_timing), layout:
             loss, terms, outputs = forward_loss(model, inputs, self.coord_ids, self.loss_weights,
                                                 self.supervised_logits, unwrapped, self.logit_chunk_rows)
         self._loss_terms.append(terms)
@@ -595,6 +600,7 @@ class RolloutMatchingTrainer(Trainer):
         terms_before = len(self._loss_terms)
         total = None
         self.timers.out_of_memory_in = None
+        self.timers.discard_pending()
         try:
             with self.timers.track_peak("step"):
                 micro_batches = self._step_micro_batches(inputs) if isinstance(inputs, list) else [inputs]
@@ -610,6 +616,7 @@ class RolloutMatchingTrainer(Trainer):
                             self._layout_stack = None
                     total = loss if total is None else total + loss
                 self.timers.record_peak("backward")  # since the last forward ended: backward + bookkeeping
+            self.timers.settle()  # the step's one wait for the device (phase_timing: events)
         except torch.OutOfMemoryError as exc:
             if isinstance(exc, TrainingOutOfMemory):
                 raise
@@ -689,7 +696,7 @@ class RolloutMatchingTrainer(Trainer):
         if "loss" in logs and self._loss_terms:
             n = len(self._loss_terms)
             for key in self._loss_terms[0]:
-                value = sum(t[key] for t in self._loss_terms)
+                value = float(sum(t[key] for t in self._loss_terms))
                 logs[key] = value if key.startswith("tokens/") else value / n
             self._loss_terms.clear()
             for name, sec in self.timers.pop().items():
