@@ -16,7 +16,7 @@ for spec in "$@"; do
     timeout "$limit" bash -c "$spec" > "$OUT/gpu$i.log" 2>&1
     echo "rc=$?" >> "$OUT/gpu$i.log"
     if [ -d "$RM_BENCH_WORK/runs" ]; then
-      (cd "$RM_BENCH_WORK/runs" && find . \( -name '*.json' -o -name 'metrics.jsonl' -o -name '*_kernels.txt' \) \
+      (cd "$RM_BENCH_WORK/runs" && find . \( -name '*.json' -o -name 'metrics.jsonl' -o -name '*_kernels.txt' -o -name '*_host.txt' \) \
         -size -20M | while read -r f; do mkdir -p "$G/runs/$(dirname "$f")"; cp "$f" "$G/runs/$f"; done)
     fi
     tar -czf "$OUT/gpu$i-records.tgz" -C "$G" .
