@@ -94,6 +94,7 @@ LAYOUTS = (
     Layout("colocate-2", 2),
     Layout("colocate-tp2", 2, tp=2),
     Layout("1v1-sync", 1, servers=1),
+    Layout("1v1-sync-pixels", 1, servers=1, pixels_during_decode=True),  # the training pixels made during the decode
     Layout("1v1-async", 1, servers=1, async_rollouts=True),
     Layout("colocate-4", 4),
     Layout("colocate-4-zero2", 4, zero=2),
