@@ -21,8 +21,10 @@ Invariants: every profiled kernel lands in exactly one category, so the categori
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import json
+import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
@@ -102,8 +104,23 @@ def summarize(kernels: Sequence[KernelTime], wall_s: float, step: int, device: s
                           by_category_s=dict(sorted(by_cat.items(), key=lambda kv: -kv[1])), top=top)
 
 
-#: frames of these files say nothing about who asked for a copy
-_PLUMBING = ("/torch/", "contextlib.py", "threading.py", "<built-in")
+#: frames of these files say nothing about who asked for a copy (torch's own package: ``is_plumbing``)
+_PLUMBING = ("contextlib.py", "threading.py", "<built-in")
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def is_plumbing(frame: str, torch_dir: str | None = None) -> bool:
+    """Whether a recorded frame (``path:line name`` or ``path(line): name``) is torch's own code or generic plumbing.
+    Torch's frames are those under its package directory (``torch_dir``, default this process's): a substring test
+    for ``/torch/`` also dropped every package of an environment installed under a folder named ``torch`` (the GPU
+    machines' ``/opt/torch/.venv``: transformers' and accelerate's frames vanished from session 21's profile)."""
+    return frame.startswith(torch_dir or _torch_dir()) or any(m in frame for m in _PLUMBING)
 
 
 def host_to_device_sources(ops: Sequence[tuple[Sequence[str], Sequence[tuple[str, float]]]], frames: int = 6,
@@ -118,7 +135,7 @@ def host_to_device_sources(ops: Sequence[tuple[Sequence[str], Sequence[tuple[str
         copies = [(name, sec) for name, sec in kernels if "htod" in name.lower().replace(" ", "")]
         if not copies:
             continue
-        key = tuple(f for f in stack if not any(m in f for m in _PLUMBING))[:frames]
+        key = tuple(f for f in stack if not is_plumbing(f))[:frames]
         g = groups.setdefault(key, {"frames": list(key), "calls": 0, "seconds": 0.0, "pageable": 0})
         g["calls"] += len(copies)
         g["seconds"] += sum(sec for _, sec in copies)
@@ -171,7 +188,7 @@ class HostToDeviceTracer:
         self._mode = None
 
     def _record(self, op: str, stack: list[str], host: list) -> None:
-        frames = tuple(f for f in stack if not any(m in f for m in _PLUMBING) and not f.startswith(__file__ + ":"))
+        frames = tuple(f for f in stack if not is_plumbing(f) and not f.startswith(__file__ + ":"))
         key = (op, frames[:self.frames])
         g = self._groups.setdefault(key, {"op": op, "frames": list(key[1]), "calls": 0, "host_bytes": 0, "pinned": 0})
         g["calls"] += 1
@@ -188,7 +205,7 @@ def group_host_syncs(stacks: Sequence[Sequence[str]], frames: int = 6, top_n: in
     calls first: ``frames``, ``calls``."""
     groups: dict[tuple[str, ...], dict] = {}
     for stack in stacks:
-        key = tuple(f for f in stack if not any(m in f for m in _PLUMBING))[:frames]
+        key = tuple(f for f in stack if not is_plumbing(f))[:frames]
         groups.setdefault(key, {"frames": list(key), "calls": 0})["calls"] += 1
     return sorted(groups.values(), key=lambda g: -g["calls"])[:top_n]
 

@@ -4,8 +4,10 @@ step's forward + backward (on the CPU: operator self times)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import torch
 from transformers import TrainingArguments
 
 from trainer.config.errors import ConfigErrors
@@ -24,6 +26,7 @@ from trainer.profiling import (
     categorize,
     group_host_syncs,
     host_to_device_sources,
+    is_plumbing,
     summarize,
 )
 from trainer.rollout.hf import HFRolloutEngine
@@ -67,7 +70,7 @@ def test_host_to_device_copies_are_grouped_by_the_frames_that_issued_them():
     """The 8B sync's 146 pageable copies (issue 37): which code issues them, from a profile with stacks."""
     load = ["vllm/model_executor/models/qwen3.py(410): load_weights", "trainer/rollout/vllm_compat.py(140): load",
             "trainer/sync/policy.py(88): ensure_fresh"]
-    via_torch = ["/opt/venv/lib/python3.12/site-packages/torch/nn/modules/module.py(1773): _call_impl"] + load
+    via_torch = [f"{TORCH_DIR}nn/modules/module.py(1773): _call_impl"] + load
     merge = ["trainer/sync/weights.py(330): full_weights", "trainer/sync/policy.py(80): ensure_fresh"]
     ops = [(via_torch, [("Memcpy HtoD (Pageable -> Device)", 2e-5)] * 3),
            (load, [("Memcpy HtoD (Pageable -> Device)", 1e-5), ("Memcpy DtoD (Device -> Device)", 1.0)]),
@@ -81,10 +84,25 @@ def test_host_to_device_copies_are_grouped_by_the_frames_that_issued_them():
     assert host_to_device_sources([(merge, [("nvjet_gemm", 1.0)])]) == []
 
 
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def test_only_torch_s_own_package_is_plumbing():
+    """The GPU machines install everything under /opt/torch/.venv: a ``/torch/`` substring test dropped transformers'
+    and accelerate's frames as if they were torch's (session 21's first profile named none of the model's waits)."""
+    hf = "/opt/torch/.venv/lib/python3.12/site-packages/transformers/trainer.py:4020 training_step"
+    assert not is_plumbing(hf) and not is_plumbing(hf, torch_dir="/opt/torch/.venv/lib/python3.12/site-packages/torch/")
+    assert is_plumbing("/opt/torch/.venv/lib/python3.12/site-packages/torch/_tensor.py:1100 tolist",
+                       torch_dir="/opt/torch/.venv/lib/python3.12/site-packages/torch/")
+    assert is_plumbing(f"{TORCH_DIR}nn/modules/module.py:1773 _call_impl")
+    assert is_plumbing("/usr/lib/python3.12/contextlib.py:81 inner") and is_plumbing("<built-in method item>")
+    assert group_host_syncs([[f"{TORCH_DIR}_tensor.py:1 item", hf]])[0]["frames"] == [hf]
+
+
 def test_host_syncs_are_grouped_by_the_frames_that_issued_them():
     vision = ["transformers/models/qwen3_vl/modeling_qwen3_vl.py(700): rot_pos_emb", "trainer/sft/forward.py(46): _f"]
     loss = ["trainer/losses/chunked_objective.py(75): chunked_objective", "trainer/sft/forward.py(47): _f"]
-    via_torch = ["/usr/lib/python3/site-packages/torch/_tensor.py(1100): tolist"] + vision
+    via_torch = [f"{TORCH_DIR}_tensor.py:1100 tolist"] + vision
     got = group_host_syncs([vision, via_torch, loss, vision], frames=1)
     assert got == [{"frames": vision[:1], "calls": 3}, {"frames": loss[:1], "calls": 1}]
     assert group_host_syncs([vision, loss], top_n=1) == [{"frames": vision, "calls": 1}]
