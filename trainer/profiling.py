@@ -1,8 +1,8 @@
-"""Kernel-level profile of one training step's forward + backward (``training.profile_steps``).
+"""Kernel-level profile of one training step's forward + backward of every packed row (``training.profile_steps``).
 
 ``categorize`` and ``summarize`` are pure: kernel (or, on the CPU, operator) names and their self times in, the
 seconds per category, the busy fraction of the profiled wall time and the top kernels out. ``profile_region`` is
-the edge: it runs ``torch.profiler`` around a region (``train``: a step's forward + backward; ``weight_sync``: the
+the edge: it runs ``torch.profiler`` around a region (``train``: a step's forward + backward of every packed row; ``weight_sync``: the
 push of the learner's weights into the rollout engine) and writes ``step<N>_<region>.json`` (the summary) and
 ``step<N>_<region>_kernels.txt`` (the profiler's own table) under a directory, plus a gzipped Chrome trace on request;
 a GPU ``weight_sync`` region also records Python stacks and groups its host-to-device copies by the code that issued
@@ -84,6 +84,8 @@ class ProfileSummary:
     #: ``train`` on a GPU: the operations that made the host wait for the device, by the Python frames that issued
     #: them (``HostSyncTracer``); each one drains the device's queue, so the launches after it are not hidden
     host_syncs: list[dict] = field(default_factory=list)
+    #: ``train``: the packed rows (micro-batches) whose forward + backward the region covered, every one of the step's
+    rows: int | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -290,9 +292,11 @@ def _kernel_times(prof, cuda: bool) -> list[KernelTime]:
 
 
 @contextmanager
-def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = "train") -> Iterator[None]:
+def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = "train",
+                   rows: int | None = None) -> Iterator[None]:
     """Profile the enclosed region (CUDA kernels when a GPU is present, else CPU operators) and write
-    ``out_dir/step<step>_<region>.json``, ``..._kernels.txt`` and, with ``trace``, ``....trace.json.gz``."""
+    ``out_dir/step<step>_<region>.json``, ``..._kernels.txt`` and, with ``trace``, ``....trace.json.gz``; ``rows``:
+    the packed rows the region trains, kept in the summary."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -311,6 +315,7 @@ def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = 
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     summary = summarize(_kernel_times(prof, cuda), wall, step, "cuda" if cuda else "cpu", region=region)
+    summary.rows = rows
     if stacks:
         summary.host_to_device = host_to_device_sources(_ops_with_kernels(prof))
         summary.host_to_device_ops = tracer.sources()

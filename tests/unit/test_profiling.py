@@ -190,7 +190,8 @@ def test_the_listed_step_is_profiled_once_and_no_other(tmp_path):
                                      pipeline=Stage2Pipeline(PromptEncoder(tok)), engine=engine,
                                      decoding=DecodingParams(max_new_tokens=8), loss_weights=LossWeights(),
                                      target_source="rollout", processing_class=tok, profile_steps=[2],
-                                     profile_trace=True, weight_sync=WeightSync(target, SyncDecision("full", "test")))
+                                     profile_trace=True, weight_sync=WeightSync(target, SyncDecision("full", "test")),
+                                     micro_batch_rows=1)
     trainer.train()
     assert target.synced == 3
     prof = tmp_path / "out" / "profile"
@@ -199,6 +200,10 @@ def test_the_listed_step_is_profiled_once_and_no_other(tmp_path):
         "step2_weight_sync.json", "step2_weight_sync.trace.json.gz", "step2_weight_sync_kernels.txt"]
     summary = json.loads((prof / "step2_train.json").read_text())
     assert summary["step"] == 2 and summary["region"] == "train" and summary["device"] == "cpu"
+    assert summary["rows"] == 2, "the region covers every row of the step (two micro-batches of one target)"
+    attention = [line.split() for line in (prof / "step2_train_kernels.txt").read_text().splitlines()
+                 if line.split() and line.split()[0] == "aten::_scaled_dot_product_flash_attention_for_cpu"]
+    assert int(attention[0][-1]) == 2 * model.config.num_hidden_layers, "one attention call per layer per row"
     assert summary["wall_s"] > 0 and sum(summary["by_category_s"].values()) == pytest.approx(summary["busy_s"])
     assert summary["by_category_s"].get("matmul", 0) > 0, summary["by_category_s"]
     assert "aten::mm" in (prof / "step2_train_kernels.txt").read_text()

@@ -157,8 +157,8 @@ class TrainingConfig(Section):
     packing_min_fill_ratio: float = Field(0.65, ge=0.0, le=1.0)
     packing_drop_last: bool = True
     profile_steps: list[int] = Field(
-        default_factory=list, description="stage-2 optimizer steps (1-based) whose weight sync and first forward + "
-        "backward are profiled with torch.profiler: <output_dir>/stage2/profile/step<N>_{weight_sync,train}.json "
+        default_factory=list, description="stage-2 optimizer steps (1-based) whose weight sync and forward + "
+        "backward of every packed row are profiled with torch.profiler: <output_dir>/stage2/profile/step<N>_{weight_sync,train}.json "
         "(seconds per kernel category, GPU busy fraction, top kernels) and step<N>_<region>_kernels.txt")
     phase_timing: Literal["events", "sync"] = Field(
         "events", description="how each packed row's forward is timed into time/forward_s on a GPU (time/backward_s "

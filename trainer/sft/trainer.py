@@ -172,7 +172,7 @@ class RolloutMatchingTrainer(Trainer):
         self._layout_stack: contextlib.ExitStack | None = None
         #: what an out-of-memory error in a step advises (``trainer.memory.oom``)
         self.memory_settings = memory_settings if memory_settings is not None else MemorySettings()
-        #: ``training.profile_steps``: optimizer steps whose weight sync and first forward + backward run under
+        #: ``training.profile_steps``: optimizer steps whose weight sync and rows (forward + backward) run under
         #: torch.profiler
         self.profile_steps = set(profile_steps)
         self.profile_trace = profile_trace
@@ -445,17 +445,12 @@ class RolloutMatchingTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         unwrapped = self.accelerator.unwrap_model(model)
-        step = self.state.global_step + 1
         if self._layout_stack is not None and self.accelerator.native_amp:
             # the forward runs under bf16/fp16 autocast: peft's float32 input casts are pure copies there
             if self._adapter_layers is None:
                 self._adapter_layers = adapter_layers(unwrapped)
             if self._adapter_layers:
                 self._layout_stack.enter_context(uncast_adapter_inputs(self._adapter_layers))
-        if step in self.profile_steps and self._layout_stack is not None and self.is_world_process_zero():
-            self.profile_steps.discard(step)  # the step's first micro-batch; the profile ends after its backward
-            self._layout_stack.enter_context(
-                profile_region(Path(self.args.output_dir) / "profile", step, self.profile_trace))
         layout = contextlib.nullcontext()
         if self.packed_attn is not None and "position_ids" in inputs:
             layout = packed_attention(unwrapped, self.packed_attn, inputs.get("packed_cu_seq_lens"),
@@ -602,8 +597,13 @@ class RolloutMatchingTrainer(Trainer):
         self.timers.out_of_memory_in = None
         self.timers.discard_pending()
         try:
-            with self.timers.track_peak("step"):
+            with self.timers.track_peak("step"), contextlib.ExitStack() as profiled:
                 micro_batches = self._step_micro_batches(inputs) if isinstance(inputs, list) else [inputs]
+                step = self.state.global_step + 1
+                if step in self.profile_steps and self.is_world_process_zero():
+                    self.profile_steps.discard(step)  # every row's forward + backward, the rollout before them not
+                    profiled.enter_context(profile_region(Path(self.args.output_dir) / "profile", step,
+                                                          self.profile_trace, rows=len(micro_batches)))
                 for i, batch in enumerate(micro_batches):
                     with self._accumulating(model, last=i == len(micro_batches) - 1), \
                             contextlib.ExitStack() as stack:
@@ -616,7 +616,7 @@ class RolloutMatchingTrainer(Trainer):
                             self._layout_stack = None
                     total = loss if total is None else total + loss
                 self.timers.record_peak("backward")  # since the last forward ended: backward + bookkeeping
-            self.timers.settle()  # the step's one wait for the device (phase_timing: events)
+                self.timers.settle()  # the step's one wait for the device (phase_timing: events)
         except torch.OutOfMemoryError as exc:
             if isinstance(exc, TrainingOutOfMemory):
                 raise
