@@ -178,6 +178,17 @@ def test_phase_timing_knob_runs_events_beside_sync_and_reaches_the_training_conf
         scale.lever_knobs({"RM_BENCH_SCALE_PHASE_TIMING": "exact"})
 
 
+def test_host_vision_knob_runs_the_device_derivation_beside_the_default(tmp_path):
+    from trainer.config.schema import validate_config
+
+    runs = scale.with_levers(scale.selected("4b"), scale.lever_knobs({"RM_BENCH_SCALE_HOST_VISION": "1,0"}))
+    assert [r.host_vision_metadata for r in runs] == [True, False]
+    assert runs[0].name == "4b-full-sleep2-util0.2" and runs[1].name == "4b-full-sleep2-util0.2-devicevision"
+    for r in runs:
+        cfg = validate_config(scale.stage2_config(r, tmp_path, tmp_path / "o", "vllm"))
+        assert cfg.training.host_vision_metadata is r.host_vision_metadata
+
+
 def test_packing_length_knob_runs_each_length_and_reaches_the_training_config(tmp_path):
     from trainer.config.schema import validate_config
 

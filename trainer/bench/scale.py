@@ -121,6 +121,9 @@ class ScaleRun:
     #: ``training.phase_timing`` (``RM_BENCH_SCALE_PHASE_TIMING``: events, the default since session 21, or sync,
     #: suffix ``-phasesync``: the device synchronized after every row's forward, as every record before session 21)
     phase_timing: str = "events"
+    #: ``training.host_vision_metadata`` (``RM_BENCH_SCALE_HOST_VISION``: 1, the default since session 21, or 0,
+    #: suffix ``-devicevision``: the vision encoder derives its metadata from a grid on the GPU, as every record before)
+    host_vision_metadata: bool = True
 
     @property
     def name(self) -> str:
@@ -135,7 +138,8 @@ class ScaleRun:
             "-unfusedadam" if self.optim == "adamw_torch" else "") + ("-prewake" if self.prewake else "") + (
             "-recload" if self.recorded_load else "") + (
             "" if self.packing_length == 16384 else f"-pack{self.packing_length}") + (
-            "-pixels" if self.pixels_during_decode else "") + ("-phasesync" if self.phase_timing == "sync" else "")
+            "-pixels" if self.pixels_during_decode else "") + ("-phasesync" if self.phase_timing == "sync" else "") + (
+            "" if self.host_vision_metadata else "-devicevision")
         sleep = "kv" if self.sleep_level == "kv_cache" else self.sleep_level
         return (f"{self.size}-{tuner}{served}-sleep{sleep}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
@@ -316,6 +320,7 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
     if run.optim != "adamw_torch_fused":
         cfg["training"]["optim"] = run.optim
     cfg["training"]["phase_timing"] = run.phase_timing
+    cfg["training"]["host_vision_metadata"] = run.host_vision_metadata
     if run.profile_step:
         cfg["training"]["profile_steps"] = [run.profile_step]
     if run.tuner != "full" and backend == "vllm" and run.vllm_lora:
@@ -673,6 +678,7 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[str], Any]]] = {
                              lambda v: int(v) if v.isdigit() else v),
     "RM_BENCH_SCALE_PIXELS": ("pixels_during_decode", ("0", "1"), _on),  # vllm.pixels_during_decode
     "RM_BENCH_SCALE_PHASE_TIMING": ("phase_timing", ("events", "sync"), str),  # training.phase_timing
+    "RM_BENCH_SCALE_HOST_VISION": ("host_vision_metadata", ("1", "0"), _on),  # training.host_vision_metadata
 }
 
 

@@ -167,6 +167,11 @@ class TrainingConfig(Section):
         "still runs this one's; the loss terms stay on the device until logged. sync: the device is synchronized at "
         "the end of every forward (each row's forward time is the host's wait for it; what every run before this key "
         "did), for a per-row split that needs no events. CPU runs time the wall either way")
+    host_vision_metadata: bool = Field(
+        True, description="Qwen3-VL packed rows: keep image_grid_thw on the host and make the vision encoder's metadata (attention "
+        "segments, rotary positions, position-embedding interpolation) there with transformers' own helpers, so the "
+        "encoder reads no GPU value back (about thirty host waits a packed row otherwise; trainer.modeling."
+        "vision_metadata). Other models: no effect. false: the encoder derives them on the GPU")
     profile_trace: bool = Field(False, description="also write a gzipped Chrome trace per profiled step "
                                                    "(step<N>_<region>.trace.json.gz; tens of MB at 8B)")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve the learner's Prometheus metrics "

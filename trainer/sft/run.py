@@ -239,6 +239,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     common = dict(pipeline=pipeline, decoding=decoding, loss_weights=weights, image_token_id=loaded.image_token_id,
                   supervised_logits=lw.supervised_logits_only,
                   logit_chunk_rows=lw.logit_chunk_rows, phase_timing=cfg.training.phase_timing,
+                  host_vision_metadata=cfg.training.host_vision_metadata,
                   train_dataset=dataset, processing_class=loaded.tokenizer)
     engine = build_rollout_engine(rm, loaded, model)
     weight_sync = build_weight_sync(rm, engine, model)

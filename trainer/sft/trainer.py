@@ -38,6 +38,7 @@ from trainer.memory.oom import MemorySettings, TrainingOutOfMemory
 from trainer.memory.oom import explain as explain_out_of_memory
 from trainer.modeling.adapter_casts import adapter_layers, uncast_adapter_inputs
 from trainer.modeling.compile import eager_rollouts
+from trainer.modeling.vision_metadata import install_host_vision_metadata
 from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
@@ -74,6 +75,8 @@ STEP_PHASES = ("weight_sync", "rollout", "target", "forward", "backward")
 #: clipping, ``optimizer.step()``, the scheduler and ``zero_grad``, until HF's step ends) and ``step_wall`` (optimizer
 #: step to optimizer step, everything included: the number to compare with another trainer's step)
 AFTER_STEP_PHASES = ("optimizer", "step_wall")
+#: model inputs the forward reads on the host: the vision encoder's metadata is made from the image grid there
+HOST_INPUTS = ("image_grid_thw",)
 LEDGER = "ledger.jsonl"
 
 
@@ -133,7 +136,7 @@ class RolloutMatchingTrainer(Trainer):
                  eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None,
                  pixels_during_decode: bool = False, profile_steps: Sequence[int] = (), profile_trace: bool = False,
                  memory_settings: MemorySettings | None = None, micro_batch_rows: int | None = None,
-                 phase_timing: str = "events", **kwargs: Any):
+                 phase_timing: str = "events", host_vision_metadata: bool = True, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -165,6 +168,9 @@ class RolloutMatchingTrainer(Trainer):
         if phase_timing not in ("events", "sync"):
             raise ValueError(f"phase_timing must be 'events' or 'sync', got {phase_timing!r}")
         self.phase_timing = phase_timing
+        #: ``training.host_vision_metadata``: ``image_grid_thw`` stays on the host and the vision encoder's metadata is
+        #: made there (``trainer.modeling.vision_metadata``)
+        self.host_grid = host_vision_metadata and install_host_vision_metadata(self.model)
         self.eager_rollouts = eager_rollouts
         #: ``vllm.pixels_during_decode``: the training pixels are made on ``_pixel_pool``'s thread while the engine decodes
         self.pixels_during_decode = pixels_during_decode and self._can_defer_pixels(engine, pipeline)
@@ -185,6 +191,7 @@ class RolloutMatchingTrainer(Trainer):
         self.rollout_buffer = (RolloutBuffer(self.args.gradient_accumulation_steps, rollout_buffer_m_steps)
                                if rollout_buffer_m_steps > 1 else None)
         self.coord_ids = torch.tensor(sorted(pipeline.coord_bin_by_id, key=pipeline.coord_bin_by_id.get))
+        self._coord_ids_device: torch.Tensor | None = None
         self.timers = PhaseTimers()
         self.counters = Counters()
         self._loss_terms: list[LossTerms] = []  # per optimizer step; read to the host when logged
@@ -443,6 +450,30 @@ class RolloutMatchingTrainer(Trainer):
                 self.counters.add({"filler_rows": len(fillers)})
         return batches + fillers
 
+    def _coord_ids_on(self, device: torch.device) -> torch.Tensor:
+        """``coord_ids`` on ``device``, copied once (a copy per row from pageable memory waits for the GPU)."""
+        if self._coord_ids_device is None or self._coord_ids_device.device != device:
+            self._coord_ids_device = self.coord_ids.to(device)
+        return self._coord_ids_device
+
+    def _prepare_input(self, data):
+        """HF's move to the device, from page-locked memory without waiting on a GPU (a pageable copy first waits for
+        everything queued, the previous row's backward included)."""
+        if isinstance(data, torch.Tensor) and data.device.type == "cpu" and self.args.device.type == "cuda":
+            kwargs: dict[str, Any] = {"device": self.args.device, "non_blocking": True}
+            if self.is_deepspeed_enabled and (torch.is_floating_point(data) or torch.is_complex(data)):
+                kwargs["dtype"] = self.accelerator.state.deepspeed_plugin.hf_ds_config.dtype()
+            return data.pin_memory().to(**kwargs)
+        return super()._prepare_input(data)
+
+    def _prepare_inputs(self, inputs):
+        """HF's, with the inputs read on the host left there (``HOST_INPUTS`` when ``host_grid``, in batches that
+        carry their own ``position_ids``: without them the model derives the mRoPE positions from the grid itself)."""
+        kept = ({k: inputs[k] for k in HOST_INPUTS if k in inputs}
+                if self.host_grid and isinstance(inputs, dict) and "position_ids" in inputs else {})
+        prepared = super()._prepare_inputs({k: v for k, v in inputs.items() if k not in kept} if kept else inputs)
+        return {**prepared, **kept} if kept else prepared
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         unwrapped = self.accelerator.unwrap_model(model)
         if self._layout_stack is not None and self.accelerator.native_amp:
@@ -459,7 +490,7 @@ class RolloutMatchingTrainer(Trainer):
                 self._layout_stack.enter_context(layout)
                 layout = contextlib.nullcontext()
         with self.timers.phase("forward", device_time=self.phase_timing), layout:
-            loss, terms, outputs = forward_loss(model, inputs, self.coord_ids, self.loss_weights,
+            loss, terms, outputs = forward_loss(model, inputs, self._coord_ids_on(self.args.device), self.loss_weights,
                                                 self.supervised_logits, unwrapped, self.logit_chunk_rows)
         self._loss_terms.append(terms)
         self._record_ledger(inputs.get("sample_ids"), inputs.get("rollout_steps"), inputs.get("decode_steps"))

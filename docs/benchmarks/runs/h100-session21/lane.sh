@@ -3,6 +3,7 @@
 # ../h100x2-session17/pair.sh with one spec (GPU 0). Each call is named by its argument:
 #   bash lane.sh LIMIT 4b-4k-timing   # 4B compiled, 4k rows, no checkpointing: phase_timing events beside sync, step 4 profiled
 #   bash lane.sh LIMIT 4b-16k-timing  # the same at 16k rows with full checkpointing
+#   bash lane.sh LIMIT 4b-4k-host     # (next session) 4k rows, no checkpointing: host_vision_metadata on beside off
 #   bash lane.sh LIMIT "<spec>"       # any other bench command
 set -u
 P=docs/benchmarks/runs/h100x2-session17/pair.sh
@@ -11,6 +12,7 @@ T="RM_BENCH_TRL=0 RM_BENCH_SCALE=4b RM_BENCH_SCALE_COMPILE=1 RM_BENCH_SCALE_PHAS
 case "$2" in
   4b-4k-timing) spec="$T RM_BENCH_SCALE_PACKING=4096 RM_BENCH_SCALE_CKPT=off $S" ;;
   4b-16k-timing) spec="$T RM_BENCH_SCALE_PACKING=16384 $S" ;;
+  4b-4k-host) spec="RM_BENCH_TRL=0 RM_BENCH_SCALE=4b RM_BENCH_SCALE_COMPILE=1 RM_BENCH_SCALE_HOST_VISION=1,0 RM_BENCH_SCALE_PROFILE=4 RM_BENCH_SCALE_STEPS=4 RM_BENCH_SCALE_PACKING=4096 RM_BENCH_SCALE_CKPT=off $S" ;;
   *) spec="$2" ;;
 esac
 bash "$P" "$1" "$spec"
