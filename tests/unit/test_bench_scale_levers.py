@@ -165,28 +165,22 @@ def test_pixels_knob_makes_the_training_pixels_during_the_decode_on_the_gpu_only
         scale.lever_knobs({"RM_BENCH_SCALE_PIXELS": "on"})
 
 
-def test_phase_timing_knob_runs_events_beside_sync_and_reaches_the_training_config(tmp_path):
+@pytest.mark.parametrize("env, values, field, want, suffix", [
+    ("RM_BENCH_SCALE_PHASE_TIMING", "events,sync", "phase_timing", ["events", "sync"], "-phasesync"),
+    ("RM_BENCH_SCALE_HOST_VISION", "1,0", "host_vision_metadata", [True, False], "-devicevision"),
+])
+def test_training_knobs_run_beside_the_default_and_reach_the_training_config(tmp_path, env, values, field, want,
+                                                                            suffix):
     from trainer.config.schema import validate_config
 
-    runs = scale.with_levers(scale.selected("4b"), scale.lever_knobs({"RM_BENCH_SCALE_PHASE_TIMING": "events,sync"}))
-    assert [r.phase_timing for r in runs] == ["events", "sync"]
-    assert runs[0].name == "4b-full-sleep2-util0.2" and runs[1].name == "4b-full-sleep2-util0.2-phasesync"
+    runs = scale.with_levers(scale.selected("4b"), scale.lever_knobs({env: values}))
+    assert [getattr(r, field) for r in runs] == want
+    assert runs[0].name == "4b-full-sleep2-util0.2" and runs[1].name == "4b-full-sleep2-util0.2" + suffix
     for r in runs:
         cfg = validate_config(scale.stage2_config(r, tmp_path, tmp_path / "o", "vllm"))
-        assert cfg.training.phase_timing == r.phase_timing
-    with pytest.raises(SystemExit, match="RM_BENCH_SCALE_PHASE_TIMING"):
-        scale.lever_knobs({"RM_BENCH_SCALE_PHASE_TIMING": "exact"})
-
-
-def test_host_vision_knob_runs_the_device_derivation_beside_the_default(tmp_path):
-    from trainer.config.schema import validate_config
-
-    runs = scale.with_levers(scale.selected("4b"), scale.lever_knobs({"RM_BENCH_SCALE_HOST_VISION": "1,0"}))
-    assert [r.host_vision_metadata for r in runs] == [True, False]
-    assert runs[0].name == "4b-full-sleep2-util0.2" and runs[1].name == "4b-full-sleep2-util0.2-devicevision"
-    for r in runs:
-        cfg = validate_config(scale.stage2_config(r, tmp_path, tmp_path / "o", "vllm"))
-        assert cfg.training.host_vision_metadata is r.host_vision_metadata
+        assert getattr(cfg.training, field) == getattr(r, field)
+    with pytest.raises(SystemExit, match=env):
+        scale.lever_knobs({env: "maybe"})
 
 
 def test_packing_length_knob_runs_each_length_and_reaches_the_training_config(tmp_path):
