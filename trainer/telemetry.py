@@ -92,9 +92,9 @@ class PhaseTimers:
         ends, so its kernels' time is in it (the host waits there); ``events``, CUDA events recorded on the current
         stream around the block, their elapsed time counted at ``settle()`` (the device's time from where it reached
         the block to where it finished it, with no host wait inside the block)."""
-        events = device_time == "events" and torch.cuda.is_available()
         if device_time not in ("wall", "sync", "events"):
             raise ValueError(f"device_time must be wall, sync or events, got {device_time!r}")
+        events = device_time == "events" and torch.cuda.is_available()
         start = time.perf_counter()
         pair = None
         if events:
@@ -117,11 +117,10 @@ class PhaseTimers:
                 self._pending.append((name, *pair))
 
     def settle(self) -> None:
-        """Wait for the device to finish the event-timed phases (``phase(device_time="events")``) and add their
-        device seconds to ``seconds``: one host wait however many blocks were timed."""
-        if not self._pending:
-            return
-        self._pending[-1][2].synchronize()
+        """Wait for the device to finish everything queued (on a GPU: one host wait, however many blocks were timed)
+        and add the event-timed phases' (``phase(device_time="events")``) device seconds to ``seconds``."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         for name, begin, end in self._pending:
             self.seconds[name] += begin.elapsed_time(end) / 1000.0
         self._pending.clear()

@@ -83,7 +83,7 @@ class _FakeEvent:
     """A CUDA event stand-in: ``record`` stamps the next time of a fake device clock."""
 
     clock = [0.0]
-    waits: list[_FakeEvent] = []
+    waits: list[str] = []
 
     def __init__(self, enable_timing: bool = False):
         assert enable_timing
@@ -93,33 +93,31 @@ class _FakeEvent:
         _FakeEvent.clock[0] += 0.25
         self.at = _FakeEvent.clock[0]
 
-    def synchronize(self):
-        _FakeEvent.waits.append(self)
-
     def elapsed_time(self, end: _FakeEvent) -> float:
         return (end.at - self.at) * 1000.0  # milliseconds, as CUDA's
 
 
 def test_event_timed_phases_count_device_seconds_once_settled(monkeypatch):
     """``phase_timing: events``: the phase's seconds come from its events, not the host's wall, and only after
-    ``settle``, which waits once (on the last event) however many phases were timed; ``discard_pending`` forgets a
-    failed step's events."""
+    ``settle``, which waits for the device once however many phases were timed; ``discard_pending`` forgets a failed
+    step's events."""
     timers = PhaseTimers(memory=FakeMemory())
     monkeypatch.setattr(telemetry.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(telemetry.torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(telemetry.torch.cuda, "synchronize", lambda: _FakeEvent.waits.append("device"))
     _FakeEvent.clock[0], _FakeEvent.waits[:] = 0.0, []
     for _ in range(3):
         with timers.phase("forward", device_time="events"):
             pass
     assert "forward" not in timers.seconds or timers.seconds["forward"] == 0.0
     timers.settle()
-    assert len(_FakeEvent.waits) == 1
+    assert _FakeEvent.waits == ["device"], "one wait for everything queued"
     assert timers.pop()["forward"] == pytest.approx(3 * 0.25)
     with timers.phase("forward", device_time="events"):
         pass
     timers.discard_pending()
     timers.settle()
-    assert timers.pop() == {} and len(_FakeEvent.waits) == 1
+    assert timers.pop() == {} and _FakeEvent.waits == ["device", "device"]
     with pytest.raises(ValueError, match="device_time"):
         with timers.phase("forward", device_time="later"):
             pass

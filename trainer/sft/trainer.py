@@ -647,7 +647,7 @@ class RolloutMatchingTrainer(Trainer):
                             self._layout_stack = None
                     total = loss if total is None else total + loss
                 self.timers.record_peak("backward")  # since the last forward ended: backward + bookkeeping
-                self.timers.settle()  # the step's one wait for the device (phase_timing: events)
+                self.timers.settle()  # the step's one wait for the device: its backward is in time/step_s
         except torch.OutOfMemoryError as exc:
             if isinstance(exc, TrainingOutOfMemory):
                 raise
