@@ -92,3 +92,54 @@ def test_training_makes_the_metadata_on_the_host_only_when_configured(tmp_path, 
     raw["data"]["synthetic"]["num_samples"] = 16
     run_training(validate_config(raw))
     assert (made.count(True) >= 2) if on else (made == []), "training forwards (grad on) took the host metadata"
+
+
+class _DataDependentOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators whose result depends on tensor values the host must read (on a GPU, each is a wait for
+    it): scalar reads, ``nonzero``, tensor-count ``repeat_interleave``, boolean-mask indexing. ``.tolist()`` on a host
+    tensor dispatches nothing, so on the CPU this is a lower bound."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        aten = torch.ops.aten
+        name = None
+        if func in (aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default):
+            name = str(func)
+        elif func is aten.repeat_interleave.Tensor and (kwargs or {}).get("output_size") is None:
+            name = str(func)
+        elif func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
+            name = f"{func} (boolean mask)"
+        if name:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_hooked_encoder_body_reads_nothing_back():
+    """Inside the vision encoder's forward (the hook's own host work excluded), the grid's derivations issue
+    data-dependent operators without the host metadata and none with it."""
+    model, batch, _ = _setup_batch("vl", "packed")
+    inputs = {k: v for k, v in batch.items() if k not in LOSS_KEYS}
+    enc = _encoder(model)
+    counted = {}
+
+    def run(key):
+        mode = _DataDependentOps()
+        enter = enc.register_forward_pre_hook(lambda *a: [mode.__enter__(), None][1])
+        leave = enc.register_forward_hook(lambda *a: [mode.__exit__(None, None, None), None][1])
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        finally:
+            enter.remove()
+            leave.remove()
+        counted[key] = mode.ops
+
+    run("device derivation")
+    vm.install_host_vision_metadata(model)  # registered before the counting hooks below, so it runs first
+    run("host metadata")
+    assert counted["device derivation"], counted
+    assert counted["host metadata"] == [], counted
