@@ -2,8 +2,9 @@
 
 Qwen3-VL's vision encoder derives its attention segments, rotary positions and position-embedding interpolation from
 ``image_grid_thw``. On a GPU grid each derivation reads values back to the host (``repeat_interleave`` with tensor
-repeats, ``.tolist()``, and, without flash attention, a ``.tolist()`` of the segment lengths in every vision layer):
-one wait for the GPU each, some thirty a packed row, and every one drains the GPU's queue. transformers (>= 5.17,
+repeats, ``.tolist()``, and, without flash attention, a ``.tolist()`` of the segment lengths for each of q, k and v in
+every vision layer): one wait for the GPU each, about eighty a packed row at 4B (24 vision layers), and every one drains
+the GPU's queue. transformers (>= 5.17,
 ``transformers.vision_utils``) lets a caller hand these in precomputed. ``install_host_vision_metadata`` adds a forward
 pre-hook to the vision encoder: when ``grid_thw`` arrives on the host (the trainer keeps ``image_grid_thw`` there), the
 hook computes them with transformers' own helpers on the CPU, moves what the GPU needs to the pixels' device without
