@@ -1,6 +1,7 @@
 """``training.host_vision_metadata``: the Qwen3-VL vision encoder's metadata made on the host from the image grid
 equals what the encoder derives itself, the hooked encoder uses it (and its outputs do not change), and a grid already
-on the device, a text model or another family are left alone."""
+on the device, a text model or another family are left alone; the deepstack merge by the collator's image positions
+equals the merge by mask, without boolean-mask indexing."""
 
 from __future__ import annotations
 
@@ -81,17 +82,22 @@ def test_encoder_kwargs_keep_the_boundaries_on_the_host_unless_the_attention_is_
 def test_training_makes_the_metadata_on_the_host_only_when_configured(tmp_path, monkeypatch, on):
     """A tiny Qwen3-VL stage-2 run with packing: the trainer keeps ``image_grid_thw`` on the host and every packed
     forward's encoder takes the host metadata; ``host_vision_metadata: false`` leaves the encoder to derive it."""
+    import trainer.sft.trainer as trainer_module
     from tests.integration.test_train_tiny import config
     from trainer.config.schema import validate_config
     from trainer.sft.run import run_training
 
-    made = []
+    made, merged = [], []
     real = vm.vision_metadata
     monkeypatch.setattr(vm, "vision_metadata", lambda enc, grid: made.append(torch.is_grad_enabled()) or real(enc, grid))
+    positions = trainer_module.deepstack_positions
+    monkeypatch.setattr(trainer_module, "deepstack_positions",
+                        lambda model, pos: merged.append(pos is not None) or positions(model, pos))
     raw = config(tmp_path, "vl", max_steps=2, packing=True, packing_length=4096, host_vision_metadata=on)
     raw["data"]["synthetic"]["num_samples"] = 16
     run_training(validate_config(raw))
     assert (made.count(True) >= 2) if on else (made == []), "training forwards (grad on) took the host metadata"
+    assert merged and all(m is on for m in merged), "each row's deepstack merge got the host positions iff on"
 
 
 class _DataDependentOps(torch.utils._python_dispatch.TorchDispatchMode):
@@ -143,3 +149,34 @@ def test_the_hooked_encoder_body_reads_nothing_back():
     run("host metadata")
     assert counted["device derivation"], counted
     assert counted["host metadata"] == [], counted
+
+
+def _loss_grads(model, inputs, positions=None):
+    model.zero_grad(set_to_none=True)
+    with _DataDependentOps() as mode, vm.deepstack_positions(model, positions):
+        logits = model(**inputs).logits
+        logits.float().square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads, [op for op in mode.ops if "boolean mask" in op]
+
+
+def test_the_deepstack_merge_by_host_positions_equals_the_merge_by_mask():
+    """The collator's ``image_positions`` are the image tokens a boolean mask selects; with them the wrapped deepstack
+    merge gives the same logits and gradients with no boolean-mask indexing in the forward or the backward, and
+    positions that do not match the features fall back to the model's own merge."""
+    model, batch, _ = _setup_batch("vl", "packed")
+    inputs = {k: v for k, v in batch.items() if k not in LOSS_KEYS}
+    image_token_id = model.config.image_token_id
+    assert torch.equal(batch["image_positions"], torch.stack(torch.nonzero(batch["input_ids"] == image_token_id,
+                                                                           as_tuple=True)))
+    want_logits, want_grads, masked = _loss_grads(model, inputs)
+    assert masked, "the model's own merge indexes by a boolean mask"
+    vm.install_host_vision_metadata(model)
+    logits, grads, masked = _loss_grads(model, inputs, batch["image_positions"])
+    assert masked == []
+    torch.testing.assert_close(logits, want_logits)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, msg=name)
+    _, _, masked = _loss_grads(model, inputs, batch["image_positions"][:, 1:])
+    assert masked, "positions of another count: the model's own merge"

@@ -170,7 +170,8 @@ class TrainingConfig(Section):
     host_vision_metadata: bool = Field(
         True, description="Qwen3-VL packed rows: keep image_grid_thw on the host and make the vision encoder's metadata (attention "
         "segments, rotary positions, position-embedding interpolation) there with transformers' own helpers, so the "
-        "encoder reads no GPU value back (about eighty host waits a packed row at 4B otherwise; trainer.modeling."
+        "encoder reads no GPU value back (about eighty host waits a packed row at 4B otherwise), and merge the deepstack "
+        "features at image-token positions the collator found on the host instead of through a boolean mask (trainer.modeling."
         "vision_metadata). Other models: no effect. false: the encoder derives them on the GPU")
     profile_trace: bool = Field(False, description="also write a gzipped Chrome trace per profiled step "
                                                    "(step<N>_<region>.trace.json.gz; tens of MB at 8B)")

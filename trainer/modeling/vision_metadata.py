@@ -11,12 +11,21 @@ hook computes them with transformers' own helpers on the CPU, moves what the GPU
 waiting, and leaves the segment boundaries on the host where only their lengths are read. A grid on the GPU (HF-backend
 rollouts) passes through untouched.
 
+The deepstack merge of the text model adds the encoder's features at the image tokens through a boolean mask, a
+host wait per deepstack layer in the forward and more in the backward. The collator's ``image_positions``
+(``trainer.packing.packed_batch``, from the token ids on the host) let it index by position instead:
+``install_host_vision_metadata`` also wraps the text model's ``_deepstack_process``, which uses the positions
+``deepstack_positions`` hands it for one forward when their count matches the features, and the model's own merge
+otherwise.
+
 Invariant: the encoder's outputs equal those it computes from the grid itself (``vision_metadata`` calls the helpers
-the encoder would call, with the encoder's own settings).
+the encoder would call, with the encoder's own settings); the merge by positions equals the merge by mask.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,13 +98,45 @@ def _pre_hook(encoder: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     return args, {**kwargs, **extra}
 
 
+def _merge_by_positions(text_model: torch.nn.Module, merge_by_mask):
+    def merge(hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor) -> torch.Tensor:
+        positions = getattr(text_model, "_rm_image_positions", None)
+        if positions is None or positions.shape[1] != visual_embeds.shape[0] or hidden_states.dim() != 3:
+            return merge_by_mask(hidden_states, visual_pos_masks, visual_embeds)
+        visual_embeds = visual_embeds.to(hidden_states.device, hidden_states.dtype)
+        return hidden_states.index_put((positions[0], positions[1]), visual_embeds, accumulate=True)
+
+    return merge
+
+
+@contextmanager
+def deepstack_positions(model: torch.nn.Module, positions: torch.Tensor | None) -> Iterator[None]:
+    """For the enclosed forward, the hooked text model merges the deepstack features at ``positions``
+    (``image_positions``, on the model's device)."""
+    text = next((m for m in model.modules() if getattr(m, "_rm_merge_by_positions", False)), None)
+    if text is None or positions is None:
+        yield
+        return
+    text._rm_image_positions = positions
+    try:
+        yield
+    finally:
+        text._rm_image_positions = None
+
+
 def install_host_vision_metadata(model: torch.nn.Module) -> bool:
-    """Hook the model's Qwen3-VL vision encoder once (found among its modules, through a PEFT wrapper too); False
-    when it has none (a text model, another family), and nothing is changed."""
+    """Hook the model's Qwen3-VL vision encoder and wrap its text model's deepstack merge, once (found among its
+    modules, through a PEFT wrapper too); False when it has no such encoder (a text model, another family), and
+    nothing is changed."""
     encoder = next((m for m in model.modules() if supports_host_metadata(m)), None)
     if encoder is None:
         return False
     if not getattr(encoder, "_rm_host_metadata", False):
         encoder.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         encoder._rm_host_metadata = True
+    for text in (m for m in model.modules() if hasattr(m, "_deepstack_process")):
+        if not getattr(text, "_rm_merge_by_positions", False):
+            text._deepstack_process = _merge_by_positions(text, text._deepstack_process)
+            text._rm_merge_by_positions = True
+            text._rm_image_positions = None
     return True

@@ -12,7 +12,7 @@ from trainer.losses.supervised_logits import capture_lm_head_input, output_embed
 
 LOSS_KEYS = ("ce_index", "ce_labels", "ce_segment", "coord_index", "coord_targets", "coord_segment", "num_segments",
              "sample_ids", "rollout_steps", "decode_steps", "packed_cu_seq_lens", "packed_max_length",
-             "loss_ce_denominator", "loss_coord_denominator", "loss_weight")
+             "loss_ce_denominator", "loss_coord_denominator", "loss_weight", "image_positions")
 
 
 def forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torch.Tensor, weights: LossWeights,

@@ -38,7 +38,7 @@ from trainer.memory.oom import MemorySettings, TrainingOutOfMemory
 from trainer.memory.oom import explain as explain_out_of_memory
 from trainer.modeling.adapter_casts import adapter_layers, uncast_adapter_inputs
 from trainer.modeling.compile import eager_rollouts
-from trainer.modeling.vision_metadata import install_host_vision_metadata
+from trainer.modeling.vision_metadata import deepstack_positions, install_host_vision_metadata
 from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
@@ -489,7 +489,8 @@ class RolloutMatchingTrainer(Trainer):
             if self._layout_stack is not None:
                 self._layout_stack.enter_context(layout)
                 layout = contextlib.nullcontext()
-        with self.timers.phase("forward", device_time=self.phase_timing), layout:
+        positions = deepstack_positions(unwrapped, inputs.get("image_positions") if self.host_grid else None)
+        with self.timers.phase("forward", device_time=self.phase_timing), layout, positions:
             loss, terms, outputs = forward_loss(model, inputs, self._coord_ids_on(self.args.device), self.loss_weights,
                                                 self.supervised_logits, unwrapped, self.logit_chunk_rows)
         self._loss_terms.append(terms)
