@@ -225,41 +225,38 @@ class HostSyncTracer:
     def __init__(self, frames: int = 6, top_n: int = 12):
         self.frames, self.top_n = frames, top_n
         self.stacks: list[list[str]] = []
-        self._restore = None
+        self._warnings = None
+        self._previous_mode = 0
+        self._shown = None  # the showwarning in force when entered: what other warnings go to
+
+    def _show(self, message, category, filename, lineno, file=None, line=None):
+        import traceback
+
+        if SYNC_WARNING in str(message):
+            self.stacks.append([f"{f.filename}:{f.lineno} {f.name}" for f in reversed(traceback.extract_stack()[:-1])
+                                if not f.filename.endswith("warnings.py")])
+        else:
+            self._shown(message, category, filename, lineno, file, line)
 
     def __enter__(self) -> HostSyncTracer:
-        import traceback
         import warnings
 
         import torch
 
-        catch = warnings.catch_warnings()
-        catch.__enter__()
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()  # restores the filters and ``showwarning`` on exit
         warnings.filterwarnings("always", message=f".*{SYNC_WARNING}.*")
-        shown = warnings.showwarning
-
-        def show(message, category, filename, lineno, file=None, line=None):
-            if SYNC_WARNING in str(message):
-                self.stacks.append([f"{f.filename}:{f.lineno} {f.name}"
-                                    for f in reversed(traceback.extract_stack()[:-1])
-                                    if not f.filename.endswith("warnings.py")])
-            else:
-                shown(message, category, filename, lineno, file, line)
-
-        warnings.showwarning = show
-        previous = torch.cuda.get_sync_debug_mode()
+        self._shown, warnings.showwarning = warnings.showwarning, self._show
+        self._previous_mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
-
-        def restore() -> None:
-            torch.cuda.set_sync_debug_mode(previous)
-            catch.__exit__(None, None, None)
-
-        self._restore = restore
         return self
 
     def __exit__(self, *exc) -> None:
-        self._restore()
-        self._restore = None
+        import torch
+
+        torch.cuda.set_sync_debug_mode(self._previous_mode)
+        self._warnings.__exit__(None, None, None)
+        self._warnings = None
 
     def sources(self) -> list[dict]:
         return group_host_syncs(self.stacks, self.frames, self.top_n)

@@ -26,7 +26,7 @@ def test_host_metadata_on_the_gpu_matches_and_the_encoder_never_waits():
         want = model(**on_gpu).logits
     assert vm.install_host_vision_metadata(model)
     encoder = next(m for m in model.modules() if vm.supports_host_metadata(m))
-    text = next(m for m in model.modules() if getattr(m, "_rm_merge_by_positions", False))
+    text = vm.deepstack_owner(model)
     modes, merges = [], []
     strict = encoder.register_forward_pre_hook(lambda *a: [modes.append(torch.cuda.get_sync_debug_mode()),
                                                            torch.cuda.set_sync_debug_mode("error"), None][2])
@@ -43,7 +43,7 @@ def test_host_metadata_on_the_gpu_matches_and_the_encoder_never_waits():
 
     text._deepstack_process = strict_merge
     try:
-        with torch.no_grad(), vm.deepstack_positions(model, batch["image_positions"].cuda()):
+        with torch.no_grad(), vm.deepstack_positions(text, batch["image_positions"].cuda()):
             got = model(**{**on_gpu, "image_grid_thw": inputs["image_grid_thw"]}).logits
     finally:
         strict.remove()

@@ -92,7 +92,7 @@ def test_training_makes_the_metadata_on_the_host_only_when_configured(tmp_path, 
     monkeypatch.setattr(vm, "vision_metadata", lambda enc, grid: made.append(torch.is_grad_enabled()) or real(enc, grid))
     positions = trainer_module.deepstack_positions
     monkeypatch.setattr(trainer_module, "deepstack_positions",
-                        lambda model, pos: merged.append(pos is not None) or positions(model, pos))
+                        lambda owner, pos: merged.append(owner is not None and pos is not None) or positions(owner, pos))
     raw = config(tmp_path, "vl", max_steps=2, packing=True, packing_length=4096, host_vision_metadata=on)
     raw["data"]["synthetic"]["num_samples"] = 16
     run_training(validate_config(raw))
@@ -153,7 +153,7 @@ def test_the_hooked_encoder_body_reads_nothing_back():
 
 def _loss_grads(model, inputs, positions=None):
     model.zero_grad(set_to_none=True)
-    with _DataDependentOps() as mode, vm.deepstack_positions(model, positions):
+    with _DataDependentOps() as mode, vm.deepstack_positions(vm.deepstack_owner(model), positions):
         logits = model(**inputs).logits
         logits.float().square().mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

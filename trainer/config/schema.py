@@ -158,8 +158,9 @@ class TrainingConfig(Section):
     packing_drop_last: bool = True
     profile_steps: list[int] = Field(
         default_factory=list, description="stage-2 optimizer steps (1-based) whose weight sync and forward + "
-        "backward of every packed row are profiled with torch.profiler: <output_dir>/stage2/profile/step<N>_{weight_sync,train}.json "
-        "(seconds per kernel category, GPU busy fraction, top kernels) and step<N>_<region>_kernels.txt")
+        "backward of every packed row are profiled with torch.profiler: "
+        "<output_dir>/stage2/profile/step<N>_{weight_sync,train}.json (seconds per kernel category, GPU busy fraction, "
+        "top kernels, and for train the host's waits for the GPU) and step<N>_<region>_kernels.txt")
     phase_timing: Literal["events", "sync"] = Field(
         "events", description="how each packed row's forward is timed into time/forward_s on a GPU (time/backward_s "
         "is the rest of the step's training, which ends in one wait for the device either way). events: CUDA events "
@@ -168,11 +169,11 @@ class TrainingConfig(Section):
         "the end of every forward (each row's forward time is the host's wait for it; what every run before this key "
         "did), for a per-row split that needs no events. CPU runs time the wall either way")
     host_vision_metadata: bool = Field(
-        True, description="Qwen3-VL packed rows: keep image_grid_thw on the host and make the vision encoder's metadata (attention "
-        "segments, rotary positions, position-embedding interpolation) there with transformers' own helpers, so the "
-        "encoder reads no GPU value back (about eighty host waits a packed row at 4B otherwise), and merge the deepstack "
-        "features at image-token positions the collator found on the host instead of through a boolean mask (trainer.modeling."
-        "vision_metadata). Other models: no effect. false: the encoder derives them on the GPU")
+        True, description="Qwen3-VL packed rows: keep image_grid_thw on the host and make the vision encoder's "
+        "metadata (attention segments, rotary positions, position-embedding interpolation) there with transformers' "
+        "own helpers, so the encoder reads no GPU value back (about eighty host waits a packed row at 4B otherwise), "
+        "and merge the deepstack features at image-token positions the collator found on the host instead of through "
+        "a boolean mask (trainer.modeling.vision_metadata). Other models: no effect. false: both on the GPU")
     profile_trace: bool = Field(False, description="also write a gzipped Chrome trace per profiled step "
                                                    "(step<N>_<region>.trace.json.gz; tens of MB at 8B)")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve the learner's Prometheus metrics "

@@ -109,11 +109,16 @@ def _merge_by_positions(text_model: torch.nn.Module, merge_by_mask):
     return merge
 
 
+def deepstack_owner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The text model whose deepstack merge ``install_host_vision_metadata`` wrapped (None: none was), to find once
+    and hand to ``deepstack_positions`` at every forward."""
+    return next((m for m in model.modules() if getattr(m, "_rm_merge_by_positions", False)), None)
+
+
 @contextmanager
-def deepstack_positions(model: torch.nn.Module, positions: torch.Tensor | None) -> Iterator[None]:
-    """For the enclosed forward, the hooked text model merges the deepstack features at ``positions``
-    (``image_positions``, on the model's device)."""
-    text = next((m for m in model.modules() if getattr(m, "_rm_merge_by_positions", False)), None)
+def deepstack_positions(text: torch.nn.Module | None, positions: torch.Tensor | None) -> Iterator[None]:
+    """For the enclosed forward, the wrapped text model (``deepstack_owner``) merges the deepstack features at
+    ``positions`` (``image_positions``, on the model's device); nothing changes when either is None."""
     if text is None or positions is None:
         yield
         return

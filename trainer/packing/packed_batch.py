@@ -41,10 +41,10 @@ def block_causal_mask(lengths: Sequence[int], additive_dtype: torch.dtype | None
     return mask[None, None]
 
 
-def image_positions(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """``[2, N]`` (row, column) of every image token of ``input_ids`` ``[B, L]``, in the order a boolean mask of them
-    selects (row-major): where the deepstack merge adds the vision features (``trainer.modeling.vision_metadata``)."""
-    return torch.stack(torch.nonzero(input_ids == image_token_id, as_tuple=True))
+def image_positions(image_mask: torch.Tensor) -> torch.Tensor:
+    """``[2, N]`` (row, column) of every image token of the ``[B, L]`` mask, in the order the boolean mask selects
+    them (row-major): where the deepstack merge adds the vision features (``trainer.modeling.vision_metadata``)."""
+    return torch.stack(torch.nonzero(image_mask, as_tuple=True))
 
 
 def mrope_position_ids(model, targets: Sequence[TrainTarget], image_token_id: int) -> torch.Tensor:
@@ -71,8 +71,9 @@ def pack_targets(targets: Sequence[TrainTarget], attn_implementation: str, model
         if model is None or image_token_id is None:
             raise ValueError("packing a multimodal batch needs the model (for mRoPE) and the image token id")
         batch["position_ids"] = mrope_position_ids(model, targets, image_token_id)
-        batch["mm_token_type_ids"] = (ids == image_token_id).long()
-        batch["image_positions"] = image_positions(ids, image_token_id)
+        images = ids == image_token_id
+        batch["mm_token_type_ids"] = images.long()
+        batch["image_positions"] = image_positions(images)
     else:
         batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
     if attn_implementation == VARLEN_IMPL and "pixel_values" in batch:

@@ -38,7 +38,7 @@ from trainer.memory.oom import MemorySettings, TrainingOutOfMemory
 from trainer.memory.oom import explain as explain_out_of_memory
 from trainer.modeling.adapter_casts import adapter_layers, uncast_adapter_inputs
 from trainer.modeling.compile import eager_rollouts
-from trainer.modeling.vision_metadata import deepstack_positions, install_host_vision_metadata
+from trainer.modeling.vision_metadata import deepstack_owner, deepstack_positions, install_host_vision_metadata
 from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
@@ -171,6 +171,7 @@ class RolloutMatchingTrainer(Trainer):
         #: ``training.host_vision_metadata``: ``image_grid_thw`` stays on the host and the vision encoder's metadata is
         #: made there (``trainer.modeling.vision_metadata``)
         self.host_grid = host_vision_metadata and install_host_vision_metadata(self.model)
+        self._deepstack_owner = deepstack_owner(self.model) if self.host_grid else None
         self.eager_rollouts = eager_rollouts
         #: ``vllm.pixels_during_decode``: the training pixels are made on ``_pixel_pool``'s thread while the engine decodes
         self.pixels_during_decode = pixels_during_decode and self._can_defer_pixels(engine, pipeline)
@@ -489,7 +490,7 @@ class RolloutMatchingTrainer(Trainer):
             if self._layout_stack is not None:
                 self._layout_stack.enter_context(layout)
                 layout = contextlib.nullcontext()
-        positions = deepstack_positions(unwrapped, inputs.get("image_positions") if self.host_grid else None)
+        positions = deepstack_positions(self._deepstack_owner, inputs.get("image_positions"))
         with self.timers.phase("forward", device_time=self.phase_timing), layout, positions:
             loss, terms, outputs = forward_loss(model, inputs, self._coord_ids_on(self.args.device), self.loss_weights,
                                                 self.supervised_logits, unwrapped, self.logit_chunk_rows)
