@@ -82,6 +82,18 @@ def test_learner_waits_for_every_server_and_config_lists_them(values_file):
         assert cfg["custom"]["extra"]["rollout_matching"]["vllm"]["mode"] == "colocate"
 
 
+@pytest.mark.parametrize("values_file", ["values-6v2.yaml", "values-3v1.yaml"])
+def test_server_topologies_ship_async_rollouts_beside_the_written_server_list(values_file):
+    """The server layouts we ship overlap decode and training (sync ping-pong measured at 0.97x one GPU on two); the
+    chart's topology patch deep-merges the server list into ``vllm.server`` and keeps ``async_rollouts``."""
+    _, docs = render_docs(values_file)
+    server = train_yaml(docs)["custom"]["extra"]["rollout_matching"]["vllm"]["server"]
+    assert server["async_rollouts"] == {"enabled": True, "max_staleness_steps": 1}
+    assert len(server["servers"]) == len(workload(docs, "rollout-server")) >= 1
+    cfg = validate_config(train_yaml(docs), source=values_file)
+    assert cfg.custom.extra.rollout_matching.vllm.server.async_rollouts.enabled
+
+
 @pytest.mark.parametrize("values_file", ALL_VALUES)
 def test_mounted_training_config_passes_the_trainer_schema(values_file):
     _, docs = render_docs(values_file)
