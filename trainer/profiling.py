@@ -14,6 +14,11 @@ operation that made the host wait for the device, by the Python frames that issu
 ``host_syncs``: each wait drains the device's queue, so the launches after it are exposed), and writes the profiler's
 table by host time as ``..._host.txt``.
 
+Every region also counts the host's side (``host_side``): ``launches``, the CUDA runtime and driver calls that each
+queue one kernel or graph (``LAUNCH_CALLS``), and ``host_self_s``, the profiled operators' and API calls' own CPU
+time. A region whose ``host_self_s`` nears its wall time while ``busy_fraction`` stays low is launch-bound: the host
+cannot queue the kernels as fast as the device runs them (session 22: ~3,700 launches a 4k row).
+
 Invariants: every profiled kernel lands in exactly one category, so the categories sum to the device-busy time;
 ``busy_fraction`` = device-busy seconds / wall seconds of the region (below 1: the device waited on the host).
 """
@@ -45,6 +50,18 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("elementwise", ("elementwise", "vectorized", "unrolled", "aten::mul", "aten::add", "aten::silu", "aten::pow",
                      "aten::rsqrt", "aten::neg", "aten::div", "silu", "triton_")),
 )
+
+
+#: host-side profiler events that each queue one kernel (or one CUDA graph) on the device
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                          "cudaLaunchCooperativeKernel", "cudaGraphLaunch"})
+
+
+def host_side(events: Sequence[tuple[str, int, float]]) -> tuple[int, float]:
+    """``(launches, host_self_s)`` of a region's host-side events, each ``(name, calls, self CPU seconds)``:
+    the calls of ``LAUNCH_CALLS`` events, and the self CPU seconds of every event."""
+    launches = sum(calls for name, calls, _ in events if name in LAUNCH_CALLS)
+    return launches, sum(sec for _, _, sec in events)
 
 
 def categorize(name: str) -> str:
@@ -86,6 +103,11 @@ class ProfileSummary:
     host_syncs: list[dict] = field(default_factory=list)
     #: ``train``: the packed rows (micro-batches) whose forward + backward the region covered, every one of the step's
     rows: int | None = None
+    #: kernel (and graph) launches the host issued in the region (``LAUNCH_CALLS``; 0 on the CPU)
+    launches: int = 0
+    #: the host's own CPU seconds in the region: every profiled operator's and runtime call's self time, summed over
+    #: the host's threads (the autograd thread's backward included, so it can exceed ``wall_s``)
+    host_self_s: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -288,6 +310,13 @@ def _kernel_times(prof, cuda: bool) -> list[KernelTime]:
     return out
 
 
+def _host_events(prof) -> list[tuple[str, int, float]]:
+    from torch.autograd import DeviceType
+
+    return [(ev.key, int(ev.count), ev.self_cpu_time_total / 1e6) for ev in prof.key_averages()
+            if ev.device_type == DeviceType.CPU]
+
+
 @contextmanager
 def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = "train",
                    rows: int | None = None) -> Iterator[None]:
@@ -313,6 +342,7 @@ def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = 
         wall = time.perf_counter() - t0
     summary = summarize(_kernel_times(prof, cuda), wall, step, "cuda" if cuda else "cpu", region=region)
     summary.rows = rows
+    summary.launches, summary.host_self_s = host_side(_host_events(prof))
     if stacks:
         summary.host_to_device = host_to_device_sources(_ops_with_kernels(prof))
         summary.host_to_device_ops = tracer.sources()

@@ -242,13 +242,16 @@ def test_chart_rendered_3v1_pods_talk_to_each_other(images, assets, tmp_path):
                          "data": {"hostPath": str(assets["data"]), "mountPath": "/data"},
                          "output": {"hostPath": "", "mountPath": "/output", "sizeLimit": "1Gi"}}
     values["learner"]["healthTimeoutS"] = 180
+    shipped_server = values["learner"]["config"]["custom"]["extra"]["rollout_matching"]["vllm"]["server"]
+    assert shipped_server["async_rollouts"]["enabled"], "values-3v1.yaml ships async rollouts"
     values["learner"]["config"] = {
         "model": {"path": None, "tiny": "vl", "torch_dtype": "float32"},
         "data": {"train_jsonl": "/data/train.jsonl", "image_root": "/data"},
         "training": {"output_dir": "/output/run", "max_steps": 2, "per_device_train_batch_size": 3, "bf16": False,
                      "report_to": ["jsonl"]},
         "custom": {"extra": {"rollout_matching": {"rollout_generate_batch_size": 3, "decoding": {"max_new_tokens": 32},
-                                                  "vllm": {"sync": {"transport": "inband"}}}}},
+                                                  "vllm": {"sync": {"transport": "inband"},
+                                                           "server": shipped_server}}}},
     }
     manifests = manifests_of(render_chart(values))
     assert check_manifests(manifests, values["node"]["gpuCount"]) == []
@@ -286,6 +289,7 @@ def test_chart_rendered_3v1_pods_talk_to_each_other(images, assets, tmp_path):
         assert status["StatusCode"] == 0, learner_log[-8000:]
         assert f"waiting up to 180s for 3 server(s): {', '.join(urls)}" in learner_log
         assert "3/3 server(s) read the final state" in learner_log
+        assert "'rollout/prefetch_used'" in learner_log, "the shipped async rollouts decoded a step ahead"
         # lifecycle: every server stops on its own once the learner succeeded (exit 0: its Job would complete)
         for url, ctr in zip(urls, started[:3]):
             server_status = ctr.get_wrapped_container().wait(timeout=120)

@@ -25,6 +25,7 @@ from trainer.profiling import (
     _ops_with_kernels,
     categorize,
     group_host_syncs,
+    host_side,
     host_to_device_sources,
     is_plumbing,
     summarize,
@@ -64,6 +65,17 @@ def test_summary_categories_sum_to_busy_time_and_rank_the_top_kernels():
     assert list(s.by_category_s) == ["matmul", "attention", "elementwise", "copy"]
     assert [k["name"] for k in s.top] == ["nvjet_gemm_a", "flash_fwd_kernel"]
     assert s.top[0]["share"] == pytest.approx(0.6)
+
+
+def test_host_side_counts_kernel_launches_and_the_host_s_own_time():
+    """Session 22's launch-bound 4k row, as the host table listed it: runtime and driver launches count, a copy or
+    a synchronize does not; the host's time is every event's self time."""
+    events = [("cudaLaunchKernel", 16499, 0.183), ("cuLaunchKernelEx", 6976, 0.087), ("cuLaunchKernel", 6336, 0.077),
+              ("cudaMemcpyAsync", 424, 0.011), ("cudaStreamSynchronize", 2, 0.001), ("aten::mm", 6152, 0.274)]
+    launches, host_s = host_side(events)
+    assert launches == 16499 + 6976 + 6336
+    assert host_s == pytest.approx(0.183 + 0.087 + 0.077 + 0.011 + 0.001 + 0.274)
+    assert host_side([]) == (0, 0)
 
 
 def test_host_to_device_copies_are_grouped_by_the_frames_that_issued_them():
@@ -201,6 +213,8 @@ def test_the_listed_step_is_profiled_once_and_no_other(tmp_path):
     summary = json.loads((prof / "step2_train.json").read_text())
     assert summary["step"] == 2 and summary["region"] == "train" and summary["device"] == "cpu"
     assert summary["rows"] == 2, "the region covers every row of the step (two micro-batches of one target)"
+    assert summary["launches"] == 0, "no kernel launches on the CPU"
+    assert 0 < summary["host_self_s"], "the host's own operator time is counted"
     attention = [line.split() for line in (prof / "step2_train_kernels.txt").read_text().splitlines()
                  if line.split() and line.split()[0] == "aten::_scaled_dot_product_flash_attention_for_cpu"]
     assert int(attention[0][-1]) == 2 * model.config.num_hidden_layers, "one attention call per layer per row"

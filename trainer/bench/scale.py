@@ -771,6 +771,8 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
         if "profile" in rec:
             p = rec["profile"]
             print(json.dumps({"profile_busy_fraction": p["busy_fraction"], "profile_wall_s": p["wall_s"],
+                              "host_self_s": p.get("host_self_s"), "launches": p.get("launches"),
+                              "launches_per_row": p.get("launches", 0) / p["rows"] if p.get("rows") else None,
                               "by_category_s": p["by_category_s"],
                               "host_syncs": [(g["calls"], g["frames"][:3]) for g in p.get("host_syncs", [])[:8]],
                               "top": [(k["name"][:70], round(k["seconds"], 4)) for k in p["top"][:12]]}), flush=True)
