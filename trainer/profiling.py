@@ -290,11 +290,11 @@ def _ops_with_kernels(prof) -> list[tuple[list[str], list[tuple[str, float]]]]:
             if ev.kernels]
 
 
-def _kernel_times(prof, cuda: bool) -> list[KernelTime]:
+def _kernel_times(averages, cuda: bool) -> list[KernelTime]:
     from torch.autograd import DeviceType
 
     out = []
-    for ev in prof.key_averages():
+    for ev in averages:
         if cuda:
             if ev.device_type != DeviceType.CUDA:
                 continue
@@ -310,10 +310,10 @@ def _kernel_times(prof, cuda: bool) -> list[KernelTime]:
     return out
 
 
-def _host_events(prof) -> list[tuple[str, int, float]]:
+def _host_events(averages) -> list[tuple[str, int, float]]:
     from torch.autograd import DeviceType
 
-    return [(ev.key, int(ev.count), ev.self_cpu_time_total / 1e6) for ev in prof.key_averages()
+    return [(ev.key, int(ev.count), ev.self_cpu_time_total / 1e6) for ev in averages
             if ev.device_type == DeviceType.CPU]
 
 
@@ -340,9 +340,10 @@ def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = 
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    summary = summarize(_kernel_times(prof, cuda), wall, step, "cuda" if cuda else "cpu", region=region)
+    averages = prof.key_averages()
+    summary = summarize(_kernel_times(averages, cuda), wall, step, "cuda" if cuda else "cpu", region=region)
     summary.rows = rows
-    summary.launches, summary.host_self_s = host_side(_host_events(prof))
+    summary.launches, summary.host_self_s = host_side(_host_events(averages))
     if stacks:
         summary.host_to_device = host_to_device_sources(_ops_with_kernels(prof))
         summary.host_to_device_ops = tracer.sources()
@@ -351,11 +352,11 @@ def profile_region(out_dir: Path, step: int, trace: bool = False, region: str = 
     stem = f"step{step}_{region}"
     (out_dir / f"{stem}.json").write_text(json.dumps(summary.to_json(), indent=2))
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-    (out_dir / f"{stem}_kernels.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60,
-                                                                               max_name_column_width=90))
+    (out_dir / f"{stem}_kernels.txt").write_text(averages.table(sort_by=sort, row_limit=60,
+                                                                      max_name_column_width=90))
     if cuda:  # the host's side: where it launched, and where it waited (cudaStreamSynchronize, cudaMemcpy...)
-        (out_dir / f"{stem}_host.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total",
-                                                                            row_limit=60, max_name_column_width=90))
+        (out_dir / f"{stem}_host.txt").write_text(averages.table(sort_by="self_cpu_time_total",
+                                                                     row_limit=60, max_name_column_width=90))
     if trace:
         raw = out_dir / f"{stem}.trace.json"
         prof.export_chrome_trace(str(raw))

@@ -164,9 +164,8 @@ class RolloutMatchingTrainer(Trainer):
         self.weight_sync = weight_sync
         self.supervised_logits = supervised_logits
         self.logit_chunk_rows = logit_chunk_rows  # ``loss.logit_chunk_rows`` (``trainer.losses.chunked_objective``)
-        #: ``training.phase_timing``: how a row's forward is timed (``PhaseTimers.phase``'s ``device_time``)
-        if phase_timing not in ("events", "sync"):
-            raise ValueError(f"phase_timing must be 'events' or 'sync', got {phase_timing!r}")
+        #: ``training.phase_timing``: how a row's forward is timed (``PhaseTimers.phase``'s ``device_time``, which
+        #: validates it)
         self.phase_timing = phase_timing
         #: ``training.host_vision_metadata``: ``image_grid_thw`` stays on the host and the vision encoder's metadata is
         #: made there (``trainer.modeling.vision_metadata``)
