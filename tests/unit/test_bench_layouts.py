@@ -37,6 +37,14 @@ def test_every_layout_config_validates(layout, tmp_path):
         assert v.sleep_level == ("kv_cache" if layout.name.endswith("-sleepkv") else 2)
     assert v.pixels_during_decode == layout.pixels_during_decode == ("-pixels" in layout.name)
     assert (t.deepspeed == "zero2") == (layout.zero == 2)
+    assert t.checkpointing_policy == ("auto" if layout.name.endswith("-auto-compile") else "full")
+    assert t.compile_decoder_layers == layout.name.endswith("-compile")
+
+
+def test_cpu_layouts_train_without_checkpointing_or_compile(tmp_path):
+    cfg = validate_config(layout_config(Layout("x", 1, checkpointing="auto", compile=False), QUICK_WORK,
+                                        tmp_path / "m", tmp_path / "out", [], cuda=False))
+    assert cfg.training.checkpointing_policy == "off" and not cfg.training.compile_decoder_layers
 
 
 def _write_run(run: Path, times: list[float], per_rank: dict[int, list[list[str]]]) -> None:
@@ -69,6 +77,30 @@ def test_measure_counts_the_carry_of_every_rank(tmp_path):
     m = measure(tmp_path)
     assert m["carried_at_end"] == 3
     assert m["ledger"]["carried"] == 3 and m["ledger"]["carried_and_trained"] == 1, "'c' was trained and is carried"
+
+
+def test_measure_reports_the_checkpointing_that_ran(tmp_path):
+    _write_run(tmp_path, [100.0, 104.0, 106.0], {0: [["a"], ["b"], ["c"]]})
+    rows = (tmp_path / "metrics.jsonl").read_text()
+    setup = {"phase": "setup", "step": 0, "time": 99.0, "train/checkpointing_policy": "selective",
+             "train/checkpointed_layers": 14}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(setup) + "\n" + rows)
+    m = measure(tmp_path)
+    assert m["learner_checkpointing"] == "selective" and m["learner_checkpointed_layers"] == 14
+    assert m["steps_measured"] == 2, "the setup row is not a step"
+
+
+def test_compare_sets_a_faster_learner_against_colocate_1_with_the_same_levers():
+    fast = {"checkpointing": "auto", "compile": True, "servers": 0, "tp": 1}
+    recs = [{"name": "colocate-1", "gpus": 1, "layout": {"servers": 0, "tp": 1}, "trained_samples_per_s": 2.0},
+            {"name": "colocate-1-auto-compile", "gpus": 1, "layout": fast, "trained_samples_per_s": 2.5},
+            {"name": "3v1-async-auto-compile", "gpus": 4, "layout": {**fast, "servers": 3},
+             "trained_samples_per_s": 8.0},
+            {"name": "3v1-async", "gpus": 4, "layout": {"servers": 3}, "trained_samples_per_s": 5.0}]
+    compare(recs)
+    assert recs[2]["speedup_vs_colocate_1"] == 4.0 and recs[2]["per_gpu_efficiency"] == 1.0
+    assert recs[2]["speedup_vs_same_learner_colocate_1"] == 3.2 and recs[2]["per_gpu_efficiency_same_learner"] == 0.8
+    assert "speedup_vs_same_learner_colocate_1" not in recs[3], "default learner: colocate-1 is its baseline already"
 
 
 def test_compare_is_per_gpu_against_colocate_1():

@@ -58,6 +58,11 @@ class Layout:
     pixels_during_decode: bool = False
     #: colocate: ``vllm.sleep_level`` instead of the work's (``kv_cache``: the weights stay mapped between decodes)
     sleep_level: int | str | None = None
+    #: the learner's ``training.gradient_checkpointing_policy`` instead of the work's (``auto``: sized from the
+    #: learner GPU's memory, a colocated engine's share charged)
+    checkpointing: str | None = None
+    #: the learner's ``training.compile_decoder_layers``
+    compile: bool = False
 
     @property
     def gpus(self) -> int:
@@ -85,6 +90,9 @@ class Work:
     server_util: float = 0.85
     sleep_level: int = 2
     tuner: str = "full"  # full | lora
+    #: the learner's ``gradient_checkpointing_policy`` on a GPU (``full``: what every layouts run before session 23
+    #: used, whatever the memory; CPU runs: off)
+    checkpointing: str = "full"
     timeout_s: float = 900.0
 
 
@@ -109,6 +117,12 @@ LAYOUTS = (
     Layout("3v1-async", 1, servers=3, async_rollouts=True),
     Layout("2v2-async", 2, servers=2, async_rollouts=True),
     Layout("3v1-async-kill", 1, servers=3, async_rollouts=True, fault="kill-server"),
+    # the learner near its GPU's limit: checkpointing sized from the memory (``auto``) and compiled decoder layers
+    Layout("colocate-1-auto-compile", 1, checkpointing="auto", compile=True),
+    Layout("3v1-async-auto-compile", 1, servers=3, async_rollouts=True, checkpointing="auto", compile=True),
+    Layout("2v2-async-auto-compile", 2, servers=2, async_rollouts=True, checkpointing="auto", compile=True),
+    Layout("colocate-4-r256-pixels-auto-compile", 4, records_per_step=256, pixels_during_decode=True,
+           checkpointing="auto", compile=True),
     Layout("colocate-8", 8),
     Layout("6v2-async", 2, servers=6, async_rollouts=True),
     Layout("7v1-async", 1, servers=7, async_rollouts=True),
@@ -223,8 +237,9 @@ def layout_config(layout: Layout, work: Work, model_dir: Path, out_dir: Path, ur
     training: dict[str, Any] = {
         "output_dir": str(out_dir), "max_steps": steps, "records_per_step": records, "learning_rate": 1e-5,
         "logging_steps": 1, "seed": 0, "disable_tqdm": True, "report_to": ["jsonl"], "packing": True,
-        "packing_length": work.packing_length, "packing_buffer": 4 * records, "gradient_checkpointing": cuda,
-        "bf16": cuda, "save_steps": 0}
+        "packing_length": work.packing_length, "packing_buffer": 4 * records,
+        "gradient_checkpointing_policy": (layout.checkpointing or work.checkpointing) if cuda else "off",
+        "compile_decoder_layers": layout.compile, "bf16": cuda, "save_steps": 0}
     if layout.zero:
         training["deepspeed"] = f"zero{layout.zero}"
     extra: dict[str, Any] = {}
@@ -353,6 +368,8 @@ def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
         vals = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
         return sum(vals) / len(vals) if vals else None
 
+    setup = next((r for r in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+                               if x.strip()) if r.get("phase") == "setup"), {})
     ids = [r["sample_id"] for r in ledger]
     carried = [json.loads(x)["sample_id"] for p in sorted((run_dir / "stage2").glob("carried*.jsonl"))
                for x in p.read_text().splitlines() if x.strip()]
@@ -369,6 +386,8 @@ def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
                                        "batch/filler_rows", "packing/carried", "gc/pause_s",
                                        "gc/gen2_collections")},
         "learner_peak_gib": max((r.get("mem/step_peak_gib", 0.0) for r in steps), default=None),
+        "learner_checkpointing": setup.get("train/checkpointing_policy"),
+        "learner_checkpointed_layers": setup.get("train/checkpointed_layers"),
         "carried_at_end": len(carried),
     }
 
@@ -475,14 +494,30 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
     return rec
 
 
+def _learner(rec: dict[str, Any]) -> tuple[Any, bool]:
+    lay = rec.get("layout") or {}
+    return lay.get("checkpointing"), bool(lay.get("compile"))
+
+
 def compare(records: list[dict[str, Any]]) -> None:
-    """``per_gpu_efficiency``: trained samples/s per GPU against colocate-1's; ``speedup_vs_colocate_1``."""
+    """``per_gpu_efficiency``: trained samples/s per GPU against colocate-1's; ``speedup_vs_colocate_1``. A layout
+    whose learner runs other levers (``Layout.checkpointing`` / ``compile``) is also set against the colocate-1 run
+    with the same levers, where one ran: ``speedup_vs_same_learner_colocate_1``, ``per_gpu_efficiency_same_learner``
+    (the layout's own gain, apart from the learner's)."""
     base = next((r.get("trained_samples_per_s") for r in records if r["name"] == "colocate-1"), None)
     for r in records:
         sps = r.get("trained_samples_per_s")
         if base and sps:
             r["speedup_vs_colocate_1"] = round(sps / base, 3)
             r["per_gpu_efficiency"] = round(sps / base / r["gpus"], 3)
+        if _learner(r) == (None, False) or not sps:
+            continue
+        same = next((c.get("trained_samples_per_s") for c in records if c.get("gpus") == 1
+                     and (c.get("layout") or {}).get("servers", 0) == 0 and (c.get("layout") or {}).get("tp", 1) == 1
+                     and _learner(c) == _learner(r) and c.get("trained_samples_per_s")), None)
+        if same:
+            r["speedup_vs_same_learner_colocate_1"] = round(sps / same, 3)
+            r["per_gpu_efficiency_same_learner"] = round(sps / same / r["gpus"], 3)
 
 
 def figure(result: dict[str, Any]):
@@ -572,7 +607,8 @@ def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = 
         (out / name).write_text(json.dumps(result, indent=2))
         print(f"bench layouts: {layout.name}: " + (rec.get("error") or
               f"{rec['trained_samples_per_s']:.2f} samples/s, step {rec['step_wall_s']:.2f} s, "
-              f"rows/step {rec['means'].get('batch/rows_per_step')}, busy {rec.get('gpu', {}).get('busy_pct')}"),
+              f"rows/step {rec['means'].get('batch/rows_per_step')}, busy {rec.get('gpu', {}).get('busy_pct')}, "
+              f"checkpointing {rec.get('learner_checkpointing')}"),
               flush=True)
     plot(result, out / name.replace(".json", ".png"))
     return result
