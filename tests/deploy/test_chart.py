@@ -94,6 +94,16 @@ def test_server_topologies_ship_async_rollouts_beside_the_written_server_list(va
     assert cfg.custom.extra.rollout_matching.vllm.server.async_rollouts.enabled
 
 
+@pytest.mark.parametrize("values_file", TOPOLOGY_FILES)
+def test_shipped_topologies_size_checkpointing_and_compile_the_learner(values_file):
+    """Every topology we ship runs the learner measured fastest in ``bench --only layouts``: checkpointing sized from
+    the GPU's memory (no OOM where it does not fit, no recompute where it does) and compiled decoder layers."""
+    _, docs = render_docs(values_file)
+    cfg = validate_config(train_yaml(docs), source=values_file)
+    assert cfg.training.checkpointing_policy == "auto"
+    assert cfg.training.compile_decoder_layers and not cfg.training.use_liger_kernel
+
+
 @pytest.mark.parametrize("values_file", ALL_VALUES)
 def test_mounted_training_config_passes_the_trainer_schema(values_file):
     _, docs = render_docs(values_file)

@@ -16,10 +16,12 @@ from trainer.telemetry import read_jsonl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "policy"), [("vl", "full"), ("text", "full"), ("vl", "selective")])
-def test_compiled_layers_compile_once_across_pack_layouts(tmp_path, monkeypatch, kind, policy):
+@pytest.mark.parametrize(("kind", "policy", "tuner"), [("vl", "full", "lora"), ("text", "full", "lora"),
+                                                      ("vl", "selective", "lora"), ("vl", "auto", "dora")])
+def test_compiled_layers_compile_once_across_pack_layouts(tmp_path, monkeypatch, kind, policy, tuner):
     """``selective``: compile and selective checkpointing together (issue 37's next 4B lever: 1.29x and 1.21x apart on
-    an H200, session 18), the recomputed and the kept layers both compiled once."""
+    an H200, session 18), the recomputed and the kept layers both compiled once. ``auto`` + DoRA: the learner
+    ``values-3v1.yaml`` / ``values-6v2.yaml`` ship (the policy sized from the memory, here the host's: off)."""
     import torch.nn.attention.varlen as varlen_module
     from torch._dynamo.utils import counters
 
@@ -50,7 +52,7 @@ def test_compiled_layers_compile_once_across_pack_layouts(tmp_path, monkeypatch,
     data = {
         "model": {"tiny": kind},
         "data": {"synthetic": {"num_samples": 24, "seed": 3, "min_objects": 1, "max_objects": 4, "image_size": 64}},
-        "tuner": {"train_type": "lora", "lora_rank": 4, "lora_alpha": 8},
+        "tuner": {"train_type": tuner, "lora_rank": 4, "lora_alpha": 8},
         "training": {"output_dir": str(tmp_path / "run"), "max_steps": 5, "per_device_train_batch_size": 4,
                      "learning_rate": 1e-3, "logging_steps": 1, "seed": 0, "disable_tqdm": True,
                      "report_to": ["jsonl"], "compile_decoder_layers": True, "gradient_checkpointing": True,
@@ -70,6 +72,7 @@ def test_compiled_layers_compile_once_across_pack_layouts(tmp_path, monkeypatch,
     # dynamic=True: compiled at the first pack, at most once more when sizes turn symbolic; never once per layout
     assert graphs[-1] == graphs[1], f"compiled graphs per step {graphs} over layouts {[len(c) for _, c in seen]}"
     setup = next(r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "setup")
-    assert setup["train/checkpointing_policy"] == policy
+    assert setup["train/checkpointing_policy"] == ("off" if policy == "auto" else policy)
+    assert setup["train/checkpointing_requested"] == policy
     if policy == "selective":
         assert 0 < setup["train/checkpointed_layers"] < setup["train/decoder_layers"]

@@ -103,6 +103,22 @@ def test_compare_sets_a_faster_learner_against_colocate_1_with_the_same_levers()
     assert "speedup_vs_same_learner_colocate_1" not in recs[3], "default learner: colocate-1 is its baseline already"
 
 
+def test_merge_calls_tags_each_record_and_compares_across_calls(tmp_path):
+    from trainer.bench.layouts import merge_calls
+
+    one = {"work": {"size": "2b"}, "gpus": 4, "layouts": [
+        {"name": "colocate-1", "gpus": 1, "layout": {"servers": 0, "tp": 1}, "trained_samples_per_s": 2.0}]}
+    two = {"work": {"size": "2b"}, "gpus": 4, "layouts": [
+        {"name": "3v1-async", "gpus": 4, "layout": {"servers": 3}, "trained_samples_per_s": 6.0}]}
+    paths = []
+    for i, res in enumerate((one, two)):
+        paths.append(tmp_path / f"call{i}.json")
+        paths[-1].write_text(json.dumps(res))
+    out = merge_calls(paths, session=23, device="4 x H200")
+    assert [r["call"] for r in out["layouts"]] == [1, 2] and out["session"] == 23 and out["work"] == {"size": "2b"}
+    assert out["layouts"][1]["speedup_vs_colocate_1"] == 3.0, "the baseline came from call 1"
+
+
 def test_compare_is_per_gpu_against_colocate_1():
     recs = [{"name": "colocate-1", "gpus": 1, "trained_samples_per_s": 2.0},
             {"name": "3v1-async", "gpus": 4, "trained_samples_per_s": 6.0}, {"name": "x", "gpus": 4, "error": "e"}]

@@ -6,7 +6,10 @@ each with its own vLLM engine that sleeps while it trains; DDP, or ZeRO-2 with `
 sharing one TP-N engine), ``SvL`` (S ``trainer serve --engine vllm`` processes on GPUs 0..S-1, one each, and an L-rank
 learner on the rest; NCCL weight sync; ``-async``: the next step's batch decodes while this one trains). Every layout
 runs the same work (``Work``: model, records per optimizer step, rollout length, images) through the product's own
-entry points (``trainer serve``, ``torch.distributed.run -m trainer train``), one after the other.
+entry points (``trainer serve``, ``torch.distributed.run -m trainer train``), one after the other. The learner
+checkpoints every decoder layer (``Work.checkpointing``: ``full``) and runs eagerly unless the layout names its own
+levers (``-auto-compile``: ``gradient_checkpointing_policy: auto`` and ``compile_decoder_layers``); each record says
+which policy ran (``learner_checkpointing``).
 
 Per layout: trained samples/s (ledger rows of every rank, i.e. samples that went through a backward pass, over the
 wall time of the measured steps; the first step is warm-up), that rate per GPU against ``colocate-1``'s, the busy %
@@ -520,6 +523,18 @@ def compare(records: list[dict[str, Any]]) -> None:
             r["per_gpu_efficiency_same_learner"] = round(sps / same / r["gpus"], 3)
 
 
+def merge_calls(calls: list[Path], numbers: list[int] | None = None, **fields: Any) -> dict[str, Any]:
+    """One result from several layouts-bench calls on one held machine (``calls``: their ``layouts.json``, in call
+    order): every record tagged with its ``call`` (``numbers``, else 1, 2, ...), the ratios recomputed over all of
+    them (``compare``: the baselines may come from another call on the same machine), ``fields`` (session, device,
+    note) added."""
+    results = [json.loads(Path(c).read_text()) for c in calls]
+    numbers = numbers or list(range(1, len(results) + 1))
+    records = [{**r, "call": n} for n, res in zip(numbers, results, strict=True) for r in res["layouts"]]
+    compare(records)
+    return {**results[0], "layouts": records, **fields}
+
+
 def figure(result: dict[str, Any]):
     """The layouts figure, or None when no layout has a throughput: trained samples/s per layout, and each layout's
     per-GPU efficiency against colocate-1 where the run measured colocate-1; a layout without one is marked "no
@@ -540,11 +555,19 @@ def figure(result: dict[str, Any]):
     a.set_title(f"{result['work']['size']}, {result['work']['records_per_step']} records/step")
     efficiency = [r.get("per_gpu_efficiency") for r in ok]
     measured = [(x, e) for x, e in zip(xs, efficiency) if e is not None]
-    b.bar([x for x, _ in measured], [e for _, e in measured], color="tab:green")
+    same = [(x, r.get("per_gpu_efficiency_same_learner")) for x, r in zip(xs, ok)]
+    same = [(x, e) for x, e in same if e is not None]
+    width = 0.4 if same else 0.8
+    b.bar([x - (0.2 if same else 0) for x, _ in measured], [e for _, e in measured], width=width, color="tab:green",
+          label="vs colocate-1")
+    if same:
+        b.bar([x + 0.2 for x, _ in same], [e for _, e in same], width=width, color="tab:olive",
+              label="vs colocate-1 with the same learner levers")
+        b.legend(fontsize=7, loc="lower right")
     b.axhline(1.0, color="grey", lw=0.8)
     for x in (x for x, e in zip(xs, efficiency) if e is None):
         b.text(x, 0.5, "no colocate-1\nin this run", ha="center", va="center", fontsize=8, color="grey")
-    b.set_ylim(0, 1.1 * max([1.0, *(e for _, e in measured)]))
+    b.set_ylim(0, 1.1 * max([1.0, *(e for _, e in measured), *(e for _, e in same)]))
     b.set_xlim(-0.6, len(ok) - 0.4)
     b.set_ylabel("per-GPU efficiency vs colocate-1")
     for ax in (a, b):
