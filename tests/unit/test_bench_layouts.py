@@ -15,7 +15,8 @@ from trainer.config.schema import validate_config
 def test_select_fits_the_gpus_and_names_unknown_layouts():
     four = [x.name for x in select(LAYOUTS, 4, None)]
     assert "colocate-4" in four and "3v1-async" in four and "colocate-8" not in four and "6v2-async" not in four
-    assert [x.name for x in select(LAYOUTS, 8, "6v2-async,colocate-1")] == ["colocate-1", "6v2-async"]
+    assert [x.name for x in select(LAYOUTS, 8, "6v2-async,colocate-1")] == ["6v2-async", "colocate-1"], "as named"
+    assert [x.name for x in select(LAYOUTS, 4, "6v2-async,colocate-1,colocate-1")] == ["colocate-1"], "fits, once"
     with pytest.raises(ValueError, match="unknown layout"):
         select(LAYOUTS, 4, "5v3")
 
@@ -164,6 +165,22 @@ def test_a_failed_layout_keeps_the_head_of_its_learner_log(tmp_path, monkeypatch
     assert rec["error"] == "RuntimeError: learner exited with 1"
     assert rec["learner_log_head"].startswith("ERROR vLLM could not start: the reason")
     assert "the reason" not in rec["learner_log_tail"]
+
+
+def test_a_named_layout_too_big_for_the_machine_is_reported_not_dropped(monkeypatch, tmp_path, capsys):
+    from trainer.bench import layouts
+
+    monkeypatch.setenv("RM_BENCH_LAYOUTS", "3v1-async,colocate-1")
+    monkeypatch.setattr(layouts, "gpu_count", lambda: 2)
+    monkeypatch.setattr(layouts, "save_model", lambda work, root, cuda: tmp_path)
+    ran = []
+    monkeypatch.setattr(layouts, "run_layout", lambda layout, work, *a, **k: ran.append(layout.name) or {
+        "name": layout.name, "gpus": layout.gpus, "error": "x"})
+    monkeypatch.setattr(layouts, "plot", lambda result, path: None)
+    result = layouts.run(tmp_path / "out", work_dir=tmp_path)
+    assert ran == ["colocate-1"]
+    assert result["skipped"] == [{"name": "3v1-async", "gpus": 4, "why": "needs 4 GPUs, this machine has 2"}]
+    assert "skipping 3v1-async: needs 4 GPUs" in capsys.readouterr().out
 
 
 def test_layout_timeout_is_a_knob(monkeypatch, tmp_path):

@@ -589,18 +589,22 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def select(layouts: tuple[Layout, ...], gpus: int, names: str | None) -> list[Layout]:
-    """The layouts that fit ``gpus`` (``names``: a comma-separated subset, by name)."""
-    wanted = [n.strip() for n in names.split(",")] if names else None
-    picked = [lay for lay in layouts if lay.gpus <= max(gpus, 1) and (wanted is None or lay.name in wanted)]
-    if wanted:
-        unknown = sorted(set(wanted) - {lay.name for lay in layouts})
-        if unknown:
-            raise ValueError(f"RM_BENCH_LAYOUTS: unknown layout(s) {unknown}; known: {[x.name for x in layouts]}")
-    return picked
+    """The layouts that fit ``gpus``: every one in table order, or ``names`` (comma-separated) in the order named, so
+    that the layout a call's limit must not cut runs first."""
+    fits = [lay for lay in layouts if lay.gpus <= max(gpus, 1)]
+    if not names:
+        return fits
+    wanted = list(dict.fromkeys(n.strip() for n in names.split(",") if n.strip()))
+    unknown = [n for n in wanted if n not in {lay.name for lay in layouts}]
+    if unknown:
+        raise ValueError(f"RM_BENCH_LAYOUTS: unknown layout(s) {unknown}; known: {[x.name for x in layouts]}")
+    by_name = {lay.name: lay for lay in fits}
+    return [by_name[n] for n in wanted if n in by_name]
 
 
 def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = None) -> dict[str, Any]:
-    """``RM_BENCH_LAYOUTS``: layout names to run (default: every one that fits); ``RM_BENCH_LAYOUT_SIZE``: 2b | 4b;
+    """``RM_BENCH_LAYOUTS``: layout names to run, in that order (default: every one that fits; a named one the
+    machine cannot hold is printed and listed under ``skipped``); ``RM_BENCH_LAYOUT_SIZE``: 2b | 4b;
     ``RM_BENCH_LAYOUT_RECORDS`` / ``_STEPS`` / ``_NEW_TOKENS``: the work; ``RM_BENCH_LAYOUT_TIMEOUT_S``: the most one
     layout's server start and learner may take (keep it inside the calling shell's own limit, so every finished
     layout is measured and written)."""
@@ -615,11 +619,18 @@ def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = 
                  "timeout_s": env.get("RM_BENCH_LAYOUT_TIMEOUT_S")}
     casts = {"size": str, "timeout_s": float}
     work = replace(work, **{k: casts.get(k, int)(v) for k, v in overrides.items() if v})
-    layouts = select(LAYOUTS if cuda else QUICK_LAYOUTS, gpus if cuda else 3, env.get("RM_BENCH_LAYOUTS"))
+    table = LAYOUTS if cuda else QUICK_LAYOUTS
+    layouts = select(table, gpus if cuda else 3, env.get("RM_BENCH_LAYOUTS"))
+    named = [lay for lay in (select(table, 10**6, env.get("RM_BENCH_LAYOUTS")) if env.get("RM_BENCH_LAYOUTS") else [])
+             if lay not in layouts]
+    skipped = [{"name": lay.name, "gpus": lay.gpus, "why": f"needs {lay.gpus} GPUs, this machine has {gpus}"}
+               for lay in named]
+    for sk in skipped:
+        print(f"bench layouts: skipping {sk['name']}: {sk['why']}", flush=True)
     root = Path(work_dir or env.get("RM_BENCH_WORK", "/tmp/rm-bench-layouts"))
     root.mkdir(parents=True, exist_ok=True)
     model_dir = save_model(work, root, cuda)
-    result: dict[str, Any] = {"work": asdict(work), "gpus": gpus, "layouts": [],
+    result: dict[str, Any] = {"work": asdict(work), "gpus": gpus, "layouts": [], "skipped": skipped,
                               "device": _device_name() if cuda else "cpu (quick: tiny model, HF backend, gloo)"}
     name = "layouts.json" if cuda else "layouts_quick.json"
     for layout in layouts:
