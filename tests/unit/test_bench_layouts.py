@@ -92,16 +92,22 @@ def test_measure_reports_the_checkpointing_that_ran(tmp_path):
 
 
 def test_compare_sets_a_faster_learner_against_colocate_1_with_the_same_levers():
-    fast = {"checkpointing": "auto", "compile": True, "servers": 0, "tp": 1}
-    recs = [{"name": "colocate-1", "gpus": 1, "layout": {"servers": 0, "tp": 1}, "trained_samples_per_s": 2.0},
-            {"name": "colocate-1-auto-compile", "gpus": 1, "layout": fast, "trained_samples_per_s": 2.5},
-            {"name": "3v1-async-auto-compile", "gpus": 4, "layout": {**fast, "servers": 3},
-             "trained_samples_per_s": 8.0},
-            {"name": "3v1-async", "gpus": 4, "layout": {"servers": 3}, "trained_samples_per_s": 5.0}]
+    from dataclasses import asdict
+
+    def rec(layout: Layout, sps: float) -> dict:
+        return {"name": layout.name, "gpus": layout.gpus, "layout": asdict(layout), "trained_samples_per_s": sps}
+
+    fast = {"checkpointing": "auto", "compile": True}
+    recs = [rec(Layout("colocate-1", 1), 2.0),
+            rec(Layout("colocate-1-pixels-auto-compile", 1, pixels_during_decode=True, **fast), 4.0),
+            rec(Layout("colocate-1-auto-compile", 1, **fast), 2.5),
+            rec(Layout("3v1-async-auto-compile", 1, servers=3, async_rollouts=True, **fast), 8.0),
+            rec(Layout("3v1-async", 1, servers=3, async_rollouts=True), 5.0)]
     compare(recs)
-    assert recs[2]["speedup_vs_colocate_1"] == 4.0 and recs[2]["per_gpu_efficiency"] == 1.0
-    assert recs[2]["speedup_vs_same_learner_colocate_1"] == 3.2 and recs[2]["per_gpu_efficiency_same_learner"] == 0.8
-    assert "speedup_vs_same_learner_colocate_1" not in recs[3], "default learner: colocate-1 is its baseline already"
+    assert recs[3]["speedup_vs_colocate_1"] == 4.0 and recs[3]["per_gpu_efficiency"] == 1.0
+    assert recs[3]["speedup_vs_same_learner_colocate_1"] == 3.2 and recs[3]["per_gpu_efficiency_same_learner"] == 0.8, \
+        "the baseline is colocate-1's placement and work with the same levers, not another one-GPU layout"
+    assert "speedup_vs_same_learner_colocate_1" not in recs[4], "default learner: colocate-1 is its baseline already"
 
 
 def test_merge_calls_tags_each_record_and_compares_across_calls(tmp_path):

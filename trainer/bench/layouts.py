@@ -502,6 +502,13 @@ def _learner(rec: dict[str, Any]) -> tuple[Any, bool]:
     return lay.get("checkpointing"), bool(lay.get("compile"))
 
 
+def _is_colocate_1(rec: dict[str, Any]) -> bool:
+    """colocate-1's placement and work, whatever the learner's levers (a same-learner baseline)."""
+    lay = rec.get("layout") or {}
+    return all(lay.get(k) == v for k, v in asdict(Layout("colocate-1", 1)).items()
+               if k not in ("name", "checkpointing", "compile"))
+
+
 def compare(records: list[dict[str, Any]]) -> None:
     """``per_gpu_efficiency``: trained samples/s per GPU against colocate-1's; ``speedup_vs_colocate_1``. A layout
     whose learner runs other levers (``Layout.checkpointing`` / ``compile``) is also set against the colocate-1 run
@@ -515,9 +522,8 @@ def compare(records: list[dict[str, Any]]) -> None:
             r["per_gpu_efficiency"] = round(sps / base / r["gpus"], 3)
         if _learner(r) == (None, False) or not sps:
             continue
-        same = next((c.get("trained_samples_per_s") for c in records if c.get("gpus") == 1
-                     and (c.get("layout") or {}).get("servers", 0) == 0 and (c.get("layout") or {}).get("tp", 1) == 1
-                     and _learner(c) == _learner(r) and c.get("trained_samples_per_s")), None)
+        same = next((c.get("trained_samples_per_s") for c in records
+                     if _is_colocate_1(c) and _learner(c) == _learner(r) and c.get("trained_samples_per_s")), None)
         if same:
             r["speedup_vs_same_learner_colocate_1"] = round(sps / same, 3)
             r["per_gpu_efficiency_same_learner"] = round(sps / same / r["gpus"], 3)
