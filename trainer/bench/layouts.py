@@ -38,6 +38,7 @@ import yaml
 
 from trainer.bench.processes import start_group, stop_group
 from trainer.launch.ports import listen_port, listen_ports
+from trainer.telemetry import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -283,12 +284,10 @@ def _tail(path: Path, n: int = 4000) -> str:
     return path.read_text(errors="replace")[-n:] if path.is_file() else ""
 
 
-def stage2_steps(run_dir: Path) -> list[dict[str, Any]]:
-    """The stage-2 optimizer-step rows the learner (rank 0) has logged so far (none before its metrics file exists)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+def stage2_steps(run_dir: Path, rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The stage-2 optimizer-step rows the learner (rank 0) has logged so far (none before its metrics file exists);
+    ``rows``: the metrics file's rows, when already read."""
+    rows = read_jsonl(run_dir / "metrics.jsonl") if rows is None else rows
     return [r for r in rows if r.get("phase") == "stage2" and "loss" in r]
 
 
@@ -358,7 +357,8 @@ def fault_outcome(events: dict[str, Any], url: str, learner_log: str) -> dict[st
 def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
     """Throughput and per-step means from a finished run's metrics (rank 0) and every rank's ledger, over the steps
     after ``first_step`` - 1 (the warm-up steps before it are left out)."""
-    steps = stage2_steps(run_dir)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    steps = stage2_steps(run_dir, rows)
     if len(steps) <= first_step:
         raise RuntimeError(f"{len(steps)} steps logged; need more than {first_step} to measure")
     ledger = [json.loads(x) for p in sorted((run_dir / "stage2").glob("ledger*.jsonl"))
@@ -371,8 +371,7 @@ def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
         vals = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
         return sum(vals) / len(vals) if vals else None
 
-    setup = next((r for r in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-                               if x.strip()) if r.get("phase") == "setup"), {})
+    setup = next((r for r in rows if r.get("phase") == "setup"), {})
     ids = [r["sample_id"] for r in ledger]
     carried = [json.loads(x)["sample_id"] for p in sorted((run_dir / "stage2").glob("carried*.jsonl"))
                for x in p.read_text().splitlines() if x.strip()]
@@ -626,11 +625,10 @@ def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = 
     casts = {"size": str, "timeout_s": float}
     work = replace(work, **{k: casts.get(k, int)(v) for k, v in overrides.items() if v})
     table = LAYOUTS if cuda else QUICK_LAYOUTS
-    layouts = select(table, gpus if cuda else 3, env.get("RM_BENCH_LAYOUTS"))
-    named = [lay for lay in (select(table, 10**6, env.get("RM_BENCH_LAYOUTS")) if env.get("RM_BENCH_LAYOUTS") else [])
-             if lay not in layouts]
+    names = env.get("RM_BENCH_LAYOUTS")
+    layouts = select(table, gpus if cuda else 3, names)
     skipped = [{"name": lay.name, "gpus": lay.gpus, "why": f"needs {lay.gpus} GPUs, this machine has {gpus}"}
-               for lay in named]
+               for lay in (select(table, sys.maxsize, names) if names else []) if lay not in layouts]
     for sk in skipped:
         print(f"bench layouts: skipping {sk['name']}: {sk['why']}", flush=True)
     root = Path(work_dir or env.get("RM_BENCH_WORK", "/tmp/rm-bench-layouts"))

@@ -9,22 +9,18 @@ the same machine, not the same call, for the layouts of calls 2-4."""
 import json
 from pathlib import Path
 
-from trainer.bench.layouts import compare, plot
+from trainer.bench.layouts import merge_calls, plot
 
 HERE = Path(__file__).parent
-calls = [json.loads((HERE / f"call{i}" / "layouts.json").read_text()) for i in (1, 2, 3, 4)]
-runs = [{**r, "call": i} for i, c in enumerate(calls, 1) for r in c["layouts"]]
-compare(runs)
-out = {**calls[0], "layouts": runs, "session": 22, "device": "2 x NVIDIA H200",
-       "note": ("Four layouts-bench calls back to back on one held machine (2 x H200). colocate-1 and colocate-2 ran "
-                "in call 1; 1v1-async, 1v1-sync and colocate-tp2 in calls 2-4, each alone. Ratios are against "
-                "call 1's colocate-1.")}
+out = merge_calls([HERE / f"call{i}" / "layouts.json" for i in (1, 2, 3, 4)], session=22, device="2 x NVIDIA H200",
+                  note=("Four layouts-bench calls back to back on one held machine (2 x H200). colocate-1 and "
+                        "colocate-2 ran in call 1; 1v1-async, 1v1-sync and colocate-tp2 in calls 2-4, each alone. "
+                        "Ratios are against call 1's colocate-1."))
 Path("docs/benchmarks/layouts-session22.json").write_text(json.dumps(out, indent=2) + "\n")
 plot(out, Path("docs/benchmarks/layouts-session22.png"))
-for r in runs:
+for r in out["layouts"]:
     m = r["means"]
     print(r["call"], r["name"], "samples/s", round(r["trained_samples_per_s"], 3), "x1", r.get("speedup_vs_colocate_1"),
           "per-GPU", r.get("per_gpu_efficiency"), "step", round(r["step_wall_s"], 2), "generate",
-          round(m["time/generate_s"], 2), "encode", m.get("time/encode_s"), "target", round(m["time/target_s"], 3),
-          "fwd+bwd", round(m["time/forward_s"], 2), round(m["time/backward_s"], 2), "idle%", r.get("learner_idle_pct"),
-          "busy", r.get("busy_pct_per_gpu") or r.get("gpu_busy_pct"))
+          round(m["time/generate_s"], 2), "encode", m.get("time/encode_s"), "fwd+bwd", round(m["time/forward_s"], 2),
+          round(m["time/backward_s"], 2), "idle%", r.get("learner_idle_pct"))
