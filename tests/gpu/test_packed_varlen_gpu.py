@@ -28,16 +28,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not varlen_available(), reason
 
 @pytest.mark.parametrize("kind", ["text", "vl"])
 def test_varlen_packed_matches_padded(kind, monkeypatch):
-    import torch.nn.attention.varlen as varlen_mod
+    from trainer.packing import varlen_attention
 
     calls = []
-    real = varlen_mod.varlen_attn
+    real = varlen_attention.varlen_attention
 
     def counting(*args, **kwargs):
         calls.append(args[3].tolist())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(varlen_mod, "varlen_attn", counting)
+    monkeypatch.setattr(varlen_attention, "varlen_attention", counting)
     samples = load_jsonl(generate(tempfile.mkdtemp(), 4, seed=4, max_objects=3))
     model, tok = build_tiny_model(kind, seed=2)
     pipe = Stage2Pipeline(PromptEncoder(tok, build_tiny_image_processor() if kind == "vl" else None))

@@ -18,21 +18,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not varlen_available(), reason
 
 @pytest.mark.parametrize("kind", ["text", "vl"])
 def test_packed_training_on_cuda_uses_varlen_through_backward(tmp_path, kind, monkeypatch):
-    import torch.nn.attention.varlen as varlen_mod
-
     from trainer.config.schema import validate_config
     from trainer.sft.run import run_training
     from trainer.telemetry import read_jsonl
 
     calls = {"fwd": 0, "grad_enabled": 0}
-    real = varlen_mod.varlen_attn
+    from trainer.packing import varlen_attention
+
+    real = varlen_attention.varlen_attention
 
     def counting(*args, **kwargs):
         calls["fwd"] += 1
         calls["grad_enabled"] += int(torch.is_grad_enabled())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(varlen_mod, "varlen_attn", counting)
+    monkeypatch.setattr(varlen_attention, "varlen_attention", counting)
     steps = 4
     data = {
         "model": {"tiny": kind, "torch_dtype": "bfloat16"},
@@ -46,6 +46,8 @@ def test_packed_training_on_cuda_uses_varlen_through_backward(tmp_path, kind, mo
             "matching": {"mask_resolution": 64}}}},
     }
     summary = run_training(validate_config(data))
+    setup = next(r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "setup")
+    assert setup["train/packed_attention"] == "rm_varlen", setup
     rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
     assert len(rows) == steps and all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in rows)
     assert all(r["packing/segments_per_row"] >= 1 for r in rows)

@@ -40,7 +40,7 @@ def seen(monkeypatch):
             opt = getattr(self.optimizer, "optimizer", self.optimizer)
             out.update(flags=[bool(getattr(layer, "gradient_checkpointing", False))
                               for layer in decoder_layers(self.model)], fused=opt.defaults.get("fused"),
-                       optim=self.args.optim.value)
+                       optim=self.args.optim.value, packed_attention=self.packed_attn)
             return result
 
     monkeypatch.setattr(run_module, "RolloutMatchingTrainer", Spy)
@@ -79,6 +79,9 @@ def test_the_default_run_records_no_checkpointing_and_fused_adamw(tmp_path, seen
     row = setup_and_steps(run_module.run_training(validate_config(config(tmp_path))))
     assert (row["train/checkpointing_policy"], row["train/optim"], row["train/use_liger_kernel"]) == \
         ("off", "adamw_torch_fused", False)
+    # the packed rows' attention the row names is the one the trainer ran (no CUDA here: sdpa with a block mask)
+    assert row["train/packed_attention"] == seen.pop("packed_attention") == "sdpa"
+    assert row["train/compile_decoder_layers"] is False
     assert seen == {"flags": [False, False], "fused": True, "optim": "adamw_torch_fused"}
 
 

@@ -168,6 +168,7 @@ def test_pixels_knob_makes_the_training_pixels_during_the_decode_on_the_gpu_only
 @pytest.mark.parametrize("env, values, field, want, suffix", [
     ("RM_BENCH_SCALE_PHASE_TIMING", "events,sync", "phase_timing", ["events", "sync"], "-phasesync"),
     ("RM_BENCH_SCALE_HOST_VISION", "1,0", "host_vision_metadata", [True, False], "-devicevision"),
+    ("RM_BENCH_SCALE_VARLEN", "op,api", "varlen_kernel", ["op", "api"], "-varlenapi"),
 ])
 def test_training_knobs_run_beside_the_default_and_reach_the_training_config(tmp_path, env, values, field, want,
                                                                             suffix):
@@ -178,7 +179,7 @@ def test_training_knobs_run_beside_the_default_and_reach_the_training_config(tmp
     assert runs[0].name == "4b-full-sleep2-util0.2" and runs[1].name == "4b-full-sleep2-util0.2" + suffix
     for r in runs:
         cfg = validate_config(scale.stage2_config(r, tmp_path, tmp_path / "o", "vllm"))
-        assert getattr(cfg.training, field) == getattr(r, field)
+        assert getattr(cfg.training, {"varlen_kernel": "packed_varlen_kernel"}.get(field, field)) == getattr(r, field)
     with pytest.raises(SystemExit, match=env):
         scale.lever_knobs({env: "maybe"})
 

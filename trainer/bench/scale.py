@@ -124,6 +124,10 @@ class ScaleRun:
     #: ``training.host_vision_metadata`` (``RM_BENCH_SCALE_HOST_VISION``: 1, the default since session 21, or 0,
     #: suffix ``-devicevision``: the vision encoder derives its metadata from a grid on the GPU, as every record before)
     host_vision_metadata: bool = True
+    #: ``training.packed_varlen_kernel`` (``RM_BENCH_SCALE_VARLEN``: op, the default since session 24, or api, suffix
+    #: ``-varlenapi``: torch's public varlen_attn with K/V repeated and a graph break per compiled layer, as every
+    #: record before)
+    varlen_kernel: str = "op"
 
     @property
     def name(self) -> str:
@@ -139,7 +143,8 @@ class ScaleRun:
             "-recload" if self.recorded_load else "") + (
             "" if self.packing_length == 16384 else f"-pack{self.packing_length}") + (
             "-pixels" if self.pixels_during_decode else "") + ("-phasesync" if self.phase_timing == "sync" else "") + (
-            "" if self.host_vision_metadata else "-devicevision")
+            "" if self.host_vision_metadata else "-devicevision") + (
+            "" if self.varlen_kernel == "op" else f"-varlen{self.varlen_kernel}")
         sleep = "kv" if self.sleep_level == "kv_cache" else self.sleep_level
         return (f"{self.size}-{tuner}{served}-sleep{sleep}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
@@ -321,6 +326,7 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
         cfg["training"]["optim"] = run.optim
     cfg["training"]["phase_timing"] = run.phase_timing
     cfg["training"]["host_vision_metadata"] = run.host_vision_metadata
+    cfg["training"]["packed_varlen_kernel"] = run.varlen_kernel
     if run.profile_step:
         cfg["training"]["profile_steps"] = [run.profile_step]
     if run.tuner != "full" and backend == "vllm" and run.vllm_lora:
@@ -679,6 +685,7 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[str], Any]]] = {
     "RM_BENCH_SCALE_PIXELS": ("pixels_during_decode", ("0", "1"), _on),  # vllm.pixels_during_decode
     "RM_BENCH_SCALE_PHASE_TIMING": ("phase_timing", ("events", "sync"), str),  # training.phase_timing
     "RM_BENCH_SCALE_HOST_VISION": ("host_vision_metadata", ("1", "0"), _on),  # training.host_vision_metadata
+    "RM_BENCH_SCALE_VARLEN": ("varlen_kernel", ("op", "api"), str),  # training.packed_varlen_kernel
 }
 
 

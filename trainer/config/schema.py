@@ -147,6 +147,13 @@ class TrainingConfig(Section):
     compile_decoder_layers: bool = Field(
         False, description="torch.compile each decoder layer (dynamic shapes) for the teacher-forced step; HF-backend "
                            "rollouts stay eager unless rollout_matching.hf.compile is on")
+    packed_varlen_kernel: Literal["op", "api"] = Field(
+        "op", description="the attention of packed rows on a CUDA GPU without flash-attn (every Qwen3-VL pack): op "
+        "(trainer.packing.varlen_kernel: a torch custom op over aten's flash kernels; grouped-query attention without "
+        "repeating the keys and values, and one call inside a compiled decoder layer, so each layer compiles to one "
+        "region) or api (torch.nn.attention.varlen.varlen_attn with the keys and values repeated, kept out of compiled "
+        "graphs: the fallback where aten's private flash signatures differ). The one that ran is the first metrics "
+        "row's train/packed_attention")
     dataloader_num_workers: int = Field(0, ge=0)
     report_to: list[Literal["tensorboard", "jsonl"]] = Field(default_factory=lambda: ["jsonl", "tensorboard"])
     deepspeed: str | None = None

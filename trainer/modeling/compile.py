@@ -26,9 +26,38 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
+def traceable_dora_weights() -> bool:
+    """Make peft's DoRA read a plain base weight without a Dynamo graph break; False without peft.
+
+    DoRA reads its base layer's weight through ``peft.utils.integrations.dequantize_module_weight``, whose torchao check
+    (``type(weight).__module__.startswith``) Dynamo cannot trace: a graph break at every DoRA module of a compiled
+    layer (7 a Qwen3 layer). A weight whose type is exactly ``nn.Parameter`` (nothing quantized: no HQQ ``W_q``, no
+    bitsandbytes or torchao subclass) is what peft returns as it is, so it is returned directly; anything else goes
+    to peft's own function. Process-wide and idempotent."""
+    try:
+        from peft.tuners.lora import dora
+    except ImportError:
+        return False
+    peft_dequantize = dora.dequantize_module_weight
+    if getattr(peft_dequantize, "plain_weights_first", False):
+        return True
+
+    def dequantize_module_weight(module: torch.nn.Module) -> torch.Tensor:
+        weight = getattr(module, "weight", None)
+        if type(weight) is torch.nn.Parameter and not hasattr(module, "W_q"):
+            return weight
+        return peft_dequantize(module)
+
+    dequantize_module_weight.plain_weights_first = True
+    dora.dequantize_module_weight = dequantize_module_weight
+    return True
+
+
 def compile_decoder_layers(model: torch.nn.Module) -> int:
-    """Compile every decoder layer in place with dynamic shapes; returns how many were compiled."""
+    """Compile every decoder layer in place with dynamic shapes (peft DoRA made traceable first:
+    ``traceable_dora_weights``); returns how many were compiled."""
     layers = decoder_layers(model)
+    traceable_dora_weights()
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)

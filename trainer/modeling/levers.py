@@ -6,7 +6,11 @@ recorded as the first row of ``metrics.jsonl`` (``phase: setup``), so every run 
   ``train/checkpointing_policy`` (full | selective | off), ``train/checkpointing_requested``,
   ``train/checkpointing_every_n_layers``, ``train/checkpointed_layers`` of ``train/decoder_layers``, and for ``auto``
   its estimates (``train/checkpointing_estimate_gib``, ``train/checkpointing_budget_gib``);
-- ``training.optim`` (HF ``TrainingArguments.optim``): ``train/optim``.
+- ``training.optim`` (HF ``TrainingArguments.optim``): ``train/optim``;
+- ``training.compile_decoder_layers``: ``train/compile_decoder_layers``;
+- the attention of packed rows (``training.packing``; ``training.packed_varlen_kernel`` on a CUDA GPU without
+  flash-attn): ``train/packed_attention`` (``rm_varlen`` | ``rm_varlen_api`` | ``flash_attention_2`` | ``sdpa``; null
+  without packing).
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ log = logging.getLogger(__name__)
 
 
 def apply_model_levers(cfg, model: torch.nn.Module, out: Path | None = None, world_size: int = 1,
-                       device_bytes: float | None = None):
+                       device_bytes: float | None = None, packed_attention: str | None = None):
     """Apply Liger (when on), resolve the checkpointing policy, write the ``setup`` metrics row under ``out`` (rank 0)
-    and return ``(cfg with the policy that runs, the row)``."""
+    and return ``(cfg with the policy that runs, the row)``. ``packed_attention``: the attention implementation the
+    packed rows run (``trainer.packing.varlen_attention.choose_packed_attention``; the caller chooses it), recorded."""
     t = cfg.training
-    row: dict[str, Any] = {"train/use_liger_kernel": t.use_liger_kernel, "train/optim": t.optim}
+    row: dict[str, Any] = {"train/use_liger_kernel": t.use_liger_kernel, "train/optim": t.optim,
+                           "train/compile_decoder_layers": t.compile_decoder_layers,
+                           "train/packed_attention": packed_attention}
     if t.use_liger_kernel:
         from trainer.modeling.liger import apply_liger_kernel
 

@@ -1,10 +1,10 @@
 """Pack targets into one row (bsz 1): per-segment position ids, attention that never crosses segments, and
 loss indices shifted by each segment's offset.
 
-Attention layouts: ``flash_attention_2`` and ``rm_varlen`` (PyTorch varlen) get restarting ``position_ids`` plus
-``cu_seq_lens_q/k`` and ``max_length_q/k`` (no mask is materialised; multimodal ``rm_varlen`` batches carry them as
-``packed_cu_seq_lens`` / ``packed_max_length`` for ``packed_attention``'s side channel instead); ``sdpa`` gets a boolean block-diagonal causal
-mask; ``eager`` the additive form of that mask.
+Attention layouts: ``flash_attention_2`` and ``rm_varlen`` / ``rm_varlen_api`` (``trainer.packing.varlen_attention``)
+get restarting ``position_ids`` plus ``cu_seq_lens_q/k`` and ``max_length_q/k`` (no mask is materialised; multimodal
+varlen batches carry them as ``packed_cu_seq_lens`` / ``packed_max_length`` for ``packed_attention``'s side channel
+instead); ``sdpa`` gets a boolean block-diagonal causal mask; ``eager`` the additive form of that mask.
 For Qwen-VL models the 3-D mRoPE position ids are computed per segment (``trainer.packing.mrope``: the image rule,
 checked against ``model.get_rope_index`` first) and the image tensors are concatenated in segment order.
 """
@@ -18,9 +18,9 @@ import torch
 from trainer.matching.targets import TrainTarget
 from trainer.packing.batching import loss_indices, multimodal_inputs
 from trainer.packing.mrope import SegmentPositions
-from trainer.packing.varlen_attention import VARLEN_IMPL
+from trainer.packing.varlen_attention import VARLEN_KERNELS
 
-VARLEN_LAYOUTS = ("flash_attention_2", VARLEN_IMPL)
+VARLEN_LAYOUTS = ("flash_attention_2", *VARLEN_KERNELS.values())
 #: each model's segment positions: the image rule once checked against its ``get_rope_index``, else its own
 SEGMENT_POSITIONS = SegmentPositions()
 
@@ -76,7 +76,7 @@ def pack_targets(targets: Sequence[TrainTarget], attn_implementation: str, model
         batch["image_positions"] = image_positions(images)
     else:
         batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
-    if attn_implementation == VARLEN_IMPL and "pixel_values" in batch:
+    if attn_implementation in VARLEN_KERNELS.values() and "pixel_values" in batch:
         batch["packed_cu_seq_lens"] = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()],
                                                    dtype=torch.int32)
         batch["packed_max_length"] = max(lengths)

@@ -27,6 +27,7 @@ from trainer.modeling.levers import apply_model_levers
 from trainer.modeling.loading import LoadedModel, apply_tuner, load_model
 from trainer.modeling.prompts import PromptEncoder
 from trainer.packing.buffer import PackingBuffer
+from trainer.packing.varlen_attention import choose_packed_attention
 from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
 from trainer.sft import deepspeed_config
@@ -223,8 +224,11 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     with node_writes_first():  # the embedded tiny model is saved under output_dir once per node
         loaded = load_model(cfg.model, out)
     model = apply_tuner(loaded.model, cfg.tuner, loaded.multimodal)
-    # Liger kernels, the checkpointing policy that runs (auto resolved), recorded as metrics.jsonl's setup row
-    cfg, _ = apply_model_levers(cfg, model, out, data_parallel_world_size())
+    # Liger kernels, the checkpointing policy that runs (auto resolved) and the packed rows' attention, recorded as
+    # metrics.jsonl's setup row
+    packed_attn = (choose_packed_attention(cfg.model.attn_implementation, loaded.image_token_id is not None,
+                                           cfg.training.packed_varlen_kernel) if cfg.training.packing else None)
+    cfg, _ = apply_model_levers(cfg, model, out, data_parallel_world_size(), packed_attention=packed_attn)
     if cfg.training.compile_decoder_layers:
         log.info("compiled %d decoder layers (training.compile_decoder_layers)", compile_decoder_layers(model))
     pipeline = build_pipeline(cfg, loaded)
@@ -276,7 +280,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             micro_batch_rows=cfg.training.per_device_train_batch_size,
             engine=engine, target_source="rollout", packing=packing,
             rollout_buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1,
-            packed_attn_implementation=cfg.model.attn_implementation,
+            packed_attn_implementation=packed_attn, packed_varlen_kernel=t.packed_varlen_kernel,
             offload=(rm.offload.offload_model, rm.offload.offload_optimizer) if rm.offload.enabled else None,
             weight_sync=weight_sync, callbacks=stage2_callbacks,
             eager_rollouts=cfg.training.compile_decoder_layers and rm.rollout_backend == "hf" and not rm.hf.compile,

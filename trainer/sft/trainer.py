@@ -43,7 +43,12 @@ from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
 from trainer.packing.step_rows import chunk_rows, step_denominators
-from trainer.packing.varlen_attention import choose_packed_attention, packed_attention
+from trainer.packing.varlen_attention import (
+    VARLEN_KERNELS,
+    choose_packed_attention,
+    packed_attention,
+    unguarded_segment_counts,
+)
 from trainer.profiling import profile_region
 from trainer.rollout.base import RolloutEngine
 from trainer.rollout.types import DecodingParams
@@ -131,6 +136,7 @@ class RolloutMatchingTrainer(Trainer):
                  decoding: DecodingParams, loss_weights: LossWeights, target_source: str = "rollout",
                  image_token_id: int | None = None, packing: PackingBuffer | None = None,
                  rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None,
+                 packed_varlen_kernel: str = "op",
                  offload: tuple[bool, bool] | None = None, weight_sync: Any = None, supervised_logits: bool = True,
                  logit_chunk_rows: int | None = None,
                  eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None,
@@ -186,7 +192,8 @@ class RolloutMatchingTrainer(Trainer):
         self._adapter_layers: list[torch.nn.Module] | None = None  # peft tuner layers, found at the first forward
         self._resume_skip = 0
         self._steps_per_epoch = 1
-        self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None)
+        self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None,
+                                                    packed_varlen_kernel)
                             if packing is not None else None)
         self.rollout_buffer = (RolloutBuffer(self.args.gradient_accumulation_steps, rollout_buffer_m_steps)
                                if rollout_buffer_m_steps > 1 else None)
@@ -484,6 +491,8 @@ class RolloutMatchingTrainer(Trainer):
                 self._layout_stack.enter_context(uncast_adapter_inputs(self._adapter_layers))
         layout = contextlib.nullcontext()
         if self.packed_attn is not None and "position_ids" in inputs:
+            if self.packed_attn in VARLEN_KERNELS.values():
+                unguarded_segment_counts(inputs.get("cu_seq_lens_q"), inputs.get("cu_seq_lens_k"))
             layout = packed_attention(unwrapped, self.packed_attn, inputs.get("packed_cu_seq_lens"),
                                       inputs.get("packed_max_length"))
             if self._layout_stack is not None:
