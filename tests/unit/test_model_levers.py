@@ -50,6 +50,13 @@ def test_an_unknown_optimizer_is_refused(tmp_path):
     assert exc.value.errors[0].key_path == "training.optim"
 
 
+def test_an_unknown_packed_varlen_kernel_is_refused(tmp_path):
+    assert validate_config(stage2(tmp_path)).training.packed_varlen_kernel == "op"
+    with pytest.raises(ConfigErrors) as exc:
+        validate_config(stage2(tmp_path, packed_varlen_kernel="flash"))
+    assert exc.value.errors[0].key_path == "training.packed_varlen_kernel"
+
+
 def test_the_setup_row_says_which_levers_run(tmp_path):
     model, _ = build_tiny_model("vl")
     cfg = validate_config(stage2(tmp_path, gradient_checkpointing_policy="selective",

@@ -27,7 +27,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def traceable_dora_weights() -> bool:
-    """Make peft's DoRA read a plain base weight without a Dynamo graph break; False without peft.
+    """Make peft's DoRA read a plain base weight without a Dynamo graph break; False without peft (or without the
+    helper it replaces).
 
     DoRA reads its base layer's weight through ``peft.utils.integrations.dequantize_module_weight``, whose torchao check
     (``type(weight).__module__.startswith``) Dynamo cannot trace: a graph break at every DoRA module of a compiled
@@ -38,7 +39,9 @@ def traceable_dora_weights() -> bool:
         from peft.tuners.lora import dora
     except ImportError:
         return False
-    peft_dequantize = dora.dequantize_module_weight
+    peft_dequantize = getattr(dora, "dequantize_module_weight", None)
+    if peft_dequantize is None:  # a peft that reads DoRA's weight another way: nothing to replace
+        return False
     if getattr(peft_dequantize, "plain_weights_first", False):
         return True
 
