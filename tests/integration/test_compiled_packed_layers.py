@@ -70,6 +70,9 @@ def test_compiled_layers_compile_once_across_pack_layouts(tmp_path, monkeypatch,
     # dynamic=True: compiled at the first pack, at most once more when sizes turn symbolic; never once per layout
     assert graphs[-1] == graphs[1], f"compiled graphs per step {graphs} over layouts {[len(c) for _, c in seen]}"
     assert not counters["graph_break"], f"a compiled layer broke its graph: {dict(counters['graph_break'])}"
+    # the metrics say the same: graphs compiled in the first steps, none after (a recompile would show as a rise)
+    new_graphs = [r["compile/new_graphs"] for r in rows]
+    assert new_graphs[0] > 0 and new_graphs[2:] == [0.0] * 3 and sum(new_graphs) == graphs[-1], (new_graphs, graphs)
     setup = next(r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "setup")
     assert setup["train/checkpointing_policy"] == ("off" if policy == "auto" else policy)
     assert setup["train/checkpointing_requested"] == policy

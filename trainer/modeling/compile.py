@@ -66,6 +66,18 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     return len(layers)
 
 
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (0 when nothing was compiled; vLLM's own graphs count too, at
+    engine start). A rise during training means a recompile."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 @contextmanager
 def eager_rollouts(enabled: bool) -> Iterator[None]:
     """Inside the block compiled modules run eagerly (generation shapes would only cause recompiles)."""

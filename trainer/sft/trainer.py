@@ -37,7 +37,7 @@ from trainer.memory.offload import offload_for_rollout
 from trainer.memory.oom import MemorySettings, TrainingOutOfMemory
 from trainer.memory.oom import explain as explain_out_of_memory
 from trainer.modeling.adapter_casts import adapter_layers, uncast_adapter_inputs
-from trainer.modeling.compile import eager_rollouts
+from trainer.modeling.compile import compiled_graphs, eager_rollouts
 from trainer.modeling.vision_metadata import deepstack_owner, deepstack_positions, install_host_vision_metadata
 from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer
@@ -200,6 +200,9 @@ class RolloutMatchingTrainer(Trainer):
         self.coord_ids = torch.tensor(sorted(pipeline.coord_bin_by_id, key=pipeline.coord_bin_by_id.get))
         self._coord_ids_device: torch.Tensor | None = None
         self.timers = PhaseTimers()
+        #: ``compile/new_graphs``: graphs Dynamo compiled since the previous logged step (a rise after the first
+        #: steps is a recompile), counted from what was compiled before training
+        self._graphs_logged = compiled_graphs()
         self.counters = Counters()
         self._loss_terms: list[LossTerms] = []  # per optimizer step; read to the host when logged
         self._max_staleness = 0
@@ -775,6 +778,10 @@ class RolloutMatchingTrainer(Trainer):
                 steps = c.get("packing_steps") or c.get("padded_steps") or 1.0
                 logs["batch/rows_per_step"] = c["rows"] / steps
                 logs["batch/filler_rows"] = c.get("filler_rows", 0.0)
+            graphs = compiled_graphs()
+            if graphs or self._graphs_logged:
+                logs["compile/new_graphs"] = float(graphs - self._graphs_logged)
+                self._graphs_logged = graphs
             logs.update(gpu_memory_snapshot(self.timers))
             logs.update(self.gc_clock.pop())
         super().log(logs, start_time)
