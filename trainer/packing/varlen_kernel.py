@@ -2,14 +2,16 @@
 backward op.
 
 ``torch.compile`` (``training.compile_decoder_layers``) traces it as a single opaque call inside a compiled decoder
-layer: no graph break, so each layer stays one compiled region, and no guard on the segment layout. A compiled caller
-passes the row length as ``max_len`` (any bound on the longest segment is correct; the row length is a shape the
-dynamic graph already has), so a new pack never recompiles.
+layer: no graph break, so each layer stays one compiled region. A compiled caller passes the row length as
+``max_len`` (any bound on the longest segment is correct; the row length is a shape the dynamic graph already has)
+and marks the segment count unbacked (``trainer.packing.varlen_attention.unguarded_segment_counts``), so a new pack
+never recompiles.
 
 On CUDA the op runs aten's flash-attention kernels (``_flash_attention_forward`` / ``_backward``, the kernels under
 ``torch.nn.attention.varlen``), which take fewer key/value heads than query heads (grouped-query attention): the keys
 and values are neither repeated to the query heads nor saved repeated. Elsewhere it runs a causal attention per
-segment in float32 (or the inputs' wider dtype): the reference the CPU tests compile and the GPU tests hold the flash kernels to.
+segment in float32 (or the inputs' wider dtype): the reference the CPU tests compile and the GPU tests hold the
+flash kernels to.
 
 Layout: ``query [T, Hq, D]``, ``key`` / ``value [T, Hkv, D]`` (``Hq`` a multiple of ``Hkv``), ``cu_seq_lens [N + 1]``
 int32 segment bounds from 0 to ``T``. Returns ``(out [T, Hq, D], logsumexp)``. Causal within each segment, nothing
