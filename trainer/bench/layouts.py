@@ -93,12 +93,16 @@ class Work:
     colocate_util: float = 0.3
     server_util: float = 0.85
     sleep_level: int = 2
-    tuner: str = "full"  # full | lora
+    #: the learner's ``tuner.train_type`` (``RM_BENCH_LAYOUT_TUNER``): full | lora | dora (rank 16; DoRA is what
+    #: ``values-3v1.yaml`` / ``values-6v2.yaml`` train)
+    tuner: str = "full"
     #: the learner's ``gradient_checkpointing_policy`` on a GPU (``full``: what every layouts run before session 23
     #: used, whatever the memory; CPU runs: off)
     checkpointing: str = "full"
     timeout_s: float = 900.0
 
+
+TUNERS = ("full", "lora", "dora")
 
 LAYOUTS = (
     Layout("colocate-1", 1),
@@ -610,7 +614,7 @@ def select(layouts: tuple[Layout, ...], gpus: int, names: str | None) -> list[La
 def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = None) -> dict[str, Any]:
     """``RM_BENCH_LAYOUTS``: layout names to run, in that order (default: every one that fits; a named one the
     machine cannot hold is printed and listed under ``skipped``); ``RM_BENCH_LAYOUT_SIZE``: 2b | 4b;
-    ``RM_BENCH_LAYOUT_RECORDS`` / ``_STEPS`` / ``_NEW_TOKENS``: the work; ``RM_BENCH_LAYOUT_TIMEOUT_S``: the most one
+    ``RM_BENCH_LAYOUT_RECORDS`` / ``_STEPS`` / ``_NEW_TOKENS`` / ``_TUNER``: the work; ``RM_BENCH_LAYOUT_TIMEOUT_S``: the most one
     layout's server start and learner may take (keep it inside the calling shell's own limit, so every finished
     layout is measured and written)."""
     out = Path(out_dir)
@@ -622,7 +626,11 @@ def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = 
     overrides = {"size": env.get("RM_BENCH_LAYOUT_SIZE"), "records_per_step": env.get("RM_BENCH_LAYOUT_RECORDS"),
                  "steps": env.get("RM_BENCH_LAYOUT_STEPS"), "max_new_tokens": env.get("RM_BENCH_LAYOUT_NEW_TOKENS"),
                  "timeout_s": env.get("RM_BENCH_LAYOUT_TIMEOUT_S")}
-    casts = {"size": str, "timeout_s": float}
+    tuner = env.get("RM_BENCH_LAYOUT_TUNER")
+    if tuner and tuner not in TUNERS:
+        raise SystemExit(f"RM_BENCH_LAYOUT_TUNER={tuner!r}: one of {', '.join(TUNERS)}")
+    overrides["tuner"] = tuner
+    casts = {"size": str, "timeout_s": float, "tuner": str}
     work = replace(work, **{k: casts.get(k, int)(v) for k, v in overrides.items() if v})
     table = LAYOUTS if cuda else QUICK_LAYOUTS
     names = env.get("RM_BENCH_LAYOUTS")
