@@ -34,7 +34,12 @@ from trainer.matching.targets import IGNORE_INDEX, TrainTarget
 from trainer.modeling.compile import compile_decoder_layers, decoder_layers
 from trainer.packing.batching import pad_targets
 from trainer.packing.packed_batch import pack_targets
-from trainer.packing.varlen_attention import packed_attention, register_varlen_attention, varlen_available
+from trainer.packing.varlen_attention import (
+    packed_attention,
+    register_varlen_attention,
+    unguarded_segment_counts,
+    varlen_available,
+)
 from trainer.sft.forward import forward_loss
 
 __all__ = ["QWEN3_0_6B", "TINY", "model_flops", "plot", "run_bench", "stage2_segment"]
@@ -151,8 +156,10 @@ def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int =
             compile_decoder_layers(model)
         ctx = (lambda: packed_attention(model, impl)) if layout == "packed-varlen" else contextlib.nullcontext
 
-        def step(rows=layouts[(layout, k)], logits=logits, w=w, ctx=ctx):
+        def step(rows=layouts[(layout, k)], logits=logits, w=w, ctx=ctx, varlen=layout == "packed-varlen"):
             for batch in rows:
+                if varlen:  # our op: its segment count unbacked, as the trainer does
+                    unguarded_segment_counts(batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k"))
                 with ctx():
                     loss, _, _ = forward_loss(model, batch, coord_ids, w, supervised_logits=logits != "full",
                                               logit_chunk_rows=LOGIT_CHUNK_ROWS if "chunked" in logits else None)
