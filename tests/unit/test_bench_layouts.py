@@ -189,38 +189,36 @@ def test_a_named_layout_too_big_for_the_machine_is_reported_not_dropped(monkeypa
     assert "skipping 3v1-async: needs 4 GPUs" in capsys.readouterr().out
 
 
-def test_layout_timeout_is_a_knob(monkeypatch, tmp_path):
+def _quick_work(monkeypatch, tmp_path, **env):
+    """The ``Work`` a quick ``layouts.run`` hands its layouts under ``env`` (nothing launched)."""
     from trainer.bench import layouts
 
     seen = {}
-    monkeypatch.setenv("RM_BENCH_LAYOUT_TIMEOUT_S", "42.5")
-    monkeypatch.setenv("RM_BENCH_LAYOUTS", "colocate-1")
+    for key, value in {"RM_BENCH_LAYOUTS": "colocate-1", **env}.items():
+        monkeypatch.setenv(key, value)
     monkeypatch.setattr(layouts, "save_model", lambda work, root, cuda: tmp_path)
     monkeypatch.setattr(layouts, "run_layout", lambda layout, work, *a, **k: seen.setdefault("w", work) and {
         "name": layout.name, "gpus": 1, "error": "x"})
     layouts.run(tmp_path / "out", quick=True, work_dir=tmp_path)
-    assert seen["w"].timeout_s == 42.5
+    return seen["w"]
+
+
+def test_layout_timeout_is_a_knob(monkeypatch, tmp_path):
+    assert _quick_work(monkeypatch, tmp_path, RM_BENCH_LAYOUT_TIMEOUT_S="42.5").timeout_s == 42.5
 
 
 def test_layout_tuner_is_a_knob_that_reaches_the_learner(monkeypatch, tmp_path):
     """``RM_BENCH_LAYOUT_TUNER=dora``: the learner the 3v1 / 6v2 topology files ship, in any layout."""
     from trainer.bench import layouts
 
-    seen = {}
-    monkeypatch.setenv("RM_BENCH_LAYOUT_TUNER", "dora")
-    monkeypatch.setenv("RM_BENCH_LAYOUTS", "colocate-1")
-    monkeypatch.setattr(layouts, "save_model", lambda work, root, cuda: tmp_path)
-    monkeypatch.setattr(layouts, "run_layout", lambda layout, work, *a, **k: seen.setdefault("w", work) and {
-        "name": layout.name, "gpus": 1, "error": "x"})
-    layouts.run(tmp_path / "out", quick=True, work_dir=tmp_path)
-    assert seen["w"].tuner == "dora"
+    work = _quick_work(monkeypatch, tmp_path, RM_BENCH_LAYOUT_TUNER="dora")
+    assert work.tuner == "dora"
     layout = next(x for x in layouts.LAYOUTS if x.name == "3v1-async-auto-compile")
-    cfg = validate_config(layout_config(layout, seen["w"], tmp_path / "m", tmp_path / "o",
+    cfg = validate_config(layout_config(layout, work, tmp_path / "m", tmp_path / "o",
                                         [f"http://127.0.0.1:{8000 + i}" for i in range(3)], cuda=True))
     assert cfg.tuner.train_type == "dora" and cfg.training.compile_decoder_layers
-    monkeypatch.setenv("RM_BENCH_LAYOUT_TUNER", "qlora")
     with pytest.raises(SystemExit, match="RM_BENCH_LAYOUT_TUNER"):
-        layouts.run(tmp_path / "out", quick=True, work_dir=tmp_path)
+        _quick_work(monkeypatch, tmp_path, RM_BENCH_LAYOUT_TUNER="qlora")
 
 
 def test_fault_outcome_reads_the_learners_log():

@@ -614,8 +614,8 @@ def select(layouts: tuple[Layout, ...], gpus: int, names: str | None) -> list[La
 def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = None) -> dict[str, Any]:
     """``RM_BENCH_LAYOUTS``: layout names to run, in that order (default: every one that fits; a named one the
     machine cannot hold is printed and listed under ``skipped``); ``RM_BENCH_LAYOUT_SIZE``: 2b | 4b;
-    ``RM_BENCH_LAYOUT_RECORDS`` / ``_STEPS`` / ``_NEW_TOKENS`` / ``_TUNER``: the work; ``RM_BENCH_LAYOUT_TIMEOUT_S``: the most one
-    layout's server start and learner may take (keep it inside the calling shell's own limit, so every finished
+    ``RM_BENCH_LAYOUT_RECORDS`` / ``_STEPS`` / ``_NEW_TOKENS`` / ``_TUNER``: the work; ``RM_BENCH_LAYOUT_TIMEOUT_S``:
+    the most one layout's server start and learner may take (keep it inside the calling shell's own limit, so every finished
     layout is measured and written)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -625,11 +625,9 @@ def run(out_dir: str | Path, quick: bool = False, work_dir: str | Path | None = 
     env = os.environ
     overrides = {"size": env.get("RM_BENCH_LAYOUT_SIZE"), "records_per_step": env.get("RM_BENCH_LAYOUT_RECORDS"),
                  "steps": env.get("RM_BENCH_LAYOUT_STEPS"), "max_new_tokens": env.get("RM_BENCH_LAYOUT_NEW_TOKENS"),
-                 "timeout_s": env.get("RM_BENCH_LAYOUT_TIMEOUT_S")}
-    tuner = env.get("RM_BENCH_LAYOUT_TUNER")
-    if tuner and tuner not in TUNERS:
-        raise SystemExit(f"RM_BENCH_LAYOUT_TUNER={tuner!r}: one of {', '.join(TUNERS)}")
-    overrides["tuner"] = tuner
+                 "timeout_s": env.get("RM_BENCH_LAYOUT_TIMEOUT_S"), "tuner": env.get("RM_BENCH_LAYOUT_TUNER")}
+    if overrides["tuner"] and overrides["tuner"] not in TUNERS:
+        raise SystemExit(f"RM_BENCH_LAYOUT_TUNER={overrides['tuner']!r}: one of {', '.join(TUNERS)}")
     casts = {"size": str, "timeout_s": float, "tuner": str}
     work = replace(work, **{k: casts.get(k, int)(v) for k, v in overrides.items() if v})
     table = LAYOUTS if cuda else QUICK_LAYOUTS

@@ -280,7 +280,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             micro_batch_rows=cfg.training.per_device_train_batch_size,
             engine=engine, target_source="rollout", packing=packing,
             rollout_buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1,
-            packed_attn_implementation=packed_attn, packed_varlen_kernel=t.packed_varlen_kernel,
+            packed_attn_implementation=packed_attn,  # chosen once above (training.packed_varlen_kernel)
             offload=(rm.offload.offload_model, rm.offload.offload_optimizer) if rm.offload.enabled else None,
             weight_sync=weight_sync, callbacks=stage2_callbacks,
             eager_rollouts=cfg.training.compile_decoder_layers and rm.rollout_backend == "hf" and not rm.hf.compile,

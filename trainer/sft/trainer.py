@@ -136,7 +136,6 @@ class RolloutMatchingTrainer(Trainer):
                  decoding: DecodingParams, loss_weights: LossWeights, target_source: str = "rollout",
                  image_token_id: int | None = None, packing: PackingBuffer | None = None,
                  rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None,
-                 packed_varlen_kernel: str = "op",
                  offload: tuple[bool, bool] | None = None, weight_sync: Any = None, supervised_logits: bool = True,
                  logit_chunk_rows: int | None = None,
                  eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None,
@@ -192,8 +191,7 @@ class RolloutMatchingTrainer(Trainer):
         self._adapter_layers: list[torch.nn.Module] | None = None  # peft tuner layers, found at the first forward
         self._resume_skip = 0
         self._steps_per_epoch = 1
-        self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None,
-                                                    packed_varlen_kernel)
+        self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None)
                             if packing is not None else None)
         self.rollout_buffer = (RolloutBuffer(self.args.gradient_accumulation_steps, rollout_buffer_m_steps)
                                if rollout_buffer_m_steps > 1 else None)
