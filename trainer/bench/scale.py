@@ -128,6 +128,10 @@ class ScaleRun:
     #: ``-varlenapi``: torch's public varlen_attn with K/V repeated and a graph break per compiled layer, as every
     #: record before)
     varlen_kernel: str = "op"
+    #: ``training.compile_activation_memory_budget`` (``RM_BENCH_SCALE_MEMBUDGET``: 1, the default, or a fraction,
+    #: suffix ``-membudget<b>``; needs compiled layers and a policy other than full: other combinations are left out,
+    #: with a line saying so)
+    activation_memory_budget: float = 1.0
 
     @property
     def name(self) -> str:
@@ -144,7 +148,8 @@ class ScaleRun:
             "" if self.packing_length == 16384 else f"-pack{self.packing_length}") + (
             "-pixels" if self.pixels_during_decode else "") + ("-phasesync" if self.phase_timing == "sync" else "") + (
             "" if self.host_vision_metadata else "-devicevision") + (
-            "" if self.varlen_kernel == "op" else f"-varlen{self.varlen_kernel}")
+            "" if self.varlen_kernel == "op" else f"-varlen{self.varlen_kernel}") + (
+            "" if self.activation_memory_budget == 1.0 else f"-membudget{self.activation_memory_budget:g}")
         sleep = "kv" if self.sleep_level == "kv_cache" else self.sleep_level
         return (f"{self.size}-{tuner}{served}-sleep{sleep}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
@@ -259,7 +264,8 @@ FLOP_COUNT = ("mfu: model FLOPs of the forward + backward / fwd+bwd seconds / pe
               "token 2 forward + 4 backward when trained, 2 + 2 when frozen (LoRA/DoRA base), 6 per adapter "
               "parameter; causal attention 6 * layers * heads * head_dim * s^2 per segment; frozen vision tower "
               "forward only; lm_head excluded. hfu: model FLOPs + the gradient-checkpointing recompute (one more "
-              "forward of every block)")
+              "forward of every block); the recompute a compiled layer does under "
+              "training.compile_activation_memory_budget < 1 (levers.compile_activation_memory_budget) is not in it")
 
 
 def fwd_bwd_flops(size: str, tokens: float, samples: float, patches_per_image: int, tuner: str = "full",
@@ -327,6 +333,8 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
     cfg["training"]["phase_timing"] = run.phase_timing
     cfg["training"]["host_vision_metadata"] = run.host_vision_metadata
     cfg["training"]["packed_varlen_kernel"] = run.varlen_kernel
+    if run.activation_memory_budget != 1.0:
+        cfg["training"]["compile_activation_memory_budget"] = run.activation_memory_budget
     if run.profile_step:
         cfg["training"]["profile_steps"] = [run.profile_step]
     if run.tuner != "full" and backend == "vllm" and run.vllm_lora:
@@ -686,6 +694,8 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[str], Any]]] = {
     "RM_BENCH_SCALE_PHASE_TIMING": ("phase_timing", ("events", "sync"), str),  # training.phase_timing
     "RM_BENCH_SCALE_HOST_VISION": ("host_vision_metadata", ("1", "0"), _on),  # training.host_vision_metadata
     "RM_BENCH_SCALE_VARLEN": ("varlen_kernel", ("op", "api"), str),  # training.packed_varlen_kernel
+    "RM_BENCH_SCALE_MEMBUDGET": ("activation_memory_budget", ("1", "0.7", "0.5", "0.4", "0.3"),  # compile_activation_
+                                 float),  # memory_budget
 }
 
 
@@ -707,9 +717,26 @@ def lever_knobs(env: Mapping[str, str | None]) -> list[dict[str, Any]]:
     return [dict(combo) for combo in itertools.product(*axes)]
 
 
+def budget_applies(run: ScaleRun) -> bool:
+    """Whether ``run``'s activation memory budget is one its config accepts: 1, or compiled layers that are not all
+    checkpointed (``training.compile_activation_memory_budget``)."""
+    return run.activation_memory_budget == 1.0 or (run.compile_layers and run.checkpointing != "full")
+
+
 def with_levers(runs: list[ScaleRun], knobs: list[dict[str, Any]]) -> list[ScaleRun]:
-    """Each run once per ``lever_knobs`` combination, in that order."""
-    return [replace(r, **k) for r in runs for k in knobs]
+    """Each run once per ``lever_knobs`` combination, in that order; a combination whose memory budget does not apply
+    (``budget_applies``) is left out with a printed line, and none left at all is refused."""
+    out = []
+    for run in (replace(r, **k) for r in runs for k in knobs):
+        if budget_applies(run):
+            out.append(run)
+        else:
+            print(f"[scale] {run.name}: left out: a memory budget below 1 needs compiled layers "
+                  "(RM_BENCH_SCALE_COMPILE=1) that are not all checkpointed (RM_BENCH_SCALE_CKPT off, selective or auto)")
+    if runs and knobs and not out:
+        raise SystemExit("RM_BENCH_SCALE_MEMBUDGET below 1 needs RM_BENCH_SCALE_COMPILE=1 and RM_BENCH_SCALE_CKPT "
+                         "off, selective or auto: no run left")
+    return out
 
 
 def with_utilisations(runs: list[ScaleRun], utils: str | None) -> list[ScaleRun]:

@@ -147,6 +147,14 @@ class TrainingConfig(Section):
     compile_decoder_layers: bool = Field(
         False, description="torch.compile each decoder layer (dynamic shapes) for the teacher-forced step; HF-backend "
                            "rollouts stay eager unless rollout_matching.hf.compile is on")
+    compile_activation_memory_budget: float = Field(
+        1.0, gt=0.0, le=1.0, description="with compile_decoder_layers: the share of the activations torch.compile's "
+        "partitioner keeps for the backward of each un-checkpointed layer, against what it keeps by default "
+        "(torch._functorch.config.activation_memory_budget, process-wide). Below 1 it recomputes the cheapest part of "
+        "the layer in the backward instead (0.5: the q/k/v projections and the attention; 0.4: the whole attention "
+        "block; the MLP's gate and up stay saved), so a longer row fits without gradient checkpointing at a fraction of "
+        "its recompute. 1: the default partitioner. Needs compile_decoder_layers; no effect on layers that are "
+        "checkpointed (gradient_checkpointing_policy: full refuses it). auto's estimate counts it")
     packed_varlen_kernel: Literal["op", "api"] = Field(
         "op", description="the attention of packed rows on a CUDA GPU without flash-attn (every Qwen3-VL pack): op "
         "(trainer.packing.varlen_kernel: a torch custom op over aten's flash kernels; grouped-query attention without "
@@ -195,6 +203,19 @@ class TrainingConfig(Section):
                              "Liger's Triton RMSNorm (Dynamo AssertionError at the decoder layer's input_layernorm, "
                              "H100, liger-kernel 0.8.5, torch 2.11); set one of them false (measured: Liger 1.35x on "
                              "the forward + backward at 4B full, compile 1.32x at 8B LoRA; docs/benchmarks/README.md)")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_budget_needs_compiled_layers(self) -> TrainingConfig:
+        if self.compile_activation_memory_budget < 1.0:
+            if not self.compile_decoder_layers:
+                raise ValueError(f"compile_activation_memory_budget {self.compile_activation_memory_budget:g} needs "
+                                 "compile_decoder_layers: true (the budget steers torch.compile's partitioner); set it "
+                                 "or drop the budget")
+            if self.checkpointing_policy == "full":
+                raise ValueError(f"compile_activation_memory_budget {self.compile_activation_memory_budget:g} has no "
+                                 "effect with gradient_checkpointing_policy full (every layer already recomputes its "
+                                 "forward): set the policy to off, selective or auto, or drop the budget")
         return self
 
     @model_validator(mode="after")

@@ -21,6 +21,17 @@ head_dim (k_norm 3 kv, RoPE 2 kv, attention's k and v), i: intermediate size (ga
 Qwen3-VL at 16k packed tokens, bf16: 2B 126 KiB a token a layer, 55 GiB for its 28 layers; 4B 194 KiB, 109 GiB
 (36); 8B 238 KiB, 134 GiB (36).
 
+Compiled layers (``training.compile_decoder_layers``) keep less: Inductor's partitioner saves the inputs of the
+projections and of the attention, not the norms' fp32 copies or the activation's output
+(``compiled_activation_bytes_per_token_per_layer``)::
+
+    bytes = dtype_bytes x (budget x 3 (h + q + kv + i) + h)
+
+(3 (h + q + kv + i): counted on the CPU with saved-tensor hooks around a compiled Qwen3-VL text layer at the 2B, 4B
+and 8B shapes; ``h``: the layer's input; ``budget``: ``training.compile_activation_memory_budget``, which the
+partitioner keeps at or under: 0.5 kept 0.50 and 0.2 kept 0.17 of the default at 4B.) 4B: 107 KiB a token a layer
+at budget 1, 46 KiB at 0.4 (eager: 194).
+
 A forward over ``tokens`` with ``c`` of the ``L`` layers checkpointed keeps ``(L - c) x per_layer`` plus ``c`` layer
 inputs (``h x dtype_bytes`` a token) plus, when ``c > 0``, one layer's activations rebuilt at a time in the backward.
 The budget is the device's memory less ``headroom`` (10 %: allocator fragmentation, CUDA context, NCCL), less the
@@ -89,6 +100,12 @@ def activation_bytes_per_token_per_layer(shape: TextShape, dtype_bytes: int) -> 
     return dtype_bytes * (8 * shape.hidden + 8 * shape.q_dim + 7 * shape.kv_dim + 4 * shape.intermediate)
 
 
+def compiled_activation_bytes_per_token_per_layer(shape: TextShape, dtype_bytes: int, budget: float = 1.0) -> float:
+    """What one compiled decoder layer keeps for its backward per token under the partitioner's activation memory
+    ``budget`` (module docstring)."""
+    return dtype_bytes * (budget * 3 * (shape.hidden + shape.q_dim + shape.kv_dim + shape.intermediate) + shape.hidden)
+
+
 def checkpointed_count(layers: int, policy: str, every_n: int | None = None) -> int:
     """Decoder layers a policy checkpoints (``selective``: every ``every_n``-th, rounded up)."""
     if policy == "full":
@@ -100,9 +117,13 @@ def checkpointed_count(layers: int, policy: str, every_n: int | None = None) -> 
     raise ValueError(f"policy {policy!r}: resolve auto first; one of full, selective, off")
 
 
-def activation_bytes(shape: TextShape, tokens: int, dtype_bytes: int, checkpointed: int) -> float:
-    """Peak activation bytes of a forward + backward over ``tokens`` with ``checkpointed`` layers recomputed."""
-    per_layer = activation_bytes_per_token_per_layer(shape, dtype_bytes) * tokens
+def activation_bytes(shape: TextShape, tokens: int, dtype_bytes: int, checkpointed: int,
+                     compiled_budget: float | None = None) -> float:
+    """Peak activation bytes of a forward + backward over ``tokens`` with ``checkpointed`` layers recomputed; eager
+    layers, or compiled ones under the partitioner's ``compiled_budget``."""
+    per_token = (activation_bytes_per_token_per_layer(shape, dtype_bytes) if compiled_budget is None
+                 else compiled_activation_bytes_per_token_per_layer(shape, dtype_bytes, compiled_budget))
+    per_layer = per_token * tokens
     inputs = checkpointed * shape.hidden * dtype_bytes * tokens
     return (shape.layers - checkpointed) * per_layer + inputs + (per_layer if checkpointed else 0)
 
@@ -119,6 +140,8 @@ class MemoryPlan:
     engine_bytes: float = 0.0
     loss_bytes: float = 0.0
     headroom: float = HEADROOM
+    #: compiled decoder layers: the partitioner's activation memory budget (None: eager layers)
+    compiled_budget: float | None = None
 
     @property
     def budget_bytes(self) -> float:
@@ -152,7 +175,7 @@ def choose_checkpointing(plan: MemoryPlan, spacings: tuple[int, ...] = AUTO_SPAC
         label = f"selective/{k}" if k else policy
         if label not in estimates:
             estimates[label] = activation_bytes(plan.shape, plan.tokens, plan.dtype_bytes,
-                                                checkpointed_count(L, policy, k)) / GIB
+                                                checkpointed_count(L, policy, k), plan.compiled_budget) / GIB
     budget = plan.budget_bytes / GIB
     for policy, k in options:
         label = f"selective/{k}" if k else policy
@@ -232,7 +255,8 @@ def memory_plan(cfg, model: torch.nn.Module, world_size: int = 1, device: float 
     chunk = rm.loss.logit_chunk_rows if rm is not None and rm.loss.supervised_logits_only else None
     loss = 3 * 4 * min(chunk or tokens, tokens) * shape.vocab
     return MemoryPlan(shape, tokens, dtype_bytes, total, resident_bytes(model, t.deepspeed, world_size), engine,
-                      float(loss))
+                      float(loss), compiled_budget=(t.compile_activation_memory_budget if t.compile_decoder_layers
+                                                    else None))
 
 
 def resolve_checkpointing(cfg, model: torch.nn.Module, world_size: int = 1,

@@ -56,11 +56,21 @@ def traceable_dora_weights() -> bool:
     return True
 
 
-def compile_decoder_layers(model: torch.nn.Module) -> int:
+def compile_decoder_layers(model: torch.nn.Module, activation_memory_budget: float = 1.0) -> int:
     """Compile every decoder layer in place with dynamic shapes (peft DoRA made traceable first:
-    ``traceable_dora_weights``); returns how many were compiled."""
+    ``traceable_dora_weights``); returns how many were compiled.
+
+    ``activation_memory_budget`` (``training.compile_activation_memory_budget``, in (0, 1]): set process-wide as
+    ``torch._functorch.config.activation_memory_budget`` before anything compiles, so the min-cut partitioner of each
+    layer keeps at most that share of its default saved activations and recomputes the rest in the backward (it
+    recomputes the cheapest ops first: the attention block before the MLP's matmuls)."""
+    if not 0.0 < activation_memory_budget <= 1.0:
+        raise ValueError(f"training.compile_activation_memory_budget {activation_memory_budget!r}: a fraction in (0, 1]")
     layers = decoder_layers(model)
     traceable_dora_weights()
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = float(activation_memory_budget)
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)

@@ -230,7 +230,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
                                            cfg.training.packed_varlen_kernel) if cfg.training.packing else None)
     cfg, _ = apply_model_levers(cfg, model, out, data_parallel_world_size(), packed_attention=packed_attn)
     if cfg.training.compile_decoder_layers:
-        log.info("compiled %d decoder layers (training.compile_decoder_layers)", compile_decoder_layers(model))
+        log.info("compiled %d decoder layers (training.compile_decoder_layers)", compile_decoder_layers(
+            model, cfg.training.compile_activation_memory_budget))
     pipeline = build_pipeline(cfg, loaded)
     dataset = SampleDataset(samples)
     report = [r for r in cfg.training.report_to if r != "jsonl"]
