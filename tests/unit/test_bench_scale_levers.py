@@ -196,3 +196,22 @@ def test_packing_length_knob_runs_each_length_and_reaches_the_training_config(tm
     for bad in ("8k", "512", ","):
         with pytest.raises(SystemExit, match="RM_BENCH_SCALE_PACKING"):
             scale.with_packing_lengths(runs, bad)
+
+
+def test_memory_budget_knob_runs_only_where_the_config_takes_it(tmp_path, capsys):
+    """``RM_BENCH_SCALE_MEMBUDGET``: a budget below 1 beside compiled layers that are not all checkpointed; a
+    combination the config would refuse is left out with a printed line, and nothing left is refused."""
+    env = {"RM_BENCH_SCALE_COMPILE": "1", "RM_BENCH_SCALE_CKPT": "full,off", "RM_BENCH_SCALE_MEMBUDGET": "1,0.4"}
+    runs = scale.with_levers(scale.selected("4b"), scale.lever_knobs(env))
+    assert [r.name for r in runs] == ["4b-full-sleep2-util0.2-compiled", "4b-full-sleep2-util0.2-compiled-ckptoff",
+                                      "4b-full-sleep2-util0.2-compiled-ckptoff-membudget0.4"]
+    assert "4b-full-sleep2-util0.2-compiled-membudget0.4: left out" in capsys.readouterr().out
+    t = validate_config(scale.stage2_config(runs[-1], tmp_path / "m", tmp_path / "o", "vllm")).training
+    assert (t.checkpointing_policy, t.compile_activation_memory_budget) == ("off", 0.4)
+    auto = scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"), scale.lever_knobs(
+        {"RM_BENCH_SCALE_COMPILE": "1", "RM_BENCH_SCALE_CKPT": "auto,off", "RM_BENCH_SCALE_MEMBUDGET": "auto"}))
+    assert [r.name for r in auto] == ["8b-lora64-sleep2-util0.35-compiled-ckptauto-membudgetauto"]
+    t = validate_config(scale.stage2_config(auto[0], tmp_path / "m", tmp_path / "o", "vllm")).training
+    assert t.compile_activation_memory_budget == "auto"
+    with pytest.raises(SystemExit, match="RM_BENCH_SCALE_MEMBUDGET below 1 needs RM_BENCH_SCALE_COMPILE=1"):
+        scale.with_levers(scale.selected("2b"), scale.lever_knobs({"RM_BENCH_SCALE_MEMBUDGET": "0.5"}))

@@ -104,17 +104,65 @@ def test_the_compiled_estimate_is_what_a_compiled_layer_keeps(budgets):
     assert estimate < 0.7 * eager
 
 
+FOUR_B = ck.TextShape(36, 2560, 4096, 1024, 9728, 151936)
+
+
 def test_auto_with_compiled_layers_uses_the_compiled_estimate():
-    """At 4B, 16k tokens: eager off needs ~109 GiB, compiled ~60, compiled at budget 0.4 ~26; a 30 GiB budget takes
-    off only for the last."""
-    shape = ck.TextShape(36, 2560, 4096, 1024, 9728, 151936)
-    eager = ck.MemoryPlan(shape, 16384, 2, 80 * ck.GIB, 42 * ck.GIB)
-    assert eager.budget_bytes / ck.GIB == pytest.approx(30.0)
-    compiled = ck.MemoryPlan(shape, 16384, 2, 80 * ck.GIB, 42 * ck.GIB, compiled_budget=1.0)
-    low = ck.MemoryPlan(shape, 16384, 2, 80 * ck.GIB, 42 * ck.GIB, compiled_budget=0.4)
-    choices = [ck.choose_checkpointing(p) for p in (eager, compiled, low)]
-    assert [c.estimates_gib["off"] for c in choices] == pytest.approx([109.1, 60.2, 25.8], abs=0.1)
-    assert [c.label for c in choices] == ["full", "full", "off"]
+    """At 4B, 16k tokens, 30 GiB left: eager off needs ~109 GiB, compiled ~60, compiled at budget 0.4 ~26: only the
+    last runs without checkpointing."""
+    plans = [ck.MemoryPlan(FOUR_B, 16384, 2, 80 * ck.GIB, 42 * ck.GIB, compiled_budget=b) for b in (None, 1.0, 0.4)]
+    assert plans[0].budget_bytes / ck.GIB == pytest.approx(30.0)
+    choices = [ck.choose_checkpointing(p) for p in plans]
+    assert [c.estimates_gib[ck._with_budget("off", b)] for c, b in zip(choices, (None, 1.0, 0.4))] == pytest.approx(
+        [109.1, 60.2, 25.8], abs=0.1)
+    assert [c.label for c in choices] == ["full", "full", "off@0.4"]
+    assert [c.memory_budget for c in choices] == [None, 1.0, 0.4]
+
+
+@pytest.mark.parametrize(("left_gib", "label"), [(70, "off"), (35, "off@0.5"), (27, "off@0.4"), (21, "off@0.3"),
+                                                   (12, "full")])
+def test_auto_budget_takes_the_largest_that_fits_before_any_checkpointing(left_gib, label):
+    """``compile_activation_memory_budget: auto``: no checkpointing at 1, 0.5, 0.4, 0.3 (estimates at 4B, 16k: 60.2,
+    31.5, 25.8, 20.0 GiB), then the selective spacings and full at budget 1 (selective/4 needs ~46 GiB at budget 1:
+    never before an off that fits)."""
+    plan = ck.MemoryPlan(FOUR_B, 16384, 2, 80 * ck.GIB, (72 - left_gib) * ck.GIB, compiled_budget=1.0,
+                         budget_ladder=ck.AUTO_MEMORY_BUDGETS)
+    choice = ck.choose_checkpointing(plan)
+    assert [round(choice.estimates_gib[k], 1) for k in ("off", "off@0.5", "off@0.4", "off@0.3")] == [
+        60.2, 31.5, 25.8, 20.0]
+    assert choice.label == label
+    assert choice.memory_budget == (1.0 if label in ("off", "full") else float(label.split("@")[1]))
+    if label == "full":  # every selective spacing at budget 1 needs more than off at 0.3
+        assert min(v for k, v in choice.estimates_gib.items() if k.startswith("selective")) > 20.0
+
+
+def test_auto_budget_is_resolved_into_the_config_and_the_setup_row(tmp_path):
+    """The resolved config carries the chosen budget (what ``run.py`` compiles with) and the setup row says both the
+    budget that runs and the one requested."""
+    import json
+
+    from trainer.config.schema import validate_config
+    from trainer.modeling.fixtures import build_tiny_model
+    from trainer.modeling.levers import apply_model_levers
+
+    cfg = validate_config({"model": {"tiny": "vl"}, "data": {"synthetic": {"num_samples": 4}},
+                           "training": {"output_dir": str(tmp_path), "compile_decoder_layers": True,
+                                        "gradient_checkpointing_policy": "auto", "packing": True,
+                                        "packing_length": 4096, "compile_activation_memory_budget": "auto"},
+                           "custom": {"extra": {"rollout_matching": {"rollout_backend": "hf"}}}})
+    model, _ = build_tiny_model("vl")
+    roomy, row = apply_model_levers(cfg, model, tmp_path, device_bytes=64 * ck.GIB)
+    assert (roomy.training.checkpointing_policy, roomy.training.compile_activation_memory_budget) == ("off", 1.0)
+    setup = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert setup["train/compile_activation_memory_budget"] == 1.0
+    assert setup["train/compile_activation_memory_budget_requested"] == "auto"
+    plan = ck.memory_plan(cfg, model, device=64 * ck.GIB)
+    need = {b: ck.activation_bytes(plan.shape, plan.tokens, plan.dtype_bytes, 0, b) for b in (0.5, 0.4)}
+    device = (plan.resident_bytes + plan.loss_bytes + (need[0.5] + need[0.4]) / 2) / (1 - ck.HEADROOM)
+    squeezed, row = apply_model_levers(cfg, model, None, device_bytes=device)
+    assert (squeezed.training.checkpointing_policy, squeezed.training.compile_activation_memory_budget) == ("off", 0.4)
+    assert row["train/compile_activation_memory_budget"] == 0.4 and row["train/checkpointing_policy"] == "off"
+    assert cfg.training.compile_activation_memory_budget == "auto", "the caller's config is left as it was"
 
 
 def test_the_budget_needs_compiled_layers_that_are_not_all_checkpointed():
@@ -125,6 +173,9 @@ def test_the_budget_needs_compiled_layers_that_are_not_all_checkpointed():
                        compile_activation_memory_budget=0.5)
     with pytest.raises(ValueError, match="compile_activation_memory_budget"):
         TrainingConfig(output_dir="o", compile_decoder_layers=True, compile_activation_memory_budget=0.0)
+    with pytest.raises(ValueError, match="auto needs compile_decoder_layers: true and gradient_checkpointing_policy"):
+        TrainingConfig(output_dir="o", compile_decoder_layers=True, gradient_checkpointing_policy="off",
+                       compile_activation_memory_budget="auto")
     ok = TrainingConfig(output_dir="o", compile_decoder_layers=True, gradient_checkpointing_policy="auto",
                         compile_activation_memory_budget=0.4)
     assert ok.compile_activation_memory_budget == 0.4

@@ -128,10 +128,10 @@ class ScaleRun:
     #: ``-varlenapi``: torch's public varlen_attn with K/V repeated and a graph break per compiled layer, as every
     #: record before)
     varlen_kernel: str = "op"
-    #: ``training.compile_activation_memory_budget`` (``RM_BENCH_SCALE_MEMBUDGET``: 1, the default, or a fraction,
-    #: suffix ``-membudget<b>``; needs compiled layers and a policy other than full: other combinations are left out,
-    #: with a line saying so)
-    activation_memory_budget: float = 1.0
+    #: ``training.compile_activation_memory_budget`` (``RM_BENCH_SCALE_MEMBUDGET``: 1, the default, a fraction or
+    #: auto, suffix ``-membudget<b>``; needs compiled layers and a policy other than full, auto the policy auto: other
+    #: combinations are left out, with a line saying so)
+    activation_memory_budget: float | str = 1.0
 
     @property
     def name(self) -> str:
@@ -149,7 +149,7 @@ class ScaleRun:
             "-pixels" if self.pixels_during_decode else "") + ("-phasesync" if self.phase_timing == "sync" else "") + (
             "" if self.host_vision_metadata else "-devicevision") + (
             "" if self.varlen_kernel == "op" else f"-varlen{self.varlen_kernel}") + (
-            "" if self.activation_memory_budget == 1.0 else f"-membudget{self.activation_memory_budget:g}")
+            "" if self.activation_memory_budget == 1.0 else f"-membudget{self.activation_memory_budget}")
         sleep = "kv" if self.sleep_level == "kv_cache" else self.sleep_level
         return (f"{self.size}-{tuner}{served}-sleep{sleep}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
@@ -694,8 +694,8 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[str], Any]]] = {
     "RM_BENCH_SCALE_PHASE_TIMING": ("phase_timing", ("events", "sync"), str),  # training.phase_timing
     "RM_BENCH_SCALE_HOST_VISION": ("host_vision_metadata", ("1", "0"), _on),  # training.host_vision_metadata
     "RM_BENCH_SCALE_VARLEN": ("varlen_kernel", ("op", "api"), str),  # training.packed_varlen_kernel
-    "RM_BENCH_SCALE_MEMBUDGET": ("activation_memory_budget", ("1", "0.7", "0.5", "0.4", "0.3"),  # compile_activation_
-                                 float),  # memory_budget
+    "RM_BENCH_SCALE_MEMBUDGET": ("activation_memory_budget", ("1", "0.7", "0.5", "0.4", "0.3", "auto"),
+                                 lambda v: v if v == "auto" else float(v)),  # compile_activation_memory_budget
 }
 
 
@@ -720,6 +720,8 @@ def lever_knobs(env: Mapping[str, str | None]) -> list[dict[str, Any]]:
 def budget_applies(run: ScaleRun) -> bool:
     """Whether ``run``'s activation memory budget is one its config accepts: 1, or compiled layers that are not all
     checkpointed (``training.compile_activation_memory_budget``)."""
+    if run.activation_memory_budget == "auto":
+        return run.compile_layers and run.checkpointing == "auto"
     return run.activation_memory_budget == 1.0 or (run.compile_layers and run.checkpointing != "full")
 
 
@@ -732,10 +734,11 @@ def with_levers(runs: list[ScaleRun], knobs: list[dict[str, Any]]) -> list[Scale
             out.append(run)
         else:
             print(f"[scale] {run.name}: left out: a memory budget below 1 needs compiled layers "
-                  "(RM_BENCH_SCALE_COMPILE=1) that are not all checkpointed (RM_BENCH_SCALE_CKPT off, selective or auto)")
+                  "(RM_BENCH_SCALE_COMPILE=1) that are not all checkpointed (RM_BENCH_SCALE_CKPT off, selective or "
+                  "auto); auto needs RM_BENCH_SCALE_CKPT=auto")
     if runs and knobs and not out:
         raise SystemExit("RM_BENCH_SCALE_MEMBUDGET below 1 needs RM_BENCH_SCALE_COMPILE=1 and RM_BENCH_SCALE_CKPT "
-                         "off, selective or auto: no run left")
+                         "off, selective or auto (auto: RM_BENCH_SCALE_CKPT=auto): no run left")
     return out
 
 

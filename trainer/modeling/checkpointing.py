@@ -7,7 +7,9 @@ before ``torch.utils.checkpoint``); the layers in between keep their activations
 forward instead of all of it and holds about (1 - 1/n) of the un-checkpointed activations. HF counts every
 ``GradientCheckpointingLayer`` of the model in module order, vision blocks included (frozen, they save nothing), so
 on Qwen3-VL the checkpointed text layers are every n-th from an offset (``checkpointed_decoder_layers`` names them).
-``off``: none. ``auto``: ``choose_checkpointing`` at start-up, from the estimate below.
+``off``: none. ``auto``: ``choose_checkpointing`` at start-up, from the estimate below; with compiled layers and
+``training.compile_activation_memory_budget: auto`` it first tries no checkpointing at each of ``AUTO_MEMORY_BUDGETS``
+(the partitioner recomputing part of each layer instead).
 
 The estimate (``choose_checkpointing``, pure). Activations a decoder layer keeps for its backward, per token, in the
 activation dtype (``activation_bytes_per_token_per_layer``), counting the tensors autograd saves in HF's Qwen3 /
@@ -142,6 +144,9 @@ class MemoryPlan:
     headroom: float = HEADROOM
     #: compiled decoder layers: the partitioner's activation memory budget (None: eager layers)
     compiled_budget: float | None = None
+    #: ``compile_activation_memory_budget: auto``: the budgets tried without checkpointing, largest first, before any
+    #: checkpointing (empty: only ``compiled_budget``)
+    budget_ladder: tuple[float, ...] = ()
 
     @property
     def budget_bytes(self) -> float:
@@ -158,38 +163,57 @@ class CheckpointingChoice:
     estimates_gib: dict[str, float] = field(default_factory=dict)
     budget_gib: float | None = None
     reason: str = ""
+    #: compiled layers: the partitioner's activation memory budget that runs (None: eager layers)
+    memory_budget: float | None = None
 
     @property
     def label(self) -> str:
-        return f"selective/{self.every_n_layers}" if self.policy == "selective" else self.policy
+        base = f"selective/{self.every_n_layers}" if self.policy == "selective" else self.policy
+        return _with_budget(base, self.memory_budget)
+
+
+def _with_budget(label: str, budget: float | None) -> str:
+    return label if budget is None or budget == 1.0 or label == "full" else f"{label}@{budget:g}"
+
+
+#: ``compile_activation_memory_budget: auto``: the budgets ``auto`` tries without checkpointing, largest first (0.3
+#: already recomputes the MLP's up projection; below it the MLP's matmuls go, and checkpointing is the better trade)
+AUTO_MEMORY_BUDGETS = (1.0, 0.5, 0.4, 0.3)
 
 
 def choose_checkpointing(plan: MemoryPlan, spacings: tuple[int, ...] = AUTO_SPACINGS) -> CheckpointingChoice:
-    """``auto``: the first of off, selective every ``spacings`` (fewest checkpointed first), full whose activation
-    estimate fits ``plan.budget_bytes``; full when none does."""
+    """``auto``: the first of off (at each of ``plan.budget_ladder``'s budgets, largest first, when it has any),
+    selective every ``spacings`` (fewest checkpointed first), full whose activation estimate fits
+    ``plan.budget_bytes``; full when none does. Compiled layers are estimated at ``plan.compiled_budget`` (the
+    ladder's budgets for off), eager ones with the eager count."""
     L = plan.shape.layers
-    options = [("off", None)] + sorted((("selective", k) for k in spacings), key=lambda o: math.ceil(L / o[1])) + [
-        ("full", None)]
+    budget_of_rest = plan.compiled_budget
+    offs = [("off", None, b) for b in plan.budget_ladder] or [("off", None, budget_of_rest)]
+    if plan.budget_ladder:
+        budget_of_rest = plan.budget_ladder[0]
+    selective = sorted((("selective", k, budget_of_rest) for k in spacings), key=lambda o: math.ceil(L / o[1]))
+    options = offs + selective + [("full", None, budget_of_rest)]
     estimates: dict[str, float] = {}
-    for policy, k in options:
-        label = f"selective/{k}" if k else policy
+    for policy, k, b in options:
+        label = _with_budget(f"selective/{k}" if k else policy, b)
         if label not in estimates:
             estimates[label] = activation_bytes(plan.shape, plan.tokens, plan.dtype_bytes,
-                                                checkpointed_count(L, policy, k), plan.compiled_budget) / GIB
+                                                checkpointed_count(L, policy, k), b) / GIB
     budget = plan.budget_bytes / GIB
-    for policy, k in options:
-        label = f"selective/{k}" if k else policy
+    off_label = _with_budget("off", offs[-1][2])
+    for policy, k, b in options:
+        label = _with_budget(f"selective/{k}" if k else policy, b)
         if estimates[label] <= budget:
             why = (f"activations ~{estimates[label]:.1f} GiB fit the {budget:.1f} GiB left ("
                    f"{plan.device_bytes / GIB:.1f} GiB x {1 - plan.headroom:.2f} - weights/grads/optimizer "
                    f"{plan.resident_bytes / GIB:.1f} - engine {plan.engine_bytes / GIB:.1f} - loss "
                    f"{plan.loss_bytes / GIB:.1f}) at {plan.tokens} tokens")
-            if label != "off":
-                why += f"; off would need ~{estimates['off']:.1f} GiB"
-            return CheckpointingChoice(policy, k, "auto", estimates, budget, why)
+            if policy != "off":
+                why += f"; {off_label} would need ~{estimates[off_label]:.1f} GiB"
+            return CheckpointingChoice(policy, k, "auto", estimates, budget, why, b)
     return CheckpointingChoice("full", None, "auto", estimates, budget,
                                f"nothing fits the {budget:.1f} GiB left (full needs ~{estimates['full']:.1f} GiB): "
-                               "full, the least memory; lower training.packing_length if it runs out")
+                               "full, the least memory; lower training.packing_length if it runs out", budget_of_rest)
 
 
 def _deepspeed_stage(deepspeed: str | None) -> tuple[int, bool]:
@@ -254,9 +278,11 @@ def memory_plan(cfg, model: torch.nn.Module, world_size: int = 1, device: float 
         engine = rm.vllm.gpu_memory_utilization * total
     chunk = rm.loss.logit_chunk_rows if rm is not None and rm.loss.supervised_logits_only else None
     loss = 3 * 4 * min(chunk or tokens, tokens) * shape.vocab
+    requested = t.compile_activation_memory_budget
+    compiled = None if not t.compile_decoder_layers else (1.0 if requested == "auto" else float(requested))
     return MemoryPlan(shape, tokens, dtype_bytes, total, resident_bytes(model, t.deepspeed, world_size), engine,
-                      float(loss), compiled_budget=(t.compile_activation_memory_budget if t.compile_decoder_layers
-                                                    else None))
+                      float(loss), compiled_budget=compiled,
+                      budget_ladder=AUTO_MEMORY_BUDGETS if compiled is not None and requested == "auto" else ())
 
 
 def resolve_checkpointing(cfg, model: torch.nn.Module, world_size: int = 1,
@@ -269,15 +295,19 @@ def resolve_checkpointing(cfg, model: torch.nn.Module, world_size: int = 1,
             AUTO_SPACINGS
         return choose_checkpointing(memory_plan(cfg, model, world_size, device), spacings)
     every = (t.gradient_checkpointing_every_n_layers or DEFAULT_EVERY_N) if policy == "selective" else None
-    return CheckpointingChoice(policy, every, policy)
+    budget = float(t.compile_activation_memory_budget) if t.compile_decoder_layers else None
+    return CheckpointingChoice(policy, every, policy, memory_budget=budget)
 
 
 def resolved_config(cfg, choice: CheckpointingChoice):
     """A copy of ``cfg`` whose training section names the policy that runs (``auto`` resolved), for
     ``trainer.sft.run.training_arguments``; ``gradient_checkpointing`` is true only for full."""
-    t = cfg.training.model_copy(update={"gradient_checkpointing_policy": choice.policy,
-                                        "gradient_checkpointing_every_n_layers": choice.every_n_layers,
-                                        "gradient_checkpointing": choice.policy == "full"})
+    update = {"gradient_checkpointing_policy": choice.policy,
+              "gradient_checkpointing_every_n_layers": choice.every_n_layers,
+              "gradient_checkpointing": choice.policy == "full"}
+    if choice.memory_budget is not None:
+        update["compile_activation_memory_budget"] = choice.memory_budget
+    t = cfg.training.model_copy(update=update)
     return cfg.model_copy(update={"training": t})
 
 

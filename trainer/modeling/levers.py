@@ -7,9 +7,9 @@ recorded as the first row of ``metrics.jsonl`` (``phase: setup``), so every run 
   ``train/checkpointing_every_n_layers``, ``train/checkpointed_layers`` of ``train/decoder_layers``, and for ``auto``
   its estimates (``train/checkpointing_estimate_gib``, ``train/checkpointing_budget_gib``);
 - ``training.optim`` (HF ``TrainingArguments.optim``): ``train/optim``;
-- ``training.compile_decoder_layers``: ``train/compile_decoder_layers``, and
-  ``train/compile_activation_memory_budget`` (``training.compile_activation_memory_budget``; null when the layers are
-  not compiled);
+- ``training.compile_decoder_layers``: ``train/compile_decoder_layers``, and the partitioner's activation memory
+  budget that runs, ``train/compile_activation_memory_budget`` (``auto`` resolved with the checkpointing policy),
+  beside ``train/compile_activation_memory_budget_requested`` (both null when the layers are not compiled);
 - the attention of packed rows (``training.packing``; ``training.packed_varlen_kernel`` on a CUDA GPU without
   flash-attn): ``train/packed_attention`` (``rm_varlen`` | ``rm_varlen_api`` | ``flash_attention_2`` | ``sdpa``; null
   without packing).
@@ -40,8 +40,7 @@ def apply_model_levers(cfg, model: torch.nn.Module, out: Path | None = None, wor
     t = cfg.training
     row: dict[str, Any] = {"train/use_liger_kernel": t.use_liger_kernel, "train/optim": t.optim,
                            "train/compile_decoder_layers": t.compile_decoder_layers,
-                           "train/compile_activation_memory_budget": (t.compile_activation_memory_budget
-                                                                      if t.compile_decoder_layers else None),
+
                            "train/packed_attention": packed_attention}
     if t.use_liger_kernel:
         from trainer.modeling.liger import apply_liger_kernel
@@ -56,7 +55,10 @@ def apply_model_levers(cfg, model: torch.nn.Module, out: Path | None = None, wor
         counted = (None, None)
     row.update({"train/checkpointing_policy": choice.policy, "train/checkpointing_requested": t.checkpointing_policy,
                 "train/checkpointing_every_n_layers": choice.every_n_layers,
-                "train/checkpointed_layers": counted[0], "train/decoder_layers": counted[1]})
+                "train/checkpointed_layers": counted[0], "train/decoder_layers": counted[1],
+                "train/compile_activation_memory_budget": choice.memory_budget,
+                "train/compile_activation_memory_budget_requested": (t.compile_activation_memory_budget
+                                                                     if t.compile_decoder_layers else None)})
     if choice.requested == "auto":
         row.update({"train/checkpointing_estimate_gib": choice.estimates_gib,
                     "train/checkpointing_budget_gib": choice.budget_gib})
