@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.compiled_layer import one_layer
 from trainer.modeling.compile import compile_decoder_layers
-from trainer.packing.varlen_attention import packed_attention, register_varlen_attention
+from trainer.packing.varlen_attention import packed_attention
 from trainer.packing.varlen_kernel import flash_kernels_available
 
 pytestmark = [pytest.mark.gpu,
@@ -20,38 +21,15 @@ pytestmark = [pytest.mark.gpu,
 L = 8192
 
 
-class OneLayer(torch.nn.Module):
-    def __init__(self, config):
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextDecoderLayer
-
-        super().__init__()
-        self.config = config
-        self.layers = torch.nn.ModuleList([Qwen3VLTextDecoderLayer(config, 0)])
-
-    def get_decoder(self):
-        return self
-
-
 def _run(budget: float):
-    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
-
     torch._dynamo.reset()
-    cfg = Qwen3VLTextConfig(hidden_size=2560, intermediate_size=9728, num_hidden_layers=1, num_attention_heads=32,
-                            num_key_value_heads=8, head_dim=128, vocab_size=64,
-                            rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20],
-                                          "mrope_interleaved": True})
-    cfg._attn_implementation = register_varlen_attention("op")
-    torch.manual_seed(0)
-    model = OneLayer(cfg).to("cuda", torch.bfloat16)
+    model, x, (cos, sin) = one_layer(2560, 9728, 32, 8, 128, [24, 20, 20], L, "cuda", torch.bfloat16)
     compile_decoder_layers(model, budget)
-    x = torch.randn(1, L, 2560, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = Qwen3VLTextRotaryEmbedding(cfg).to("cuda")(x, torch.arange(L, device="cuda")[None].expand(3, 1, L))
     cu = torch.tensor([0, 1500, 4000, 6100, L], dtype=torch.int32, device="cuda")
     weight = torch.linspace(-1, 1, 2560, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        with packed_attention(model, cfg._attn_implementation, cu, 2500):
+        with packed_attention(model, model.config._attn_implementation, cu, 2500):
             out = model.layers[0](x, position_embeddings=(cos, sin), attention_mask=None)
             out = out[0] if isinstance(out, tuple) else out
             kept = torch.cuda.memory_allocated() - before

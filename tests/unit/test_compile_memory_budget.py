@@ -10,42 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.compiled_layer import one_layer
 from trainer.config.schema import TrainingConfig
 from trainer.modeling import checkpointing as ck
 from trainer.modeling.compile import compile_decoder_layers
-from trainer.packing.varlen_attention import packed_attention, register_varlen_attention
+from trainer.packing.varlen_attention import packed_attention
 
 L = 96
 H, INTER, HEADS, KV, D = 128, 384, 4, 2, 32
 
 
-class OneLayer(torch.nn.Module):
-    """A text model of one Qwen3-VL decoder layer, shaped the way ``decoder_layers`` finds it."""
-
-    def __init__(self, config):
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextDecoderLayer
-
-        super().__init__()
-        self.config = config
-        self.layers = torch.nn.ModuleList([Qwen3VLTextDecoderLayer(config, 0)])
-
-    def get_decoder(self):
-        return self
-
-
 def _layer_and_inputs():
-    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
-
-    cfg = Qwen3VLTextConfig(hidden_size=H, intermediate_size=INTER, num_hidden_layers=1, num_attention_heads=HEADS,
-                            num_key_value_heads=KV, head_dim=D, vocab_size=64,
-                            rope_scaling={"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True})
-    cfg._attn_implementation = register_varlen_attention("op")
-    torch.manual_seed(0)
-    model = OneLayer(cfg)
-    x = torch.randn(1, L, H, requires_grad=True)
-    cos, sin = Qwen3VLTextRotaryEmbedding(cfg)(x, torch.arange(L)[None].expand(3, 1, L))
-    return model, x, (cos, sin)
+    return one_layer(H, INTER, HEADS, KV, D, [6, 5, 5], L)
 
 
 def _saved_bytes_and_grads(budget: float):
