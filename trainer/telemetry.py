@@ -184,13 +184,21 @@ class Counters:
 
 
 def gpu_memory_snapshot(timers: PhaseTimers | None = None) -> dict[str, float]:
-    """Allocated and peak GiB; ``timers``: their boundaries reset CUDA's peak counter, so theirs is folded in."""
+    """GiB of the current CUDA device: torch's allocator (allocated now, its peak, reserved now) and the driver's view
+    (``gpu_mem_device_used_gib``: total less free, every process and every allocator, a sleeping vLLM's mapped memory
+    included and its unmapped pool not). torch counts a sleeping engine's pool as allocated whether or not it is mapped,
+    so only the driver's figure says how full the card is; read at the end of a step, the reserved figure still holds
+    the blocks the backward left in torch's cache. ``timers``: their boundaries reset CUDA's peak counter, so theirs is
+    folded in."""
     if not torch.cuda.is_available():
         return {}
     peak = max(torch.cuda.max_memory_allocated(), timers.overall_peak if timers is not None else 0)
+    free, total = torch.cuda.mem_get_info()
     return {
         "gpu_mem_allocated_gib": torch.cuda.memory_allocated() / 2**30,
         "gpu_mem_peak_gib": peak / 2**30,
+        "gpu_mem_reserved_gib": torch.cuda.memory_reserved() / 2**30,
+        "gpu_mem_device_used_gib": (total - free) / 2**30,
     }
 
 

@@ -4,6 +4,8 @@ resets. A fake probe stands in for CUDA's counters, so the bookkeeping is shown 
 
 from __future__ import annotations
 
+import torch
+
 from trainer.telemetry import PhaseTimers
 
 
@@ -65,3 +67,20 @@ def test_a_phase_keeps_the_maximum_over_its_runs_and_without_a_probe_nothing_is_
     with cpu.phase("forward"):
         cpu.record_peak("backward")
     assert cpu.pop_peaks() == {} and "forward" in cpu.pop()
+
+
+def test_the_snapshot_gives_torch_s_counts_and_the_driver_s(monkeypatch):
+    """``gpu_memory_snapshot``: torch's allocated / peak / reserved beside the driver's used memory (total less free),
+    which is the only one that sees what a sleeping engine has unmapped; nothing without CUDA."""
+    from trainer.telemetry import gpu_memory_snapshot
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_memory_snapshot() == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 70 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 45 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 72 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (30 * gib, 80 * gib))
+    assert gpu_memory_snapshot() == {"gpu_mem_allocated_gib": 45.0, "gpu_mem_peak_gib": 70.0,
+                                     "gpu_mem_reserved_gib": 72.0, "gpu_mem_device_used_gib": 50.0}

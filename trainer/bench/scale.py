@@ -422,7 +422,7 @@ def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str,
     avg = {k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in sorted({k for r in timed for k in r})
            if isinstance(timed[0].get(k), (int, float))}
     peaks = {k: max(r.get(k, 0.0) for r in rows) for k in sorted({k for r in rows for k in r})
-             if k.startswith("mem/") or k == "gpu_mem_peak_gib"}
+             if k.startswith("mem/") or k in ("gpu_mem_peak_gib", "gpu_mem_reserved_gib", "gpu_mem_device_used_gib")}
     step_s = avg.get("time/step_s", 0.0)
     step_wall_s = avg.get("time/step_wall_s")
     optimizer_s = avg.get("time/optimizer_s")
