@@ -40,6 +40,8 @@ def test_every_layout_config_validates(layout, tmp_path):
     assert (t.deepspeed == "zero2") == (layout.zero == 2)
     assert t.checkpointing_policy == ("auto" if layout.name.endswith("-auto-compile") else "full")
     assert t.compile_decoder_layers == layout.name.endswith("-compile")
+    assert t.compile_activation_memory_budget == ("auto" if layout.name.endswith("-auto-compile") else 1.0), \
+        "the -auto-compile learner is the values files' (auto policy, compiled layers, auto budget)"
 
 
 def test_cpu_layouts_train_without_checkpointing_or_compile(tmp_path):
@@ -84,10 +86,11 @@ def test_measure_reports_the_checkpointing_that_ran(tmp_path):
     _write_run(tmp_path, [100.0, 104.0, 106.0], {0: [["a"], ["b"], ["c"]]})
     rows = (tmp_path / "metrics.jsonl").read_text()
     setup = {"phase": "setup", "step": 0, "time": 99.0, "train/checkpointing_policy": "selective",
-             "train/checkpointed_layers": 14}
+             "train/checkpointed_layers": 14, "train/compile_activation_memory_budget": 0.4}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(setup) + "\n" + rows)
     m = measure(tmp_path)
     assert m["learner_checkpointing"] == "selective" and m["learner_checkpointed_layers"] == 14
+    assert m["learner_memory_budget"] == 0.4
     assert m["steps_measured"] == 2, "the setup row is not a step"
 
 

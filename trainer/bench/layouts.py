@@ -8,8 +8,9 @@ learner on the rest; NCCL weight sync; ``-async``: the next step's batch decodes
 runs the same work (``Work``: model, records per optimizer step, rollout length, images) through the product's own
 entry points (``trainer serve``, ``torch.distributed.run -m trainer train``), one after the other. The learner
 checkpoints every decoder layer (``Work.checkpointing``: ``full``) and runs eagerly unless the layout names its own
-levers (``-auto-compile``: ``gradient_checkpointing_policy: auto`` and ``compile_decoder_layers``); each record says
-which policy ran (``learner_checkpointing``).
+levers (``-auto-compile``: ``gradient_checkpointing_policy: auto``, ``compile_decoder_layers`` and, since session 25,
+``compile_activation_memory_budget: auto``, as the values files ship them); each record says which policy and budget
+ran (``learner_checkpointing``, ``learner_memory_budget``).
 
 Per layout: trained samples/s (ledger rows of every rank, i.e. samples that went through a backward pass, over the
 wall time of the measured steps; the first step is warm-up), that rate per GPU against ``colocate-1``'s, the busy %
@@ -248,6 +249,8 @@ def layout_config(layout: Layout, work: Work, model_dir: Path, out_dir: Path, ur
         "packing_length": work.packing_length, "packing_buffer": 4 * records,
         "gradient_checkpointing_policy": (layout.checkpointing or work.checkpointing) if cuda else "off",
         "compile_decoder_layers": layout.compile, "bf16": cuda, "save_steps": 0}
+    if cuda and layout.compile and training["gradient_checkpointing_policy"] == "auto":
+        training["compile_activation_memory_budget"] = "auto"  # what the values files ship beside auto + compile
     if layout.zero:
         training["deepspeed"] = f"zero{layout.zero}"
     extra: dict[str, Any] = {}
@@ -394,6 +397,7 @@ def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
         "learner_peak_gib": max((r.get("mem/step_peak_gib", 0.0) for r in steps), default=None),
         "learner_checkpointing": setup.get("train/checkpointing_policy"),
         "learner_checkpointed_layers": setup.get("train/checkpointed_layers"),
+        "learner_memory_budget": setup.get("train/compile_activation_memory_budget"),
         "carried_at_end": len(carried),
     }
 
