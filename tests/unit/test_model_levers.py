@@ -66,7 +66,8 @@ def test_the_setup_row_says_which_levers_run(tmp_path):
                    "train/packed_attention": "rm_varlen",
                    "train/checkpointing_policy": "selective", "train/checkpointing_requested": "selective",
                    "train/checkpointing_every_n_layers": 3, "train/checkpointed_layers": 1,
-                   "train/decoder_layers": 2}
+                   "train/decoder_layers": 2, "train/compile_activation_memory_budget": None,
+                   "train/compile_activation_memory_budget_requested": None}
     (written,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert written["phase"] == "setup" and written["step"] == 0 and {k: written[k] for k in row} == row
     assert resolved.training.checkpointing_policy == "selective"
