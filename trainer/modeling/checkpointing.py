@@ -23,8 +23,8 @@ head_dim (k_norm 3 kv, RoPE 2 kv, attention's k and v), i: intermediate size (ga
 Qwen3-VL at 16k packed tokens, bf16: 2B 126 KiB a token a layer, 55 GiB for its 28 layers; 4B 194 KiB, 109 GiB
 (36); 8B 238 KiB, 134 GiB (36).
 
-Compiled layers (``training.compile_decoder_layers``) keep less: Inductor's partitioner saves the inputs of the
-projections and of the attention, not the norms' fp32 copies or the activation's output
+Compiled layers (``training.compile_decoder_layers``) keep less: Inductor's partitioner keeps bf16 tensors only (no
+fp32 norm copies) and recomputes the element-wise rest, about three tensors of each width
 (``compiled_activation_bytes_per_token_per_layer``)::
 
     bytes = dtype_bytes x (budget x 3 (h + q + kv + i) + h)
