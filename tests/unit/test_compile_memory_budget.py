@@ -86,7 +86,7 @@ FOUR_B = ck.TextShape(36, 2560, 4096, 1024, 9728, 151936)
 def test_auto_with_compiled_layers_uses_the_compiled_estimate():
     """At 4B, 16k tokens, 30 GiB left: eager off needs ~109 GiB, compiled ~60, compiled at budget 0.4 ~26: only the
     last runs without checkpointing."""
-    plans = [ck.MemoryPlan(FOUR_B, 16384, 2, 80 * ck.GIB, 42 * ck.GIB, compiled_budget=b) for b in (None, 1.0, 0.4)]
+    plans = [ck.MemoryPlan(FOUR_B, 16384, 2, 80 * ck.GIB, 42 * ck.GIB, compiled_budgets=b) for b in ((), (1.0,), (0.4,))]
     assert plans[0].budget_bytes / ck.GIB == pytest.approx(30.0)
     choices = [ck.choose_checkpointing(p) for p in plans]
     assert [c.estimates_gib[ck._with_budget("off", b)] for c, b in zip(choices, (None, 1.0, 0.4))] == pytest.approx(
@@ -101,8 +101,7 @@ def test_auto_budget_takes_the_largest_that_fits_before_any_checkpointing(left_g
     """``compile_activation_memory_budget: auto``: no checkpointing at 1, 0.5, 0.4, 0.3 (estimates at 4B, 16k: 60.2,
     31.5, 25.8, 20.0 GiB), then the selective spacings and full at budget 1 (selective/4 needs ~46 GiB at budget 1:
     never before an off that fits)."""
-    plan = ck.MemoryPlan(FOUR_B, 16384, 2, 80 * ck.GIB, (72 - left_gib) * ck.GIB, compiled_budget=1.0,
-                         budget_ladder=ck.AUTO_MEMORY_BUDGETS)
+    plan = ck.MemoryPlan(FOUR_B, 16384, 2, 80 * ck.GIB, (72 - left_gib) * ck.GIB, compiled_budgets=ck.AUTO_MEMORY_BUDGETS)
     choice = ck.choose_checkpointing(plan)
     assert [round(choice.estimates_gib[k], 1) for k in ("off", "off@0.5", "off@0.4", "off@0.3")] == [
         60.2, 31.5, 25.8, 20.0]

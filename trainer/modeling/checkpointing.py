@@ -142,11 +142,10 @@ class MemoryPlan:
     engine_bytes: float = 0.0
     loss_bytes: float = 0.0
     headroom: float = HEADROOM
-    #: compiled decoder layers: the partitioner's activation memory budget (None: eager layers)
-    compiled_budget: float | None = None
-    #: ``compile_activation_memory_budget: auto``: the budgets tried without checkpointing, largest first, before any
-    #: checkpointing (empty: only ``compiled_budget``)
-    budget_ladder: tuple[float, ...] = ()
+    #: compiled decoder layers: the partitioner's activation memory budgets ``auto`` may run without checkpointing,
+    #: largest first (one: the configured budget; ``AUTO_MEMORY_BUDGETS`` for ``auto``); checkpointed options run at the
+    #: first. Empty: eager layers
+    compiled_budgets: tuple[float, ...] = ()
 
     @property
     def budget_bytes(self) -> float:
@@ -182,15 +181,13 @@ AUTO_MEMORY_BUDGETS = (1.0, 0.5, 0.4, 0.3)
 
 
 def choose_checkpointing(plan: MemoryPlan, spacings: tuple[int, ...] = AUTO_SPACINGS) -> CheckpointingChoice:
-    """``auto``: the first of off (at each of ``plan.budget_ladder``'s budgets, largest first, when it has any),
-    selective every ``spacings`` (fewest checkpointed first), full whose activation estimate fits
-    ``plan.budget_bytes``; full when none does. Compiled layers are estimated at ``plan.compiled_budget`` (the
-    ladder's budgets for off), eager ones with the eager count."""
+    """``auto``: the first of off (at each of ``plan.compiled_budgets``, largest first), selective every ``spacings``
+    (fewest checkpointed first), full whose activation estimate fits ``plan.budget_bytes``; full when none does.
+    Compiled layers are estimated with the compiled count, eager ones (no budgets) with the eager count."""
     L = plan.shape.layers
-    budget_of_rest = plan.compiled_budget
-    offs = [("off", None, b) for b in plan.budget_ladder] or [("off", None, budget_of_rest)]
-    if plan.budget_ladder:
-        budget_of_rest = plan.budget_ladder[0]
+    budgets = plan.compiled_budgets or (None,)
+    budget_of_rest = budgets[0]
+    offs = [("off", None, b) for b in budgets]
     selective = sorted((("selective", k, budget_of_rest) for k in spacings), key=lambda o: math.ceil(L / o[1]))
     options = offs + selective + [("full", None, budget_of_rest)]
     estimates: dict[str, float] = {}
@@ -279,10 +276,10 @@ def memory_plan(cfg, model: torch.nn.Module, world_size: int = 1, device: float 
     chunk = rm.loss.logit_chunk_rows if rm is not None and rm.loss.supervised_logits_only else None
     loss = 3 * 4 * min(chunk or tokens, tokens) * shape.vocab
     requested = t.compile_activation_memory_budget
-    compiled = None if not t.compile_decoder_layers else (1.0 if requested == "auto" else float(requested))
+    budgets = () if not t.compile_decoder_layers else (
+        AUTO_MEMORY_BUDGETS if requested == "auto" else (float(requested),))
     return MemoryPlan(shape, tokens, dtype_bytes, total, resident_bytes(model, t.deepspeed, world_size), engine,
-                      float(loss), compiled_budget=compiled,
-                      budget_ladder=AUTO_MEMORY_BUDGETS if compiled is not None and requested == "auto" else ())
+                      float(loss), compiled_budgets=budgets)
 
 
 def resolve_checkpointing(cfg, model: torch.nn.Module, world_size: int = 1,
