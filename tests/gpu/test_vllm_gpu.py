@@ -330,6 +330,66 @@ def recorded_load_check() -> dict:
         engine.close()
 
 
+def overlap_wake_check() -> dict:
+    """``vllm.sync.overlap_wake`` at sleep level 2 with a LoRA learner (the merge queued on the GPU, the weights woken
+    while it and the finite check run): the engine decodes greedily under the merged learner; a learner with a NaN
+    is refused after the wake with nothing written, the engine keeps no valid weights, and the next good sync serves
+    again. The sync seconds of each good sync."""
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trainer.modeling.coord_vocab import stop_token_ids
+    from trainer.modeling.fixtures import save_tiny_model, tiny_tokenizer
+    from trainer.sync.update_check import WeightUpdateRefused
+
+    text_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "text", "text")
+    tok = tiny_tokenizer()
+    base = AutoModelForCausalLM.from_pretrained(text_dir, dtype=DT).cuda().eval()
+    learner = get_peft_model(perturbed(base), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in learner.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    engine, _ = colocate(text_dir, sorted(stop_token_ids(tok)), sleep_level=2, util=0.3, overlap_wake=True)
+    try:
+        reqs = make_requests(tok)
+        syncs = []
+        t0 = time.perf_counter()
+        engine.sync_full(learner)
+        syncs.append(time.perf_counter() - t0)
+        first = engine.generate(reqs, params())
+        assert_greedy(learner, first, "overlap_wake: LoRA merged at level 2")
+        assert engine.vllm.asleep
+        poisoned = copy.deepcopy(learner)
+        with torch.no_grad():
+            next(p for n, p in poisoned.named_parameters() if "lora_B" in n).fill_(float("nan"))
+        with pytest.raises(WeightUpdateRefused, match="non-finite"):
+            engine.sync_full(poisoned)
+        assert "weights" not in engine.vllm._asleep, "overlap_wake woke the weights before reading the check"
+        assert not engine.vllm._weights_valid, "a refused update leaves level 2 without valid weights"
+        with torch.no_grad():
+            for name, p in learner.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-1.5)
+        t0 = time.perf_counter()
+        engine.sync_full(learner)
+        syncs.append(time.perf_counter() - t0)
+        second = engine.generate(reqs, params())
+        assert_greedy(learner, second, "overlap_wake: after a refused update")
+        assert [r.response_token_ids for r in second] != [r.response_token_ids for r in first] or \
+            max(greedy_gaps(base, second)) > LOGIT_TOL
+        return {"sync_s": syncs, "timings": dict(engine.timings)}
+    finally:
+        engine.close()
+
+
+def test_overlap_wake_serves_the_merged_learner_and_refuses_a_nan_after_the_wake():
+    """In a fresh process (a sleep-mode engine, ``in_fresh_process``)."""
+    record("overlap_wake", **in_fresh_process("overlap_wake"))
+
+
 def test_recorded_load_replays_vllm_s_loader():
     """In a fresh process (a sleep-mode engine, ``in_fresh_process``)."""
     record("recorded_load", **in_fresh_process("recorded_load"))
@@ -586,6 +646,7 @@ def test_stage2_training_server_mode_one_gpu(tmp_path):
 
 
 CHECKS = {"sleep": lambda level: sleep_check(int(level) if level.isdigit() else level), "recorded_load": recorded_load_check,
+          "overlap_wake": overlap_wake_check,
           "stage2": lambda kind, level, out: stage2_colocate_check(kind, int(level), Path(out))}
 
 if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in CHECKS:

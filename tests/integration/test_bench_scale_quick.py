@@ -34,10 +34,14 @@ def test_scale_quick_records_the_step_from_its_raw_timers(tmp_path, monkeypatch)
     tokens, fb_s = raw["batch/tokens"], raw["time/forward_s"] + raw["time/backward_s"]
     assert tokens > 0 and rec["train_tokens_per_s"] == pytest.approx(tokens / fb_s, rel=1e-9)
     assert rec["rollout_tokens_per_s"] == pytest.approx(2 * 8 / raw["time/generate_s"], rel=1e-9)
-    flops = scale.fwd_bwd_flops("tiny", tokens, 2, (64 // 16) ** 2, "full", checkpointing=True)
+    rows_projected = raw["tokens/ce"] + raw["tokens/coord"]
+    assert 0 < rows_projected < tokens, "the LM head projects the supervised rows, not every token"
+    flops = scale.fwd_bwd_flops("tiny", tokens, 2, (64 // 16) ** 2, "full", checkpointing=True,
+                                logit_rows=rows_projected)
     assert rec["flops"] == pytest.approx(flops) and rec["flops"]["hardware"] > rec["flops"]["model"] > 0
+    assert rec["flops"]["logit_rows"] == rows_projected and rec["flops"]["lm_head"] > 0
     assert rec["fwd_bwd_tflops"] == pytest.approx(flops["model"] / fb_s / 1e12, rel=1e-9)
-    assert rec["mfu"] is None and rec["hfu"] is None, "no MFU against an H100 peak on the CPU"
+    assert rec["mfu"] is None and rec["hfu"] is None and rec["mfu_blocks"] is None, "no MFU against an H100 peak on the CPU"
     assert rec["flop_count"] == scale.FLOP_COUNT
     assert (tmp_path / "out" / "scale_quick.png").stat().st_size > 10_000
     # RM_BENCH_SCALE_PROFILE=1: step 1's forward + backward under torch.profiler (operators on the CPU)
@@ -52,6 +56,28 @@ def test_flops_count_grows_with_size_and_the_published_shapes_have_their_sizes()
     assert f[0] < f[1] < f[2]
     blocks = scale.param_counts("8b")["text_blocks"]
     assert scale.fwd_bwd_flops("8b", 20_000, 8, 4096)["model"] > 6 * blocks * 20_000
+
+
+def test_the_lm_head_counts_its_logit_rows_trained_or_frozen():
+    """The head's matmuls over the rows the objective projects: 6 per head parameter and row when it trains (full),
+    4 when frozen (LoRA); the chunked objective's recompute of each projection is in ``hardware`` only; without
+    rows the count is the blocks' alone (``model_blocks``, every record before session 26)."""
+    t, rows = 20_000, 12_000
+    head_params = scale.VOCAB * scale.QWEN3_VL_TEXT["8b"]["hidden_size"]
+    plain = scale.fwd_bwd_flops("8b", t, 8, 4096)
+    for tuner, rank, per in (("full", 0, 6), ("lora", 64, 4)):
+        without = scale.fwd_bwd_flops("8b", t, 8, 4096, tuner, rank)
+        counted = scale.fwd_bwd_flops("8b", t, 8, 4096, tuner, rank, logit_rows=rows)
+        assert counted["lm_head"] == per * head_params * rows
+        assert counted["model"] - without["model"] == pytest.approx(per * head_params * rows)
+        assert counted["hardware"] - without["hardware"] == pytest.approx((per + 2) * head_params * rows)
+        assert counted["model_blocks"] == without["model"] == without["model_blocks"]
+    assert plain["lm_head"] == 0 and plain["model"] == plain["model_blocks"]
+
+
+def test_logit_rows_are_the_supervised_ce_rows_and_coord_slots():
+    assert scale.logit_rows({"tokens/ce": 8410.0, "tokens/coord": 1344.0, "batch/tokens": 16336.0}) == 9754.0
+    assert scale.logit_rows({"batch/tokens": 100.0}) == 0.0
 
 
 def _projections(size: str) -> list[tuple[int, int]]:
@@ -98,12 +124,14 @@ def test_flops_refuse_an_unknown_tuner_or_an_adapter_without_rank():
 
 def test_the_sync_breakdown_accounts_for_the_whole_sync_and_adds_sleep_and_wake():
     avg = {"time/weight_sync_s": 0.30, "time/sync_learner_check_s": 0.01, "time/sync_collect_s": 0.12,
-           "time/sync_check_s": 0.02, "time/sync_wake_s": 0.05, "time/sync_load_s": 0.06, "time/sleep_s": 0.04,
-           "time/wake_s": 0.03, "time/generate_s": 9.0}
+           "time/sync_check_s": 0.02, "time/sync_wake_s": 0.05, "time/sync_check_wait_s": 0.01,
+           "time/sync_load_s": 0.06, "time/sleep_s": 0.04, "time/wake_s": 0.03, "time/generate_s": 9.0}
     out = scale.sync_breakdown(avg)
     parts = out["sync_parts_s"]
     assert list(parts) == [*scale.SYNC_PARTS, "unaccounted"]
-    assert abs(sum(parts.values()) - 0.30) < 1e-9 and abs(parts["unaccounted"] - 0.04) < 1e-9
+    assert abs(sum(parts.values()) - 0.30) < 1e-9 and abs(parts["unaccounted"] - 0.03) < 1e-9
+    without_overlap = scale.sync_breakdown({k: v for k, v in avg.items() if k != "time/sync_check_wait_s"})
+    assert "sync_check_wait" not in without_overlap["sync_parts_s"], "a sync without overlap_wake reads no wait"
     assert abs(out["sleep_wake_sync_s"] - 0.37) < 1e-9
     no_sleep = scale.sync_breakdown({k: v for k, v in avg.items() if k not in ("time/sleep_s", "time/wake_s")})
     assert "sleep_wake_sync_s" not in no_sleep

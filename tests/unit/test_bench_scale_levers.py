@@ -105,6 +105,23 @@ def test_prewake_knob_runs_both_and_reaches_the_sync_config(tmp_path):
         scale.lever_knobs({"RM_BENCH_SCALE_PREWAKE": "yes"})
 
 
+def test_overlap_wake_knob_runs_both_reaches_the_sync_config_and_leaves_out_prewake(tmp_path, capsys):
+    from trainer.config.schema import validate_config
+
+    runs = scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"), scale.lever_knobs(
+        {"RM_BENCH_SCALE_OVERLAPWAKE": "0,1", "RM_BENCH_SCALE_PREWAKE": "0,1"}))
+    assert [r.name for r in runs] == ["8b-lora64-sleep2-util0.35", "8b-lora64-sleep2-util0.35-overlapwake",
+                                      "8b-lora64-sleep2-util0.35-prewake"]
+    assert "8b-lora64-sleep2-util0.35-prewake-overlapwake: left out: vllm.sync.overlap_wake and prewake" in \
+        capsys.readouterr().out
+    sync = validate_config(scale.stage2_config(runs[1], tmp_path, tmp_path / "o", "vllm")
+                           ).custom.extra.rollout_matching.vllm.sync
+    assert (sync.overlap_wake, sync.prewake) == (True, False)
+    with pytest.raises(SystemExit, match="no run left: vllm.sync.overlap_wake and prewake do not combine"):
+        scale.with_levers(scale.selected("2b"), scale.lever_knobs(
+            {"RM_BENCH_SCALE_OVERLAPWAKE": "1", "RM_BENCH_SCALE_PREWAKE": "1"}))
+
+
 def test_compile_knob_is_an_axis_eager_and_compiled_in_one_call(tmp_path):
     knobs = scale.lever_knobs({**_env(ckpt="full,selective"), "RM_BENCH_SCALE_COMPILE": "0,1"})
     runs = scale.with_levers(scale.selected("2b"), knobs)
@@ -213,5 +230,5 @@ def test_memory_budget_knob_runs_only_where_the_config_takes_it(tmp_path, capsys
     assert [r.name for r in auto] == ["8b-lora64-sleep2-util0.35-compiled-ckptauto-membudgetauto"]
     t = validate_config(scale.stage2_config(auto[0], tmp_path / "m", tmp_path / "o", "vllm")).training
     assert t.compile_activation_memory_budget == "auto"
-    with pytest.raises(SystemExit, match="RM_BENCH_SCALE_MEMBUDGET below 1 needs RM_BENCH_SCALE_COMPILE=1"):
+    with pytest.raises(SystemExit, match="no run left: a memory budget below 1 needs compiled layers"):
         scale.with_levers(scale.selected("2b"), scale.lever_knobs({"RM_BENCH_SCALE_MEMBUDGET": "0.5"}))

@@ -132,6 +132,9 @@ class ScaleRun:
     #: auto, suffix ``-membudget<b>``; needs compiled layers and a policy other than full, auto the policy auto: other
     #: combinations are left out, with a line saying so)
     activation_memory_budget: float | str = 1.0
+    #: ``vllm.sync.overlap_wake`` (``RM_BENCH_SCALE_OVERLAPWAKE``: 0, the default, or 1, suffix ``-overlapwake``; not
+    #: with prewake: that combination is left out, with a line saying so)
+    overlap_wake: bool = False
 
     @property
     def name(self) -> str:
@@ -149,7 +152,8 @@ class ScaleRun:
             "-pixels" if self.pixels_during_decode else "") + ("-phasesync" if self.phase_timing == "sync" else "") + (
             "" if self.host_vision_metadata else "-devicevision") + (
             "" if self.varlen_kernel == "op" else f"-varlen{self.varlen_kernel}") + (
-            "" if self.activation_memory_budget == 1.0 else f"-membudget{self.activation_memory_budget}")
+            "" if self.activation_memory_budget == 1.0 else f"-membudget{self.activation_memory_budget}") + (
+            "-overlapwake" if self.overlap_wake else "")
         sleep = "kv" if self.sleep_level == "kv_cache" else self.sleep_level
         return (f"{self.size}-{tuner}{served}-sleep{sleep}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
@@ -263,13 +267,17 @@ def adapter_params(size: str, rank: int) -> int:
 FLOP_COUNT = ("mfu: model FLOPs of the forward + backward / fwd+bwd seconds / peak: per language-model block weight and "
               "token 2 forward + 4 backward when trained, 2 + 2 when frozen (LoRA/DoRA base), 6 per adapter "
               "parameter; causal attention 6 * layers * heads * head_dim * s^2 per segment; frozen vision tower "
-              "forward only; lm_head excluded. hfu: model FLOPs + the gradient-checkpointing recompute (one more "
-              "forward of every block); the recompute a compiled layer does under "
+              "forward only; lm_head: vocab * hidden per logit row (the supervised rows the objective projects, "
+              "tokens/ce + tokens/coord), 6 when it trains (full fine-tune), 4 when frozen (LoRA/DoRA). mfu_blocks: "
+              "the same without the lm_head (every record before session 26). hfu: model FLOPs + the "
+              "gradient-checkpointing recompute (one more forward of every block) + the chunked objective's "
+              "recompute of each logit row's projection; the recompute a compiled layer does under "
               "training.compile_activation_memory_budget < 1 (levers.compile_activation_memory_budget) is not in it")
 
 
 def fwd_bwd_flops(size: str, tokens: float, samples: float, patches_per_image: int, tuner: str = "full",
-                  lora_rank: int = 0, checkpointing: bool | float = False) -> dict[str, float]:
+                  lora_rank: int = 0, checkpointing: bool | float = False, logit_rows: float = 0.0
+                  ) -> dict[str, float]:
     """FLOPs of one packed forward + backward over ``tokens`` in ``samples`` segments of equal length:
     ``model`` (what MFU counts) and ``hardware`` (what HFU counts; ``model`` plus the recompute of every block's
     forward when ``checkpointing``), with the parameter counts behind them.
@@ -279,7 +287,10 @@ def fwd_bwd_flops(size: str, tokens: float, samples: float, patches_per_image: i
     frozen and the adapter (``adapter_params``) trains at 6 (DoRA's weight-norm work is per step, not per token).
     Causal attention: 2 * L * heads * head_dim * s^2 forward, twice that backward. The frozen vision tower: forward
     only, 2 per parameter per patch and full attention 4 * depth * hidden * P^2 per image. ``checkpointing`` may be
-    the fraction of the blocks recomputed (selective checkpointing, ``recomputed_fraction``)."""
+    the fraction of the blocks recomputed (selective checkpointing, ``recomputed_fraction``). The LM head projects
+    ``logit_rows`` rows (the supervised positions, full vocabulary): 2 forward + 2 input gradient + 2 weight gradient
+    per head parameter and row when it trains (full fine-tune), 4 when frozen; the chunked objective recomputes each
+    row's projection in its backward (``hardware`` only). ``model_blocks``: ``model`` without the head."""
     if tuner not in ("full", "lora", "dora"):
         raise ValueError(f"tuner {tuner!r}: one of full, lora, dora")
     if tuner != "full" and lora_rank <= 0:
@@ -294,9 +305,12 @@ def fwd_bwd_flops(size: str, tokens: float, samples: float, patches_per_image: i
     attn_fwd = 2 * text["num_hidden_layers"] * text["num_attention_heads"] * text["head_dim"] * seg * seg * samples
     vis = samples * (2 * counts["vision"] * patches_per_image
                      + 4 * vision["depth"] * vision["hidden_size"] * patches_per_image ** 2)
-    model = 6 * trained * tokens + 4 * frozen * tokens + 3 * attn_fwd + vis
-    recompute = float(checkpointing) * (2 * (trained + frozen) * tokens + attn_fwd)
-    return {"model": model, "hardware": model + recompute, "trained_params": trained, "frozen_block_params": frozen,
+    blocks_model = 6 * trained * tokens + 4 * frozen * tokens + 3 * attn_fwd + vis
+    head_params = _meta_model(size).config.text_config.vocab_size * text["hidden_size"]
+    head = (6 if tuner == "full" else 4) * head_params * logit_rows
+    recompute = float(checkpointing) * (2 * (trained + frozen) * tokens + attn_fwd) + 2 * head_params * logit_rows
+    return {"model": blocks_model + head, "hardware": blocks_model + head + recompute, "model_blocks": blocks_model,
+            "lm_head": head, "logit_rows": logit_rows, "trained_params": trained, "frozen_block_params": frozen,
             "checkpointing": checkpointing}
 
 
@@ -320,7 +334,7 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
     rm["loss"] = {"logit_chunk_rows": run.logit_chunk_rows}
     if backend == "vllm":
         rm["vllm"]["sync"] = {"merge_precision": run.merge_precision, "prewake": run.prewake,
-                              "recorded_load": run.recorded_load}
+                              "recorded_load": run.recorded_load, "overlap_wake": run.overlap_wake}
         rm["vllm"]["pixels_during_decode"] = run.pixels_during_decode
     if run.compile_layers:
         cfg["training"]["compile_decoder_layers"] = True
@@ -398,6 +412,12 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
     return rec
 
 
+def logit_rows(metrics: dict[str, Any]) -> float:
+    """The rows the objective projected through the LM head in a step's metrics row: its supervised CE rows and coord
+    slots (``tokens/ce`` + ``tokens/coord``; 0 in a row without them)."""
+    return float(metrics.get("tokens/ce", 0.0)) + float(metrics.get("tokens/coord", 0.0))
+
+
 #: the phases inside HF's ``training_step`` (``time/step_s``); ``time/backward_s`` is the backward plus HF's
 #: bookkeeping inside ``training_step``, never the optimizer step (``time/optimizer_s``, after it)
 TRAINING_STEP_PHASES = ("weight_sync", "rollout", "target", "forward", "backward")
@@ -428,7 +448,8 @@ def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str,
     optimizer_s = avg.get("time/optimizer_s")
     tokens = avg.get("batch/tokens", 0.0)
     patches = (run.image_size // 16) ** 2
-    flops = fwd_bwd_flops(run.size, tokens, run.batch, patches, run.tuner, run.lora_rank, checkpointing=checkpointing)
+    flops = fwd_bwd_flops(run.size, tokens, run.batch, patches, run.tuner, run.lora_rank, checkpointing=checkpointing,
+                          logit_rows=logit_rows(avg))
     fb_s = avg.get("time/forward_s", 0.0) + avg.get("time/backward_s", 0.0)
     on_gpu = bool(fb_s) and device != "cpu"
     generated = run.batch * run.max_new_tokens
@@ -439,19 +460,20 @@ def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str,
         wall_split["other"] = max(0.0, step_wall_s - step_s - (optimizer_s or 0.0)) / step_wall_s
     timed_steps = [{"step": n, "fwd_bwd_s": r.get("time/forward_s", 0.0) + r.get("time/backward_s", 0.0),
                     "step_wall_s": r.get("time/step_wall_s"), "tokens": r.get("batch/tokens", 0.0),
-                    "rows": r.get("batch/rows_per_step")} for n, r in numbered]
+                    "rows": r.get("batch/rows_per_step"), "logit_rows": logit_rows(r)} for n, r in numbered]
     for t in timed_steps:
         f = fwd_bwd_flops(run.size, t["tokens"], run.batch, patches, run.tuner, run.lora_rank,
-                          checkpointing=checkpointing)["model"]
+                          checkpointing=checkpointing, logit_rows=t["logit_rows"])["model"]
         t["mfu"] = f / t["fwd_bwd_s"] / 1e12 / H100_BF16_TFLOPS if on_gpu and t["fwd_bwd_s"] else None
     return dict(
-        steps=len(rows), per_step={k: v for k, v in avg.items() if k.startswith(("time/", "batch/", "rollout/"))},
+        steps=len(rows), per_step={k: v for k, v in avg.items() if k.startswith(("time/", "batch/", "rollout/", "tokens/"))},
         timed_steps=timed_steps,
         peak_gib=peaks, step_s=step_s, optimizer_s=optimizer_s, step_wall_s=step_wall_s,
         rollout_tokens_per_s=generated / avg["time/generate_s"] if avg.get("time/generate_s") else None,
         train_tokens_per_s=tokens / fb_s if fb_s else None,
         fwd_bwd_tflops=flops["model"] / fb_s / 1e12 if fb_s else None,
         mfu=flops["model"] / fb_s / 1e12 / H100_BF16_TFLOPS if on_gpu else None,
+        mfu_blocks=flops["model_blocks"] / fb_s / 1e12 / H100_BF16_TFLOPS if on_gpu else None,
         hfu=flops["hardware"] / fb_s / 1e12 / H100_BF16_TFLOPS if on_gpu else None,
         flops=flops, flop_count=FLOP_COUNT,
         split={p: avg.get(f"time/{p}_s", 0.0) / step_s for p in TRAINING_STEP_PHASES} if step_s else {},
@@ -461,7 +483,7 @@ def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str,
 
 
 #: the sub-phases of a colocate ``weight_sync`` (``telemetry.phase``), in the order they run
-SYNC_PARTS = ("sync_learner_check", "sync_collect", "sync_check", "sync_wake", "sync_load")
+SYNC_PARTS = ("sync_learner_check", "sync_collect", "sync_check", "sync_wake", "sync_check_wait", "sync_load")
 
 
 def sync_breakdown(avg: dict[str, float]) -> dict[str, Any]:
@@ -696,6 +718,7 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[str], Any]]] = {
     "RM_BENCH_SCALE_VARLEN": ("varlen_kernel", ("op", "api"), str),  # training.packed_varlen_kernel
     "RM_BENCH_SCALE_MEMBUDGET": ("activation_memory_budget", ("1", "0.7", "0.5", "0.4", "0.3", "auto"),
                                  lambda v: v if v == "auto" else float(v)),  # compile_activation_memory_budget
+    "RM_BENCH_SCALE_OVERLAPWAKE": ("overlap_wake", ("0", "1"), _on),  # vllm.sync.overlap_wake
 }
 
 
@@ -725,20 +748,30 @@ def budget_applies(run: ScaleRun) -> bool:
     return run.activation_memory_budget == 1.0 or (run.compile_layers and run.checkpointing != "full")
 
 
+def refused_combination(run: ScaleRun) -> str | None:
+    """Why ``run``'s config would refuse its levers together, or None when it accepts them."""
+    if not budget_applies(run):
+        return ("a memory budget below 1 needs compiled layers (RM_BENCH_SCALE_COMPILE=1) that are not all "
+                "checkpointed (RM_BENCH_SCALE_CKPT off, selective or auto); auto needs RM_BENCH_SCALE_CKPT=auto")
+    if run.overlap_wake and run.prewake:
+        return "vllm.sync.overlap_wake and prewake do not combine (RM_BENCH_SCALE_OVERLAPWAKE, RM_BENCH_SCALE_PREWAKE)"
+    return None
+
+
 def with_levers(runs: list[ScaleRun], knobs: list[dict[str, Any]]) -> list[ScaleRun]:
-    """Each run once per ``lever_knobs`` combination, in that order; a combination whose memory budget does not apply
-    (``budget_applies``) is left out with a printed line, and none left at all is refused."""
+    """Each run once per ``lever_knobs`` combination, in that order; a combination its config would refuse
+    (``refused_combination``) is left out with a printed line, and none left at all is refused."""
     out = []
+    reasons = []
     for run in (replace(r, **k) for r in runs for k in knobs):
-        if budget_applies(run):
+        reason = refused_combination(run)
+        if reason is None:
             out.append(run)
         else:
-            print(f"[scale] {run.name}: left out: a memory budget below 1 needs compiled layers "
-                  "(RM_BENCH_SCALE_COMPILE=1) that are not all checkpointed (RM_BENCH_SCALE_CKPT off, selective or "
-                  "auto); auto needs RM_BENCH_SCALE_CKPT=auto")
+            reasons.append(reason)
+            print(f"[scale] {run.name}: left out: {reason}")
     if runs and knobs and not out:
-        raise SystemExit("RM_BENCH_SCALE_MEMBUDGET below 1 needs RM_BENCH_SCALE_COMPILE=1 and RM_BENCH_SCALE_CKPT "
-                         "off, selective or auto (auto: RM_BENCH_SCALE_CKPT=auto): no run left")
+        raise SystemExit(f"no run left: {'; '.join(dict.fromkeys(reasons))}")
     return out
 
 

@@ -103,6 +103,11 @@ class VllmSyncConfig(Section):
         "dtypes, instead of vLLM's per-tensor Python loaders (0.05-0.08 s per sync at 8B on an H100). A loader that "
         "does more than copy is detected and keeps running (logged once; vLLM's CPU build, whose loads repack the "
         "weights, always does). Off by default; on an H200 (8B LoRA) the load took 0.023 s against 0.037 s")
+    overlap_wake: bool = Field(
+        False, description="colocate, sleep mode: queue the LoRA merge and the update's finite check on the GPU, wake "
+        "the engine's weights on the calling thread while they run (vLLM's wake is host work: one driver mapping per "
+        "allocation), then read the check before any weight is written (a refused update changes no served weight); "
+        "false runs merge, check and wake one after the other. Not with prewake (a wake on a thread)")
     shm_dir: str | None = None
     resend_frozen: bool = False
     merge_precision: Literal["weight_dtype", "float32"] = "weight_dtype"
@@ -112,6 +117,9 @@ class VllmSyncConfig(Section):
         if self.transport == "inband" and self.nccl_backend != "auto":
             raise ValueError(f"sync.nccl_backend: {self.nccl_backend} only applies to sync.transport nccl (or auto); "
                              "the inband transport has no communicator — drop nccl_backend or set transport: nccl")
+        if self.overlap_wake and self.prewake:
+            raise ValueError("sync.overlap_wake and sync.prewake both wake the weights during the sync (on this thread "
+                             "behind the GPU's merge and check, or on a thread of their own); set one of them")
         if self.shm_dir is not None and self.transport != "inband":
             raise ValueError(f"sync.shm_dir: {self.shm_dir} only applies to sync.transport inband (it stages the "
                              "in-band payload in a shared directory); set transport: inband or drop shm_dir")

@@ -24,7 +24,7 @@ RM = "custom.extra.rollout_matching"
 #: step phases (``trainer.sft.trainer.STEP_PHASES`` and their sub-phases) grouped by what holds memory in them
 TRAIN_PHASES = frozenset({"forward", "backward"})
 SYNC_PHASES = frozenset({"weight_sync", "sync_learner_check", "sync_collect", "sync_check", "sync_wake", "sync_load",
-                         "sync_identity", "sync_push", "sync_wait_decodes"})
+                         "sync_check_wait", "sync_identity", "sync_push", "sync_wait_decodes"})
 ROLLOUT_PHASES = frozenset({"rollout", "generate", "wake", "sleep"})
 #: a sleeping engine mapping its memory back (the KV cache before a decode, the weights in a sync)
 WAKE_PHASES = frozenset({"wake", "sync_wake"})

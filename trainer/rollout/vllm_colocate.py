@@ -110,7 +110,8 @@ class VllmColocateEngine:
                  max_lora_rank: int = 16, enable_prefix_caching: bool = True, sleep_level: int | str = 0, seed: int = 0,
                  dtype: str = "auto", rank: int | None = None, world_size: int | None = None,
                  allow_dtype_cast: bool = False, engine_kwargs: dict[str, Any] | None = None,
-                 merge_precision: str = "weight_dtype", prewake: bool = False, recorded_load: bool = False):
+                 merge_precision: str = "weight_dtype", prewake: bool = False, recorded_load: bool = False,
+                 overlap_wake: bool = False):
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
@@ -140,7 +141,8 @@ class VllmColocateEngine:
             enable_prefix_caching=enable_prefix_caching, sleep_level=sleep_level,
             seed=seed + (self.rank // self.tp if self.world_size > 1 else 0), dtype=dtype,
             external_launcher=dist_on, allow_dtype_cast=allow_dtype_cast,
-            engine_kwargs=dict(engine_kwargs or {}), key=KEY, recorded_load=recorded_load))
+            engine_kwargs=dict(engine_kwargs or {}), key=KEY, recorded_load=recorded_load,
+            overlap_wake=overlap_wake))
         self.timings: dict[str, float] = {}
 
     @property
@@ -183,7 +185,7 @@ class VllmColocateEngine:
         """Load the model's weights (LoRA merged unless ``merge_adapter`` is false) into the engine, in process."""
         self.vllm.weights_source = lambda: full_weights(model, merge_adapter=merge_adapter,
                                                         merge_precision=self.merge_precision)
-        with phase("sync_collect", device_work=True):
+        with phase("sync_collect", device_work=not self.vllm.settings.overlap_wake):
             tensors = self.vllm.weights_source()
         report = self.vllm.load_weights(tensors)
         self.timings = {"sync_check_s": report.check_s, "sync_load_s": report.load_s,
@@ -257,4 +259,5 @@ def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
         merge_precision=v.sync.merge_precision,
         prewake=v.sync.prewake,
         recorded_load=v.sync.recorded_load,
+        overlap_wake=v.sync.overlap_wake,
     )

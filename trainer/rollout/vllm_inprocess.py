@@ -73,6 +73,9 @@ class VllmSettings:
     key: str = "custom.extra.rollout_matching.vllm"
     #: ``sync.recorded_load``: replay vLLM's recorded loader copies for an update like the last (``load_plan``)
     recorded_load: bool = False
+    #: ``sync.overlap_wake``: ``load_weights`` wakes the weights while the update's finite check (and whatever the
+    #: caller queued before it, e.g. the LoRA merge) runs on the device, and reads the check after the wake
+    overlap_wake: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,21 +268,31 @@ class InProcessVllm:
             self._spec = spec_from_checkpoint(self.settings.model_dir, self.dtype)
         return self._spec
 
-    def check_update(self, tensors: dict[str, torch.Tensor]) -> float:
-        """Refuse a bad update (``WeightUpdateRefused``) before anything changes; returns the seconds it took."""
-        from trainer.sync.update_check import check_update
-
-        t0 = time.perf_counter()
-        check_update(tensors, self.update_spec(), allow_cast=self.settings.allow_dtype_cast)
-        return time.perf_counter() - t0
-
     def load_weights(self, tensors: dict[str, torch.Tensor], *, checked: bool = False) -> LoadReport:
-        """Check (unless ``checked``) and load HF-named ``tensors`` into the served model (see module docstring)."""
+        """Check (unless ``checked``) and load HF-named ``tensors`` into the served model (see module docstring).
+
+        With ``overlap_wake`` the names, shapes and dtypes are checked first, the finite check is launched, the
+        weights wake (host work: vLLM maps its pool) while the device reduces, and the check is read (``sync_check_wait``)
+        before anything is written: a refused update still changes no weight (level 1's wake restores the old ones,
+        level 2's leaves the engine without valid weights, as its sleep did)."""
+        from trainer.sync.update_check import start_check_update
+
+        overlap = self.settings.overlap_wake and not checked
         with phase("sync_check"):
-            check_s = 0.0 if checked else self.check_update(tensors)
+            t0 = time.perf_counter()
+            pending = None if checked else start_check_update(tensors, self.update_spec(),
+                                                              allow_cast=self.settings.allow_dtype_cast)
+            if pending is not None and not overlap:
+                pending.wait()
+            check_s = time.perf_counter() - t0
         if self.dtype != next(iter(tensors.values())).dtype:
             tensors = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in tensors.items()}
         self.wake(("weights",), phase_name="sync_wake")
+        if overlap and pending is not None:
+            with phase("sync_check_wait"):
+                t0 = time.perf_counter()
+                pending.wait()
+                check_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         with phase("sync_load"):
             if vllm_compat.engine_in_process():

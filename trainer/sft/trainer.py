@@ -71,7 +71,8 @@ ROLLOUT_STATE = "rollout_state.pt"
 #: ``encode`` (the chat template and the image processor on the learner's CPU, inside ``rollout``), ``parse`` /
 #: ``match`` / ``build_target`` (inside ``target``); from the rollout engine and the weight sync (``telemetry.phase``):
 #: ``sync_learner_check`` (the learner's own finite check), ``sync_collect`` (the weights gathered, LoRA merged),
-#: ``sync_check`` (the receiver's update check), ``sync_wake`` (the sleeping engine's weights woken), ``sync_load``
+#: ``sync_check`` (the receiver's update check; with ``sync.overlap_wake`` only its launch, and ``sync_check_wait`` the
+#: read after the wake), ``sync_wake`` (the sleeping engine's weights woken), ``sync_load``
 #: (the copy into the engine), and for rollout servers ``sync_wait_decodes`` (decodes in flight finishing),
 #: ``sync_identity`` (which servers still hold the frozen weights) and ``sync_push``, inside ``weight_sync``; ``sleep`` and ``wake``
 #: (a sleep-mode colocate engine around its decode) inside ``generate``.

@@ -33,10 +33,13 @@ __all__ = [
     "WeightUpdateRefused",
     "check_learner_weights",
     "check_update",
+    "check_update_layout",
     "describe_non_finite",
     "first_non_finite",
+    "launch_finite_check",
     "spec_from_checkpoint",
     "spec_from_state_dict",
+    "start_check_update",
 ]
 
 
@@ -168,11 +171,10 @@ def describe_non_finite(t: torch.Tensor) -> str:
     return f"non-finite values ({nan} NaN, {inf} inf of {t.numel()} values)"
 
 
-def check_update(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec], *, allow_cast: bool = False,
-                 require_all: bool = False, check_finite: bool = True) -> None:
-    """Raise ``WeightUpdateRefused`` for the first problem of ``tensors`` against the served ``spec``, checked in
-    this order: unknown names, shapes, dtypes, missing names (``require_all``), finite values (``check_finite``).
-    No host copies: the finite check runs where the tensors live, with one device sync."""
+def check_update_layout(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec], *,
+                        allow_cast: bool = False, require_all: bool = False) -> None:
+    """The host-side part of ``check_update``: unknown names, shapes, dtypes, missing names (``require_all``), in
+    that order; reads no tensor data."""
     unknown = [n for n in tensors if n not in spec]
     if unknown:
         more = f" (and {len(unknown) - 1} more unknown names)" if len(unknown) > 1 else ""
@@ -190,28 +192,79 @@ def check_update(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorS
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightUpdateRefused(missing[0], f"missing from a full update{more}")
-    if check_finite:
-        bad = first_non_finite(tensors)
+
+
+def check_update(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec], *, allow_cast: bool = False,
+                 require_all: bool = False, check_finite: bool = True) -> None:
+    """Raise ``WeightUpdateRefused`` for the first problem of ``tensors`` against the served ``spec``, checked in
+    this order: unknown names, shapes, dtypes, missing names (``require_all``), finite values (``check_finite``).
+    No host copies: the finite check runs where the tensors live, with one device sync."""
+    start_check_update(tensors, spec, allow_cast=allow_cast, require_all=require_all,
+                       check_finite=check_finite).wait()
+
+
+class PendingUpdateCheck:
+    """An update whose layout passed ``check_update_layout`` and whose finite flags are computing on the device
+    (``FiniteFlags``); ``wait`` reads them and raises ``WeightUpdateRefused`` for the first non-finite tensor."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], flags: FiniteFlags | None):
+        self._tensors = tensors
+        self._flags = flags
+
+    def wait(self) -> None:
+        bad = self._flags.first_bad() if self._flags is not None else None
         if bad is not None:
-            raise WeightUpdateRefused(bad, describe_non_finite(tensors[bad]))
+            raise WeightUpdateRefused(bad, describe_non_finite(self._tensors[bad]))
 
 
-def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
-    """The first (in mapping order) floating tensor holding NaN or inf, else None. Per device, one fused
-    multi-tensor max-abs (``torch._foreach_norm`` with ord=inf: NaN and ±inf propagate, finite values never overflow)
-    gives a flag per tensor, read with one sync (two when something is bad)."""
+def start_check_update(tensors: Mapping[str, torch.Tensor], spec: Mapping[str, TensorSpec], *,
+                       allow_cast: bool = False, require_all: bool = False, check_finite: bool = True
+                       ) -> PendingUpdateCheck:
+    """``check_update`` in two halves: the layout is checked now (raising as ``check_update`` does), the finite check
+    is launched on the device and read by the returned check's ``wait``, so that host work (an engine's wake) can
+    run while the device reduces. Nothing may be written into served weights before ``wait`` returned."""
+    check_update_layout(tensors, spec, allow_cast=allow_cast, require_all=require_all)
+    return PendingUpdateCheck(tensors, launch_finite_check(tensors) if check_finite else None)
+
+
+class FiniteFlags:
+    """Per device, one flag per floating tensor (finite or not), launched by ``launch_finite_check`` and not yet
+    read; ``first_bad`` reads them (one sync per device, two when something is bad)."""
+
+    def __init__(self, order: list[str], groups: list[tuple[list[str], torch.Tensor]]):
+        self._order = order
+        self._groups = groups
+
+    def first_bad(self) -> str | None:
+        """The first (in the checked mapping's order) tensor holding NaN or inf, else None."""
+        bad: set[str] = set()
+        for names, flags in self._groups:
+            if bool(flags.all()):
+                continue
+            bad.update(names[int(i)] for i in torch.nonzero(~flags).flatten().tolist())
+        return next((n for n in self._order if n in bad), None)
+
+
+def launch_finite_check(tensors: Mapping[str, torch.Tensor]) -> FiniteFlags:
+    """Launch the finite check of every floating tensor of ``tensors`` where it lives: per device, one fused
+    multi-tensor max-abs (``torch._foreach_norm`` with ord=inf: NaN and ±inf propagate, finite values never
+    overflow) and one ``isfinite`` over the stacked results; nothing is read back here."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, t in tensors.items():
         if (t.is_floating_point() or t.is_complex()) and t.numel():
             by_device.setdefault(t.device, []).append((name, t.detach()))
-    bad: set[str] = set()
+    groups = []
     with torch.no_grad():
         for items in by_device.values():
             flags = torch.isfinite(torch.stack(torch._foreach_norm([t for _, t in items], ord=float("inf"))))
-            if bool(flags.all()):
-                continue
-            bad.update(items[int(i)][0] for i in torch.nonzero(~flags).flatten().tolist())
-    return next((n for n in tensors if n in bad), None)
+            groups.append(([n for n, _ in items], flags))
+    return FiniteFlags(list(tensors), groups)
+
+
+def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The first (in mapping order) floating tensor holding NaN or inf, else None (``launch_finite_check`` read at
+    once)."""
+    return launch_finite_check(tensors).first_bad()
 
 
 #: per model, the frozen parameters a passing ``check_learner_weights`` read or skipped: (tensor id, data pointer,
