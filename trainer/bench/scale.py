@@ -716,7 +716,7 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[str], Any]]] = {
     "RM_BENCH_SCALE_PHASE_TIMING": ("phase_timing", ("events", "sync"), str),  # training.phase_timing
     "RM_BENCH_SCALE_HOST_VISION": ("host_vision_metadata", ("1", "0"), _on),  # training.host_vision_metadata
     "RM_BENCH_SCALE_VARLEN": ("varlen_kernel", ("op", "api"), str),  # training.packed_varlen_kernel
-    "RM_BENCH_SCALE_MEMBUDGET": ("activation_memory_budget", ("1", "0.7", "0.5", "0.4", "0.3", "auto"),
+    "RM_BENCH_SCALE_MEMBUDGET": ("activation_memory_budget", ("1", "0.7", "0.6", "0.5", "0.4", "0.3", "auto"),
                                  lambda v: v if v == "auto" else float(v)),  # compile_activation_memory_budget
     "RM_BENCH_SCALE_OVERLAPWAKE": ("overlap_wake", ("0", "1"), _on),  # vllm.sync.overlap_wake
 }

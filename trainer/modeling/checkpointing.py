@@ -38,20 +38,23 @@ A forward over ``tokens`` with ``c`` of the ``L`` layers checkpointed keeps ``(L
 inputs (``h x dtype_bytes`` a token) plus, when ``c > 0``, one layer's activations rebuilt at a time in the backward.
 The budget is the device's memory less ``headroom`` (10 %: allocator fragmentation, CUDA context, NCCL), less the
 weights, gradients and AdamW's two states (``resident_bytes``; DeepSpeed ZeRO shards or offloads them), less a
-colocated vLLM engine's ``gpu_memory_utilization`` share, asleep or awake, less the loss's logits (3 fp32 copies of
-``logit_chunk_rows`` x vocabulary; every supervised row, bounded by the tokens, without chunking). ``auto`` takes
-the first that fits of: off, selective every 4, 3, 2 layers, full (full also when nothing fits).
+colocated vLLM engine's ``gpu_memory_utilization`` share while it stays mapped (sleep level 0, or ``kv_cache``, which
+keeps the weights), less the loss's logits (3 fp32 copies of ``logit_chunk_rows`` x vocabulary; every supervised row,
+bounded by the tokens, without chunking). ``auto`` takes the first that fits of: off, selective every 4, 3, 2 layers,
+full (full also when nothing fits).
 
-A sleeping engine is charged its whole share because the learner's activations must leave room for the engine to
-map its pool back before the next decode, and vLLM 0.26's wake does not take back the blocks torch's allocator
-cached from the backward (``InProcessVllm`` now empties torch's cache before each wake; until a GPU run shows that
-enough, the share stays charged). Measured on an H100 (session 15, Qwen3-VL-2B full, 16k-token rows, engine at 0.3,
-sleep level 2; ``docs/benchmarks/README.md``): with the share of a sleeping engine counted as 2 GiB, ``auto`` chose selective every
-4th layer, which trained but then failed to wake the KV cache ("CUDA Error: out of memory" in vLLM's cumem allocator),
-as ``off`` did; full and selective every 2nd layer ran. Counting the share, ``auto`` picks selective every 2nd layer
-there. The activation estimate against the measured backward peaks less the memory held between steps, same run:
-off 55.1 GiB estimated / 46.7 measured (one 16k row), selective/4 43.8 / 34.6-42.9, selective/2 30.4 / 22.6-31.3
-(the higher figure in each range: a step of two rows).
+An engine asleep at level 1 or 2 is charged nothing: vLLM unmaps its whole pool while the learner trains, and
+``InProcessVllm`` hands torch's cached free blocks back to the driver before each wake, so the pool maps back into
+what the backward left cached. Sessions 15-25 charged it its whole share, after session 15's wake failures (2B,
+engine at 0.3: with the share counted as 2 GiB, ``auto`` chose selective every 4th layer, which trained and then could
+not map the KV cache back), which came before that cache release. Measured on an H100 with the release (session 26,
+sleep level 2, 16k-token rows, compiled layers without checkpointing; the driver's used memory, not torch's count,
+which keeps counting the unmapped pool): Qwen3-VL-8B LoRA r64 beside an engine at 0.35 (26 GiB) used 68.1 GiB at
+budget 0.6 (estimate: 47.0 activations + 18.9 resident + 1.7 loss = 67.6), 64.5 at 0.5 (60.5); 4B full beside 0.2
+(15 GiB) 64.7 at 0.4 (60.6); the engine woke in every step of each run. The session-15 estimate against its measured
+backward peaks (eager layers, less the memory held between steps): off 55.1 GiB estimated / 46.7 measured (one 16k
+row), selective/4 43.8 / 34.6-42.9, selective/2 30.4 / 22.6-31.3 (the higher figure in each range: a step of two
+rows).
 """
 
 from __future__ import annotations
@@ -176,8 +179,9 @@ def _with_budget(label: str, budget: float | None) -> str:
 
 
 #: ``compile_activation_memory_budget: auto``: the budgets ``auto`` tries without checkpointing, largest first (0.3
-#: already recomputes the MLP's up projection; below it the MLP's matmuls go, and checkpointing is the better trade)
-AUTO_MEMORY_BUDGETS = (1.0, 0.5, 0.4, 0.3)
+#: already recomputes the MLP's up projection; below it the MLP's matmuls go, and checkpointing is the better trade).
+#: At 8B LoRA on an H100, 16k rows: fwd + bwd 2.09 s at 0.6, 2.14 s at 0.5 (session 26), 2.27 s at 0.3 (session 25)
+AUTO_MEMORY_BUDGETS = (1.0, 0.6, 0.5, 0.4, 0.3)
 
 
 def choose_checkpointing(plan: MemoryPlan, spacings: tuple[int, ...] = AUTO_SPACINGS) -> CheckpointingChoice:
@@ -271,7 +275,8 @@ def memory_plan(cfg, model: torch.nn.Module, world_size: int = 1, device: float 
     total = device_bytes() if device is None else device
     rm = cfg.custom.extra.rollout_matching
     engine = 0.0
-    if rm is not None and rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate":
+    if rm is not None and rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate" and \
+            rm.vllm.sleep_level in (0, "kv_cache"):
         engine = rm.vllm.gpu_memory_utilization * total
     chunk = rm.loss.logit_chunk_rows if rm is not None and rm.loss.supervised_logits_only else None
     loss = 3 * 4 * min(chunk or tokens, tokens) * shape.vocab
