@@ -4,6 +4,8 @@ rollout requests encoded with a chat template."""
 from __future__ import annotations
 
 import os
+import signal
+import warnings
 from collections.abc import Sequence
 
 import pytest
@@ -19,6 +21,24 @@ os.environ.setdefault("VLLM_PLUGINS", "")
 settings.register_profile("rollout-matching", derandomize=True, database=None, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("rollout-matching")
+
+
+#: handlers a test must not leave behind: a process forked later (a multiprocessing worker) inherits them, and a
+#: handler that does not exit keeps that worker alive through its pool's SIGTERM (a CI run hung on it in session 26)
+GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_restored(request):
+    """Each test leaves SIGTERM / SIGINT / SIGHUP as it found them: a changed handler is put back and named in a
+    warning (the test session's warnings summary), so the test that leaks one is known."""
+    before = {sig: signal.getsignal(sig) for sig in GUARDED_SIGNALS}
+    yield
+    for sig, handler in before.items():
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+            warnings.warn(f"{request.node.nodeid} left a {signal.Signals(sig).name} handler installed; restored",
+                          stacklevel=1)
 
 
 @pytest.fixture(scope="session", autouse=True)

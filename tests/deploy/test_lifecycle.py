@@ -251,3 +251,25 @@ def test_a_watcher_counts_as_having_read_the_final_state_only_after_its_answer_w
         assert state.watchers_done == {"w1"} and order.count(("marked", "w1")) == 1
     finally:
         server.shutdown()
+
+
+def test_signals_are_forwarded_only_while_the_child_is_supervised():
+    """``forwarding_signals``: inside, SIGTERM goes to the child (and to ``on_signal``); afterwards the previous handler
+    is back, so a process forked later from the supervisor does not inherit a handler that forwards to a dead child."""
+    from trainer.deploy.lifecycle import forwarding_signals
+
+    class _Child:
+        def __init__(self):
+            self.got: list[int] = []
+
+        def signal(self, signum):
+            self.got.append(signum)
+
+    child, seen = _Child(), []
+    guarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    before = {sig: signal.getsignal(sig) for sig in guarded}
+    with forwarding_signals(child, seen.append):
+        assert all(signal.getsignal(sig) is not before[sig] for sig in guarded)
+        signal.raise_signal(signal.SIGTERM)
+    assert child.got == [signal.SIGTERM] and seen == [signal.SIGTERM]
+    assert {sig: signal.getsignal(sig) for sig in guarded} == before

@@ -57,8 +57,12 @@ def test_index_reads_in_forked_workers_and_after_pickling(tmp_path):
     expected = _ids(index)  # opens the descriptor in this process first
     again = pickle.loads(pickle.dumps(index))
     assert _ids(again) == expected and len(pickle.dumps(index)) < 2000, "no records, no descriptor in the pickle"
-    with multiprocessing.get_context("fork").Pool(2) as pool:
-        assert pool.map(_ids, [index, index]) == [expected, expected]
+    pool = multiprocessing.get_context("fork").Pool(2)
+    try:  # bounded, and closed (no SIGTERM to the workers: a handler inherited from the parent could ignore it)
+        assert pool.map_async(_ids, [index, index]).get(timeout=120) == [expected, expected]
+    finally:
+        pool.close()
+        pool.join()
 
 
 def test_a_file_changed_after_indexing_is_refused(tmp_path):

@@ -25,6 +25,7 @@ Arguments after ``--`` starting with a ``python -m trainer`` subcommand (``launc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -36,7 +37,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
@@ -90,14 +91,23 @@ class _Child:
         return self.proc.wait()
 
 
-def _forward_signals(child: _Child, on_signal: Callable[[int], None] | None = None) -> None:
+@contextlib.contextmanager
+def forwarding_signals(child: _Child, on_signal: Callable[[int], None] | None = None) -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP go to ``child`` while the block runs; the previous handlers are back afterwards
+    (a handler left installed outlived its child: a later process forked from this one, e.g. a multiprocessing
+    worker, then forwarded its own SIGTERM to the dead child instead of stopping)."""
     def handler(signum, _frame):
         if on_signal is not None:
             on_signal(signum)
         child.signal(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, handler)
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 class LearnerState:
@@ -181,8 +191,8 @@ def supervise_learner(command: Sequence[str], port: int, host: str = "127.0.0.1"
         return 3
     _say("learner", f"lifecycle endpoint http://{host}:{port}{LIFECYCLE_PATH}; running {' '.join(child_argv(command))}")
     child = _Child(child_argv(command))
-    _forward_signals(child)
-    code = child.proc.wait()
+    with forwarding_signals(child):
+        code = child.proc.wait()
     state.finish(code)
     _say("learner", f"learner exited with {code}: state {state.state}, final={state.final}")
     if state.final and expect_watchers > 0:
@@ -226,33 +236,34 @@ def supervise_server(command: Sequence[str], learner_url: str, poll_s: float = 5
     _say("server", f"running {' '.join(child_argv(command))}; stops when the learner at {learner_url} finishes")
     child = _Child(child_argv(command))
     signalled: list[int] = []
-    _forward_signals(child, signalled.append)
-    started = last_seen = clock()
-    seen = False
-    while True:
-        code = child.poll()
-        if code is not None:
-            _say("server", f"server exited with {code}" + (" (signalled)" if signalled else "") + server_exit_reason(code))
-            return code
-        status = learner_status(learner_url, watcher)
-        now = clock()
-        if status is not None:
-            seen, last_seen = True, now
-            if status.get("final"):
-                _say("server", f"learner {status.get('state')} (exit {status.get('exit_code')}): stopping the server "
-                               "to release its GPUs")
-                code = child.stop(grace_s)
-                _say("server", f"server stopped (exit {code})")
+    with forwarding_signals(child, signalled.append):
+        started = last_seen = clock()
+        seen = False
+        while True:
+            code = child.poll()
+            if code is not None:
+                _say("server", f"server exited with {code}" + (" (signalled)" if signalled else "")
+                     + server_exit_reason(code))
+                return code
+            status = learner_status(learner_url, watcher)
+            now = clock()
+            if status is not None:
+                seen, last_seen = True, now
+                if status.get("final"):
+                    _say("server", f"learner {status.get('state')} (exit {status.get('exit_code')}): stopping the server "
+                                   "to release its GPUs")
+                    code = child.stop(grace_s)
+                    _say("server", f"server stopped (exit {code})")
+                    return 0
+            elif orphan_timeout_s > 0 and now - last_seen > orphan_timeout_s:
+                why = (f"unreachable for {now - last_seen:.0f}s after it was seen" if seen
+                       else f"not seen in {now - started:.0f}s")
+                _say("server", f"learner {why} (orphan timeout {orphan_timeout_s:g}s): stopping the server")
+                child.stop(grace_s)
                 return 0
-        elif orphan_timeout_s > 0 and now - last_seen > orphan_timeout_s:
-            why = (f"unreachable for {now - last_seen:.0f}s after it was seen" if seen
-                   else f"not seen in {now - started:.0f}s")
-            _say("server", f"learner {why} (orphan timeout {orphan_timeout_s:g}s): stopping the server")
-            child.stop(grace_s)
-            return 0
-        deadline = time.monotonic() + poll_s
-        while time.monotonic() < deadline and child.poll() is None:
-            time.sleep(min(0.2, poll_s))
+            deadline = time.monotonic() + poll_s
+            while time.monotonic() < deadline and child.poll() is None:
+                time.sleep(min(0.2, poll_s))
 
 
 def _nonneg(text: str) -> float:
