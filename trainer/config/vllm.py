@@ -107,7 +107,9 @@ class VllmSyncConfig(Section):
         False, description="colocate, sleep mode: queue the LoRA merge and the update's finite check on the GPU, wake "
         "the engine's weights on the calling thread while they run (vLLM's wake is host work: one driver mapping per "
         "allocation), then read the check before any weight is written (a refused update changes no served weight); "
-        "false runs merge, check and wake one after the other. Not with prewake (a wake on a thread)")
+        "false (the default) runs merge, check and wake one after the other. Not with prewake (a wake on a thread). "
+        "Measured at 8B LoRA on an H100 (session 26): sync 0.168 / 0.184 s on against 0.168 / 0.154 s off, the "
+        "wake's release of torch's cached blocks waiting for the queued work")
     shm_dir: str | None = None
     resend_frozen: bool = False
     merge_precision: Literal["weight_dtype", "float32"] = "weight_dtype"
