@@ -174,5 +174,4 @@ def test_the_compiled_estimate_and_the_measured_device_use_at_level_2(shape, res
     for label, used_gib in measured.items():
         estimate = resident_gib + 1.74 + choice.estimates_gib[label]
         assert 0 <= used_gib - estimate <= 4.5, (label, estimate, used_gib)
-        assert used_gib - estimate <= 0.1 * 79.2
     assert choice.label == ("off@0.6" if shape is EIGHT_B else "off@0.5")

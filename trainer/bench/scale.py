@@ -740,17 +740,14 @@ def lever_knobs(env: Mapping[str, str | None]) -> list[dict[str, Any]]:
     return [dict(combo) for combo in itertools.product(*axes)]
 
 
-def budget_applies(run: ScaleRun) -> bool:
-    """Whether ``run``'s activation memory budget is one its config accepts: 1, or compiled layers that are not all
-    checkpointed (``training.compile_activation_memory_budget``)."""
-    if run.activation_memory_budget == "auto":
-        return run.compile_layers and run.checkpointing == "auto"
-    return run.activation_memory_budget == 1.0 or (run.compile_layers and run.checkpointing != "full")
-
-
 def refused_combination(run: ScaleRun) -> str | None:
-    """Why ``run``'s config would refuse its levers together, or None when it accepts them."""
-    if not budget_applies(run):
+    """Why ``run``'s config would refuse its levers together, or None when it accepts them: an activation memory
+    budget other than 1 needs compiled layers that are not all checkpointed (``auto``: the policy ``auto``);
+    ``overlap_wake`` and ``prewake`` exclude each other."""
+    budget = run.activation_memory_budget
+    budget_ok = (run.compile_layers and run.checkpointing == "auto") if budget == "auto" else (
+        budget == 1.0 or (run.compile_layers and run.checkpointing != "full"))
+    if not budget_ok:
         return ("a memory budget below 1 needs compiled layers (RM_BENCH_SCALE_COMPILE=1) that are not all "
                 "checkpointed (RM_BENCH_SCALE_CKPT off, selective or auto); auto needs RM_BENCH_SCALE_CKPT=auto")
     if run.overlap_wake and run.prewake:

@@ -15,22 +15,15 @@ from trainer.bench import scale
 
 HERE = Path(__file__).parent
 OUT = Path("docs/benchmarks/scale.json")
-#: each call's bench outputs (the outputs of a held machine's later calls also hold the earlier runs: each run is
-#: taken from the call that ran it)
-CALLS = {"call2": ("",), "call3": ("a", "b")}
-RAN_IN = {"call2": "membudget0.5", "call3": ("membudget0.6", "4b-")}
-
-
-def ran_here(call: str, name: str) -> bool:
-    marks = RAN_IN[call] if isinstance(RAN_IN[call], tuple) else (RAN_IN[call],)
-    return any(m in name for m in marks)
-
+#: each call's bench outputs, and marks of the run names that call ran (a held machine's later calls also list the
+#: earlier runs: each run is taken from the call that ran it)
+CALLS = {"call2": (("",), ("membudget0.5",)), "call3": (("a", "b"), ("membudget0.6", "4b-"))}
 
 records = []
-for call, outs in CALLS.items():
+for call, (outs, marks) in CALLS.items():
     for out in outs:
         for run in json.loads((HERE / call / "records" / out / "scale.json").read_text())["runs"]:
-            if not ran_here(call, run["name"]) or any(r["name"] == run["name"] for r in records):
+            if not any(m in run["name"] for m in marks) or any(r["name"] == run["name"] for r in records):
                 continue
             records.append({**run, "session": 26, "call": call, "device": "NVIDIA H100 80GB HBM3"})
 result = json.loads(OUT.read_text())
