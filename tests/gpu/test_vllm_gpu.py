@@ -385,6 +385,80 @@ def overlap_wake_check() -> dict:
         engine.close()
 
 
+def merge_into_engine_check() -> dict:
+    """``vllm.sync.merge_into_engine`` at sleep level 2 with a LoRA learner: the first sync records vLLM's loader
+    (merged on the learner's side), later ones write each layer's merge GEMM into the woken engine's parameters; the
+    served weights equal ``full_weights`` of the learner bit for bit and decode greedily under it; a learner with a
+    NaN is refused after the write, naming the engine's state, and the next good sync serves again. Sync and load
+    seconds of each good sync, and the load path each took."""
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trainer.modeling.coord_vocab import stop_token_ids
+    from trainer.modeling.fixtures import save_tiny_model, tiny_tokenizer
+    from trainer.rollout.vllm_compat import inner_worker
+    from trainer.sync.update_check import WeightUpdateRefused
+    from trainer.sync.weights import full_weights
+
+    text_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "text", "text")
+    tok = tiny_tokenizer()
+    base = AutoModelForCausalLM.from_pretrained(text_dir, dtype=DT).cuda().eval()
+    learner = get_peft_model(perturbed(base), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    engine, _ = colocate(text_dir, sorted(stop_token_ids(tok)), sleep_level=2, util=0.3, recorded_load=True,
+                         merge_into_engine=True)
+
+    def served_equals_merged() -> None:
+        merged = {k: v.detach().cpu() for k, v in full_weights(learner).items()}
+        want = {"model.layers.0.self_attn.qkv_proj.weight": torch.cat([merged[f"model.layers.0.self_attn.{x}_proj.weight"]
+                                                                       for x in "qkv"]),
+                "model.layers.1.mlp.down_proj.weight": merged["model.layers.1.mlp.down_proj.weight"],
+                "model.embed_tokens.weight": merged["model.embed_tokens.weight"]}
+        got = engine.vllm.collective_rpc(_served, list(want))[0]
+        for name, w in want.items():
+            assert torch.equal(got[name][: w.shape[0]], w), f"{name}: served weights differ from the merged learner's"
+
+    def load_path() -> str:
+        return engine.vllm.llm.collective_rpc(lambda w: inner_worker(w)._rm_load_path)[0]
+
+    try:
+        reqs = make_requests(tok)
+        syncs, loads, paths = [], [], []
+        for i in range(3):
+            with torch.no_grad():
+                for name, p in learner.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0.0, 0.05)
+            t0 = time.perf_counter()
+            engine.sync_full(learner)
+            syncs.append(time.perf_counter() - t0)
+            loads.append(engine.vllm.last_load.load_s)
+            paths.append(load_path())
+            served_equals_merged()
+            assert_greedy(learner, engine.generate(reqs, params()), f"merge_into_engine, sync {i}")
+            assert engine.vllm.asleep and not engine.vllm._weights_valid
+        assert paths == ["recorded", "merged", "merged"], paths
+        poisoned = copy.deepcopy(learner)
+        with torch.no_grad():
+            next(p for n, p in poisoned.named_parameters() if "lora_B" in n).fill_(float("nan"))
+        with pytest.raises(WeightUpdateRefused, match="after the LoRA merge into it; the engine holds no valid"):
+            engine.sync_full(poisoned)
+        assert not engine.vllm._weights_valid
+        engine.sync_full(learner)
+        assert load_path() == "merged"
+        served_equals_merged()
+        assert_greedy(learner, engine.generate(reqs, params()), "merge_into_engine: after a refused update")
+        return {"sync_s": syncs, "load_s": loads, "paths": paths}
+    finally:
+        engine.close()
+
+
+def test_merge_into_engine_serves_the_merged_learner_bit_for_bit_and_refuses_a_nan_after_the_write():
+    """In a fresh process (a sleep-mode engine, ``in_fresh_process``)."""
+    record("merge_into_engine", **in_fresh_process("merge_into_engine"))
+
+
 def test_overlap_wake_serves_the_merged_learner_and_refuses_a_nan_after_the_wake():
     """In a fresh process (a sleep-mode engine, ``in_fresh_process``)."""
     record("overlap_wake", **in_fresh_process("overlap_wake"))
@@ -646,7 +720,7 @@ def test_stage2_training_server_mode_one_gpu(tmp_path):
 
 
 CHECKS = {"sleep": lambda level: sleep_check(int(level) if level.isdigit() else level), "recorded_load": recorded_load_check,
-          "overlap_wake": overlap_wake_check,
+          "overlap_wake": overlap_wake_check, "merge_into_engine": merge_into_engine_check,
           "stage2": lambda kind, level, out: stage2_colocate_check(kind, int(level), Path(out))}
 
 if __name__ == "__main__" and sys.argv[1:2] and sys.argv[1] in CHECKS:

@@ -303,3 +303,27 @@ def test_the_module_tree_is_walked_again_only_after_a_registration(tiny, monkeyp
     assert walks == [1]
     full_weights(peft_model)
     assert walks == [1], "the walk's verdict is kept until the next registration"
+
+
+def test_unmerged_weights_leave_each_plain_lora_product_to_add_and_merge_to_full_weights_bit_for_bit(tiny):
+    from trainer.sync.weights import unmerged_weights
+
+    peft_model = _bf16_lora(tiny)
+    update = unmerged_weights(peft_model)
+    merged = full_weights(peft_model)
+    assert list(update.base) == list(merged), "the same keys, in the same order (a recorded load checks the order)"
+    parts = _lora_parts(peft_model)
+    assert set(update.products) == set(parts)
+    for key, (w, *_rest) in parts.items():
+        assert update.base[key].data_ptr() == w.data_ptr(), f"{key}: the frozen weight itself, no copy"
+        assert update.base[key].shape == merged[key].shape and update.base[key].dtype == merged[key].dtype
+        out = torch.empty_like(merged[key])
+        update.products[key].add_to(update.base[key], out=out)
+        assert torch.equal(out, merged[key]), f"{key}: the product written into a given output is the merge"
+    again = update.merged()
+    assert all(torch.equal(again[k], v) for k, v in merged.items())
+    exact = unmerged_weights(peft_model, merge_precision="float32")
+    assert not exact.products, "the float32 merge is made here, in its arithmetic"
+    assert all(torch.equal(exact.base[k], v) for k, v in full_weights(peft_model, merge_precision="float32").items())
+    cast = unmerged_weights(peft_model, dtype=torch.float32)
+    assert not cast.products and all(v.dtype == torch.float32 for v in cast.base.values() if v.is_floating_point())

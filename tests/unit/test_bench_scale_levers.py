@@ -122,6 +122,23 @@ def test_overlap_wake_knob_runs_both_reaches_the_sync_config_and_leaves_out_prew
             {"RM_BENCH_SCALE_OVERLAPWAKE": "1", "RM_BENCH_SCALE_PREWAKE": "1"}))
 
 
+def test_merge_into_engine_knob_runs_beside_off_reaches_the_sync_config_and_leaves_out_what_it_needs(tmp_path, capsys):
+    runs = scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35,4b"), scale.lever_knobs(
+        {"RM_BENCH_SCALE_MERGEIN": "0,1", "RM_BENCH_SCALE_RECLOAD": "1"}))
+    assert [r.name for r in runs] == ["4b-full-sleep2-util0.2-recload", "8b-lora64-sleep2-util0.35-recload",
+                                      "8b-lora64-sleep2-util0.35-recload-mergein"]
+    assert "4b-full-sleep2-util0.2-recload-mergein: left out: vllm.sync.merge_into_engine needs a merged LoRA" in \
+        capsys.readouterr().out
+    vllm = validate_config(scale.stage2_config(runs[2], tmp_path, tmp_path / "o", "vllm")
+                           ).custom.extra.rollout_matching.vllm
+    assert (vllm.sync.merge_into_engine, vllm.sync.recorded_load, vllm.sleep_level) == (True, True, 2)
+    for env in ({"RM_BENCH_SCALE_RECLOAD": "0"}, {"RM_BENCH_SCALE_SLEEP": "kv_cache", "RM_BENCH_SCALE_RECLOAD": "1"},
+                {"RM_BENCH_SCALE_OVERLAPWAKE": "1", "RM_BENCH_SCALE_RECLOAD": "1"}):
+        with pytest.raises(SystemExit, match="no run left: vllm.sync.merge_into_engine needs"):
+            scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"),
+                              scale.lever_knobs({"RM_BENCH_SCALE_MERGEIN": "1", **env}))
+
+
 def test_compile_knob_is_an_axis_eager_and_compiled_in_one_call(tmp_path):
     knobs = scale.lever_knobs({**_env(ckpt="full,selective"), "RM_BENCH_SCALE_COMPILE": "0,1"})
     runs = scale.with_levers(scale.selected("2b"), knobs)

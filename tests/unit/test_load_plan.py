@@ -157,3 +157,56 @@ def test_the_recorded_update_is_freed_when_the_caller_drops_it_without_a_collect
         assert watched() is None, "the update outlived record_load"
     finally:
         gc.enable()
+
+
+class _Product:
+    """``trainer.sync.weights.LoraProduct``'s contract (``add_to``), counting how it was run."""
+
+    def __init__(self, b: torch.Tensor, a: torch.Tensor, scaling: float):
+        self.b, self.a, self.scaling = b, a, scaling
+        self.into: list[torch.Tensor] = []
+        self.made = 0
+
+    def add_to(self, weight, out=None):
+        if out is None:
+            self.made += 1
+            return torch.addmm(weight, self.b, self.a, alpha=self.scaling)
+        self.into.append(out)
+        return torch.addmm(weight, self.b, self.a, alpha=self.scaling, out=out)
+
+
+def narrowed_o_load(engine: _Engine, tensors: dict[str, torch.Tensor]) -> None:
+    """``vllm_like_load`` with ``o`` given twice as many rows as the engine keeps (a tensor-parallel shard)."""
+    vllm_like_load(engine, {n: t for n, t in tensors.items() if n != "o"})
+    with torch.no_grad():
+        engine.o.data.copy_(tensors["o"].narrow(0, 0, 8))
+
+
+def test_a_replay_into_the_engine_writes_each_product_where_the_merged_tensor_would_have_gone():
+    shapes = {"q": (4, 8), "k": (4, 8), "v": (4, 8), "o": (16, 8), "norm": (8,), "embed": (9, 8)}
+    gen = torch.Generator().manual_seed(3)
+
+    def update() -> dict[str, torch.Tensor]:
+        return {n: torch.randn(*s, generator=gen) for n, s in shapes.items()}
+
+    engine = _Engine()
+    first = update()
+    plan = record_load(lambda: narrowed_o_load(engine, first), first, list(engine.parameters()))
+    base = update()
+    products = {n: _Product(torch.randn(base[n].shape[0], 2, generator=gen), torch.randn(2, 8, generator=gen), 0.5)
+                for n in ("q", "v", "o")}
+    merged = {n: (products[n].add_to(t) if n in products else t) for n, t in base.items()}
+    for p in products.values():
+        p.made = 0
+    assert plan.mismatch(base) is None
+
+    written = plan.replay_into(base, products)
+    reference = _Engine()
+    narrowed_o_load(reference, merged)
+    for name, want in _params(reference).items():
+        assert torch.equal(dict(engine.named_parameters())[name], want), name
+    assert [n for n, _ in written] == [c.name for c in plan.copies]
+    assert all(dst.data_ptr() == c.dst.data_ptr() for (_, dst), c in zip(written, plan.copies))
+    assert products["q"].made == 0 and products["v"].made == 0, "whole copies write the engine, no merged tensor"
+    assert [t.data_ptr() for t in products["q"].into] == [engine.qkv.data[0:4].data_ptr()]
+    assert products["o"].made == 1 and not products["o"].into, "a copy of part of a tensor reads its merge, made once"

@@ -135,6 +135,9 @@ class ScaleRun:
     #: ``vllm.sync.overlap_wake`` (``RM_BENCH_SCALE_OVERLAPWAKE``: 0, the default, or 1, suffix ``-overlapwake``; not
     #: with prewake: that combination is left out, with a line saying so)
     overlap_wake: bool = False
+    #: ``vllm.sync.merge_into_engine`` (``RM_BENCH_SCALE_MERGEIN``: 0, the default, or 1, suffix ``-mergein``; needs
+    #: recorded_load, a LoRA tuner, sleep level 2 and no overlap_wake: other combinations are left out, with a line)
+    merge_into_engine: bool = False
 
     @property
     def name(self) -> str:
@@ -153,7 +156,7 @@ class ScaleRun:
             "" if self.host_vision_metadata else "-devicevision") + (
             "" if self.varlen_kernel == "op" else f"-varlen{self.varlen_kernel}") + (
             "" if self.activation_memory_budget == 1.0 else f"-membudget{self.activation_memory_budget}") + (
-            "-overlapwake" if self.overlap_wake else "")
+            "-overlapwake" if self.overlap_wake else "") + ("-mergein" if self.merge_into_engine else "")
         sleep = "kv" if self.sleep_level == "kv_cache" else self.sleep_level
         return (f"{self.size}-{tuner}{served}-sleep{sleep}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
@@ -334,7 +337,8 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
     rm["loss"] = {"logit_chunk_rows": run.logit_chunk_rows}
     if backend == "vllm":
         rm["vllm"]["sync"] = {"merge_precision": run.merge_precision, "prewake": run.prewake,
-                              "recorded_load": run.recorded_load, "overlap_wake": run.overlap_wake}
+                              "recorded_load": run.recorded_load, "overlap_wake": run.overlap_wake,
+                              "merge_into_engine": run.merge_into_engine}
         rm["vllm"]["pixels_during_decode"] = run.pixels_during_decode
     if run.compile_layers:
         cfg["training"]["compile_decoder_layers"] = True
@@ -719,6 +723,7 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[str], Any]]] = {
     "RM_BENCH_SCALE_MEMBUDGET": ("activation_memory_budget", ("1", "0.7", "0.6", "0.5", "0.4", "0.3", "auto"),
                                  lambda v: v if v == "auto" else float(v)),  # compile_activation_memory_budget
     "RM_BENCH_SCALE_OVERLAPWAKE": ("overlap_wake", ("0", "1"), _on),  # vllm.sync.overlap_wake
+    "RM_BENCH_SCALE_MERGEIN": ("merge_into_engine", ("0", "1"), _on),  # vllm.sync.merge_into_engine
 }
 
 
@@ -743,7 +748,8 @@ def lever_knobs(env: Mapping[str, str | None]) -> list[dict[str, Any]]:
 def refused_combination(run: ScaleRun) -> str | None:
     """Why ``run``'s config would refuse its levers together, or None when it accepts them: an activation memory
     budget other than 1 needs compiled layers that are not all checkpointed (``auto``: the policy ``auto``);
-    ``overlap_wake`` and ``prewake`` exclude each other."""
+    ``overlap_wake`` and ``prewake`` exclude each other; ``merge_into_engine`` needs a merged LoRA sync at level 2
+    through the recorded load, without ``overlap_wake``."""
     budget = run.activation_memory_budget
     budget_ok = (run.compile_layers and run.checkpointing == "auto") if budget == "auto" else (
         budget == 1.0 or (run.compile_layers and run.checkpointing != "full"))
@@ -752,6 +758,10 @@ def refused_combination(run: ScaleRun) -> str | None:
                 "checkpointed (RM_BENCH_SCALE_CKPT off, selective or auto); auto needs RM_BENCH_SCALE_CKPT=auto")
     if run.overlap_wake and run.prewake:
         return "vllm.sync.overlap_wake and prewake do not combine (RM_BENCH_SCALE_OVERLAPWAKE, RM_BENCH_SCALE_PREWAKE)"
+    if run.merge_into_engine and (not run.recorded_load or run.overlap_wake or run.sleep_level != 2
+                                  or run.tuner == "full" or run.vllm_lora):
+        return ("vllm.sync.merge_into_engine needs a merged LoRA sync at sleep level 2 with recorded_load and without "
+                "overlap_wake (RM_BENCH_SCALE_RECLOAD=1, RM_BENCH_SCALE_SLEEP=2, RM_BENCH_SCALE_OVERLAPWAKE=0)")
     return None
 
 

@@ -110,6 +110,13 @@ class VllmSyncConfig(Section):
         "false (the default) runs merge, check and wake one after the other. Not with prewake (a wake on a thread). "
         "Measured at 8B LoRA on an H100 (session 26): sync 0.168 / 0.184 s on against 0.168 / 0.154 s off, the "
         "wake's release of torch's cached blocks waiting for the queued work")
+    merge_into_engine: bool = Field(
+        False, description="colocate, sleep_level 2, with recorded_load (a LoRA learner's full sync): each LoRA "
+        "layer's merge GEMM (weight + B @ A, as merge_precision weight_dtype rounds it) writes straight into the "
+        "woken engine's parameter, instead of into a merged copy of the model that the load then copies in; every "
+        "written parameter is checked finite afterwards (a refused update leaves the engine without valid weights, "
+        "as its level-2 sleep already did). The first sync, which records the load, and any update the recording "
+        "does not fit merge on the learner's side as before")
     shm_dir: str | None = None
     resend_frozen: bool = False
     merge_precision: Literal["weight_dtype", "float32"] = "weight_dtype"
@@ -122,6 +129,12 @@ class VllmSyncConfig(Section):
         if self.overlap_wake and self.prewake:
             raise ValueError("sync.overlap_wake and sync.prewake both wake the weights during the sync (on this thread "
                              "behind the GPU's merge and check, or on a thread of their own); set one of them")
+        if self.merge_into_engine and not self.recorded_load:
+            raise ValueError("sync.merge_into_engine writes through the recorded load's copies; set sync.recorded_load: "
+                             "true too, or drop merge_into_engine")
+        if self.merge_into_engine and self.overlap_wake:
+            raise ValueError("sync.merge_into_engine checks the weights after writing them and sync.overlap_wake checks "
+                             "them while the weights wake, before writing; set one of them")
         if self.shm_dir is not None and self.transport != "inband":
             raise ValueError(f"sync.shm_dir: {self.shm_dir} only applies to sync.transport inband (it stages the "
                              "in-band payload in a shared directory); set transport: inband or drop shm_dir")
@@ -152,6 +165,14 @@ class VllmConfig(Section):
         "colocate, or rollout servers with server.async_rollouts off (the servers read the image files)")
     server: VllmServerConfig = Field(default_factory=VllmServerConfig)
     sync: VllmSyncConfig = Field(default_factory=VllmSyncConfig)
+
+    @model_validator(mode="after")
+    def _merge_into_engine_needs_level_2(self) -> VllmConfig:
+        if self.sync.merge_into_engine and (self.mode != "colocate" or self.sleep_level != 2):
+            raise ValueError(f"sync.merge_into_engine writes into a colocated engine that holds no valid weights: it "
+                             f"needs mode: colocate and sleep_level: 2 (got mode: {self.mode}, sleep_level: "
+                             f"{self.sleep_level}); drop merge_into_engine or set those")
+        return self
 
     @model_validator(mode="after")
     def _pixels_during_decode_is_on_the_step(self) -> VllmConfig:

@@ -90,21 +90,60 @@ class LoadPlan:
 
     def replay(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """Repeat the recorded copies from ``tensors`` (``mismatch`` must be None); returns how many."""
-        groups: dict[tuple[torch.dtype, torch.dtype, str], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for c in self.copies:
-            src = tensors[c.name]
-            view = src.as_strided(c.size, c.stride, src.storage_offset() + c.offset)
-            dsts, srcs = groups.setdefault((c.dst.dtype, view.dtype, str(c.dst.device)), ([], []))
-            dsts.append(c.dst)
-            srcs.append(view)
-        with torch.no_grad():
-            for (dst_dtype, src_dtype, _), (dsts, srcs) in groups.items():
-                if dst_dtype == src_dtype:
-                    torch._foreach_copy_(dsts, srcs)
-                else:
-                    for d, s in zip(dsts, srcs):
-                        d.copy_(s)
+        _copy_grouped([(c.dst, _source_view(c, tensors[c.name])) for c in self.copies])
         return len(self.copies)
+
+    def replay_into(self, tensors: Mapping[str, torch.Tensor], products: Mapping[str, Any]
+                    ) -> list[tuple[str, torch.Tensor]]:
+        """``replay`` of an update whose ``products`` are not yet added (``mismatch(tensors)`` must be None): for a
+        name of ``products`` the recorded load read ``products[name].add_to(tensors[name])`` (see
+        ``trainer.sync.weights.LoraProduct``). A copy of that whole tensor into a destination of its shape and dtype
+        runs the product with the destination as its output (no merged tensor is made); any other copy of it reads
+        the merged tensor, made once. Returns ``(name, destination)`` of every copy in recorded order: what was
+        written, for the caller's finite check."""
+        merged: dict[str, torch.Tensor] = {}
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.no_grad():
+            for c in self.copies:
+                src = tensors[c.name]
+                product = products.get(c.name)
+                if product is not None:
+                    if _whole(c, src):
+                        product.add_to(src, out=c.dst)
+                        continue
+                    if c.name not in merged:
+                        merged[c.name] = product.add_to(src)
+                    src = merged[c.name]
+                pairs.append((c.dst, _source_view(c, src)))
+        _copy_grouped(pairs)
+        return [(c.name, c.dst) for c in self.copies]
+
+
+def _source_view(c: RecordedCopy, src: torch.Tensor) -> torch.Tensor:
+    return src.as_strided(c.size, c.stride, src.storage_offset() + c.offset)
+
+
+def _whole(c: RecordedCopy, src: torch.Tensor) -> bool:
+    """Whether ``c`` copies all of the contiguous ``src`` into a contiguous destination of its shape and dtype."""
+    return (c.offset == 0 and c.size == tuple(src.shape) and src.is_contiguous()
+            and c.stride == tuple(src.stride()) and tuple(c.dst.shape) == c.size and c.dst.dtype == src.dtype
+            and c.dst.is_contiguous())
+
+
+def _copy_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every pair, one multi-tensor copy per (destination dtype, source dtype, device)."""
+    groups: dict[tuple[torch.dtype, torch.dtype, str], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for dst, src in pairs:
+        dsts, srcs = groups.setdefault((dst.dtype, src.dtype, str(dst.device)), ([], []))
+        dsts.append(dst)
+        srcs.append(src)
+    with torch.no_grad():
+        for (dst_dtype, src_dtype, _), (dsts, srcs) in groups.items():
+            if dst_dtype == src_dtype:
+                torch._foreach_copy_(dsts, srcs)
+            else:
+                for d, s in zip(dsts, srcs):
+                    d.copy_(s)
 
 
 class _CopyRecorder(TorchDispatchMode):

@@ -31,7 +31,7 @@ from trainer.data.images import load_image
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 from trainer.rollout.vllm_compat import Decoded
 from trainer.rollout.vllm_inprocess import InProcessVllm, VllmEngineError, VllmSettings
-from trainer.sync.weights import adapter_weights, full_weights
+from trainer.sync.weights import adapter_weights, full_weights, unmerged_weights
 from trainer.telemetry import phase
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class VllmColocateEngine:
                  dtype: str = "auto", rank: int | None = None, world_size: int | None = None,
                  allow_dtype_cast: bool = False, engine_kwargs: dict[str, Any] | None = None,
                  merge_precision: str = "weight_dtype", prewake: bool = False, recorded_load: bool = False,
-                 overlap_wake: bool = False):
+                 overlap_wake: bool = False, merge_into_engine: bool = False):
         import torch.distributed as dist
 
         dist_on = dist.is_available() and dist.is_initialized()
@@ -142,7 +142,7 @@ class VllmColocateEngine:
             seed=seed + (self.rank // self.tp if self.world_size > 1 else 0), dtype=dtype,
             external_launcher=dist_on, allow_dtype_cast=allow_dtype_cast,
             engine_kwargs=dict(engine_kwargs or {}), key=KEY, recorded_load=recorded_load,
-            overlap_wake=overlap_wake))
+            overlap_wake=overlap_wake, merge_into_engine=merge_into_engine))
         self.timings: dict[str, float] = {}
 
     @property
@@ -185,9 +185,14 @@ class VllmColocateEngine:
         """Load the model's weights (LoRA merged unless ``merge_adapter`` is false) into the engine, in process."""
         self.vllm.weights_source = lambda: full_weights(model, merge_adapter=merge_adapter,
                                                         merge_precision=self.merge_precision)
-        with phase("sync_collect", device_work=not self.vllm.settings.overlap_wake):
-            tensors = self.vllm.weights_source()
-        report = self.vllm.load_weights(tensors)
+        if self.vllm.settings.merge_into_engine and merge_adapter:
+            with phase("sync_collect", device_work=True):
+                update = unmerged_weights(model, merge_precision=self.merge_precision)
+            report = self.vllm.load_unmerged(update)
+        else:
+            with phase("sync_collect", device_work=not self.vllm.settings.overlap_wake):
+                tensors = self.vllm.weights_source()
+            report = self.vllm.load_weights(tensors)
         self.timings = {"sync_check_s": report.check_s, "sync_load_s": report.load_s,
                         "sync_gb_per_s": report.gb_per_s, "sync_bytes": report.bytes}
         if merge_adapter:
@@ -260,4 +265,5 @@ def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
         prewake=v.sync.prewake,
         recorded_load=v.sync.recorded_load,
         overlap_wake=v.sync.overlap_wake,
+        merge_into_engine=v.sync.merge_into_engine,
     )

@@ -163,6 +163,28 @@ def load_checkpoint_tensors(worker, tensors: dict[str, torch.Tensor], recorded: 
     return len(tensors)
 
 
+def load_plan_mismatch(worker, tensors: dict[str, torch.Tensor]) -> str | None:
+    """Why ``tensors`` cannot be written by replaying the worker's recorded load (``sync.recorded_load``): none
+    recorded yet, or ``LoadPlan.mismatch``; None when they can."""
+    plan = getattr(inner_worker(worker), "_rm_load_plan", None)
+    if plan is None:
+        return "no load recorded yet (the first full sync through vLLM's loader records it)"
+    return plan.mismatch(tensors)
+
+
+def merge_checkpoint_tensors(worker, tensors: dict[str, torch.Tensor], products: dict[str, Any]
+                             ) -> list[tuple[str, torch.Tensor]]:
+    """Write ``tensors`` with their LoRA ``products`` added straight into the worker's parameters by replaying its
+    recorded load (``LoadPlan.replay_into``; ``load_plan_mismatch`` must be None). Returns ``(name, parameter
+    view)`` of every write, for the caller's finite check."""
+    inner = inner_worker(worker)
+    with phase("sync_load_replay"):
+        written = inner._rm_load_plan.replay_into(tensors, products)
+    reset_derived_state(worker)
+    inner._rm_load_path = "merged"
+    return written
+
+
 def _load_with_vllm(worker, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     with torch.no_grad(), lora_wrappers_removed(model):
         if needs_layerwise_reload(worker):

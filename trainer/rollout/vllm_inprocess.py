@@ -5,7 +5,10 @@ Contracts:
 - weights are handed over as tensors in HF checkpoint naming (``load_weights``) and checked first
   (``trainer.sync.update_check``: known names, exact shapes, the served dtype unless ``allow_dtype_cast``, finite
   values); a refused update raises ``WeightUpdateRefused`` before any weight changes, so the engine keeps serving the
-  old weights (vLLM cannot roll back a half-finished load, and a failed layerwise reload leaves meta tensors behind);
+  old weights (vLLM cannot roll back a half-finished load, and a failed layerwise reload leaves meta tensors behind).
+  The one exception is ``load_unmerged`` with ``sync.merge_into_engine``: it writes the LoRA products straight into
+  the parameters of an engine that holds no valid weights (level 2 asleep) and checks what it wrote, so a refused
+  update leaves it as its sleep did, without valid weights;
 - the engine core and its worker run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) when
   ``tensor_parallel_size == 1`` or under an external launcher, so a load is a device-to-device copy into the live
   parameters; a multi-GPU server keeps vLLM's worker processes and sends the tensors through ``collective_rpc``;
@@ -76,6 +79,9 @@ class VllmSettings:
     #: ``sync.overlap_wake``: ``load_weights`` wakes the weights while the update's finite check (and whatever the
     #: caller queued before it, e.g. the LoRA merge) runs on the device, and reads the check after the wake
     overlap_wake: bool = False
+    #: ``sync.merge_into_engine``: ``load_unmerged`` writes an update's LoRA products straight into the parameters of
+    #: an engine that holds no valid weights (level 2 asleep), through the recorded load
+    merge_into_engine: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,14 @@ def _load_in_worker(worker, tensors: dict[str, torch.Tensor], recorded: bool = F
     return vllm_compat.load_checkpoint_tensors(worker, tensors, recorded=recorded)
 
 
+def _load_plan_mismatch_in_worker(worker, tensors: dict[str, torch.Tensor]) -> str | None:
+    return vllm_compat.load_plan_mismatch(worker, tensors)
+
+
+def _merge_in_worker(worker, tensors: dict[str, torch.Tensor], products: dict[str, Any]) -> list:
+    return vllm_compat.merge_checkpoint_tensors(worker, tensors, products)
+
+
 def _release_kv_cache_in_worker(worker) -> int:
     return vllm_compat.release_kv_cache(worker)
 
@@ -256,6 +270,7 @@ class InProcessVllm:
         self._prefix_stale = False
         self._warned_images = False
         self._waking: tuple[list[str], threading.Thread, list[BaseException]] | None = None
+        self._merge_refused: str | None = None
         if s.sleep_level:
             self.sleep()
 
@@ -307,6 +322,70 @@ class InProcessVllm:
         self._prefix_stale = True
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self.last_load = LoadReport(len(tensors), nbytes, check_s, load_s)
+        return self.last_load
+
+    def merge_refusal(self, update) -> str | None:
+        """Why ``load_unmerged`` merges ``update`` on the learner's side instead of in the engine, or None when it
+        can write the products straight into the parameters."""
+        if not self.settings.merge_into_engine:
+            return f"{self.settings.key}.sync.merge_into_engine is off"
+        if not update.products:
+            return "the update has no LoRA product to add"
+        if self._weights_valid:
+            return ("the engine holds valid weights (sleep_level is not 2, or it has not slept since its last load): "
+                    "a refused update must leave them unchanged")
+        if not vllm_compat.engine_in_process() or not self.settings.recorded_load:
+            return f"the engine is not in this process or {self.settings.key}.sync.recorded_load is off"
+        return self.llm.collective_rpc(_load_plan_mismatch_in_worker, args=(update.base,))[0]
+
+    def load_unmerged(self, update) -> LoadReport:
+        """Load ``update`` (``trainer.sync.weights.UnmergedWeights``: the learner's weights with the LoRA products
+        still to add). With ``merge_into_engine``, when ``merge_refusal`` finds nothing against it: the layout is
+        checked, the weights wake, each product's GEMM writes its engine parameter (the recorded load's copies for
+        everything else; no merged copy of the model is made), then every written parameter is checked finite. A
+        non-finite one raises ``WeightUpdateRefused`` and leaves the engine without valid weights, as its level-2
+        sleep did (the next decode reloads from ``weights_source``). Otherwise the update is merged here
+        (``sync_collect``) and loaded as ``load_weights`` loads it."""
+        reason = self.merge_refusal(update)
+        if reason is not None:
+            if reason != self._merge_refused and self.settings.merge_into_engine:
+                log.info("vllm.sync.merge_into_engine: merging on the learner's side: %s", reason)
+            self._merge_refused = reason
+            with phase("sync_collect", device_work=True):
+                tensors = update.merged()
+            return self.load_weights(tensors)
+        self._merge_refused = None
+        from trainer.sync.update_check import (
+            WeightUpdateRefused,
+            check_update_layout,
+            describe_non_finite,
+            launch_finite_check,
+        )
+
+        with phase("sync_check"):
+            t0 = time.perf_counter()
+            check_update_layout(update.base, self.update_spec(), allow_cast=self.settings.allow_dtype_cast)
+            check_s = time.perf_counter() - t0
+        self.wake(("weights",), phase_name="sync_wake")
+        t0 = time.perf_counter()
+        with phase("sync_load"):
+            written = self.llm.collective_rpc(_merge_in_worker, args=(update.base, update.products))[0]
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        load_s = time.perf_counter() - t0
+        with phase("sync_check"):
+            t0 = time.perf_counter()
+            bad = launch_finite_check({str(i): dst for i, (_, dst) in enumerate(written)}).first_bad()
+            check_s += time.perf_counter() - t0
+        self._prefix_stale = True
+        if bad is not None:
+            name, dst = written[int(bad)]
+            raise WeightUpdateRefused(name, describe_non_finite(dst) + " in the engine's parameter after the LoRA "
+                                      "merge into it", "the engine holds no valid weights, as after its level-2 "
+                                      "sleep, until an update passes")
+        self._weights_valid = True
+        nbytes = sum(t.numel() * t.element_size() for t in update.base.values())
+        self.last_load = LoadReport(len(update.base), nbytes, check_s, load_s)
         return self.last_load
 
     def load_adapter(self, peft_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

@@ -53,16 +53,19 @@ class TensorSpec:
 
 class WeightUpdateRefused(ValueError):
     """A weight update was refused before any served weight changed. ``tensor``: the first bad tensor's name (None
-    when the update as a whole is bad); ``reason``: why. Rollout servers answer it with HTTP 422."""
+    when the update as a whole is bad); ``reason``: why; ``outcome``: what the engine serves now (an engine that
+    held no valid weights, e.g. a colocated one after a level-2 sleep, says so). Rollout servers answer it with
+    HTTP 422."""
 
-    def __init__(self, tensor: str | None, reason: str):
+    def __init__(self, tensor: str | None, reason: str, outcome: str = "the old weights keep serving"):
         self.tensor = tensor
         self.reason = reason
+        self.outcome = outcome
         where = f"tensor {tensor!r}: " if tensor is not None else ""
-        super().__init__(f"weight update refused: {where}{reason}; the old weights keep serving")
+        super().__init__(f"weight update refused: {where}{reason}; {outcome}")
 
     def __reduce__(self):  # picklable across processes (vLLM workers) with its fields
-        return type(self), (self.tensor, self.reason)
+        return type(self), (self.tensor, self.reason, self.outcome)
 
     def detail(self) -> dict[str, str | None]:
         """The JSON ``detail`` of the HTTP 422 answer."""

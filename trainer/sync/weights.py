@@ -56,7 +56,7 @@ def _ties_embeddings(model: torch.nn.Module) -> bool:
 #: fp32 elements per batched float32 merge (256 MiB of scratch): LoRA products of one shape are computed together in
 #: chunks
 MERGE_CHUNK_ELEMENTS = 64 * 2**20
-#: ``sync.merge_precision``: how a plain LoRA product is merged into a 16-bit weight (``_merged_batches``)
+#: ``sync.merge_precision``: how a plain LoRA product is merged into a 16-bit weight (``_merge_terms``)
 MERGE_PRECISIONS = ("weight_dtype", "float32")
 
 
@@ -213,23 +213,43 @@ def _merged(weight: torch.Tensor, terms: list[Any]) -> torch.Tensor:
     return value.to(weight.dtype)
 
 
-def _merged_batches(weights: dict[str, torch.Tensor], deltas: dict[str, list[Any]],
-                    precision: str = "weight_dtype") -> dict[str, torch.Tensor]:
-    """``weights[key]`` plus its LoRA terms for every key of ``deltas``. Single-term plain LoRA layers of one shape,
-    dtype, device and scaling are merged as a group:
+@dataclass(frozen=True)
+class LoraProduct:
+    """One plain LoRA layer's merge, ``weight + scaling * b @ a``, left for whoever writes the result: ``b`` and
+    ``a`` are already rounded to the weight's dtype (``merge_precision`` weight_dtype), so ``add_to`` is the one GEMM
+    whose accumulator starts from the weight and whose result is rounded once, bit for bit what ``full_weights``
+    returns, written into ``out`` when given (e.g. the engine's own parameter: no merged copy is made)."""
+
+    b: torch.Tensor
+    a: torch.Tensor
+    scaling: float
+
+    def add_to(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return torch.addmm(weight, self.b, self.a, alpha=self.scaling)
+        return torch.addmm(weight, self.b, self.a, alpha=self.scaling, out=out)
+
+
+def _merge_terms(weights: dict[str, torch.Tensor], deltas: dict[str, list[Any]], precision: str = "weight_dtype"
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, LoraProduct]]:
+    """``weights[key]`` plus its LoRA terms for every key of ``deltas``, as (merged tensors, products left to add).
+    Single-term plain LoRA layers of one shape, dtype, device and scaling are merged as a group:
 
     - ``precision="float32"`` (peft's arithmetic): weights and factors in the wider dtype, one stacked ``baddbmm_``
       per chunk of ``MERGE_CHUNK_ELEMENTS``, rounded once back into the weight's dtype (each weight is copied into the
-      wide dtype and back: ~6x the bytes of the weight-dtype merge);
+      wide dtype and back: ~6x the bytes of the weight-dtype merge); merged here;
     - ``precision="weight_dtype"``: the factors rounded to the weight's dtype (as the training forward's matmuls
       use them under bf16 autocast), then one ``addmm`` per layer whose accumulator starts from the weight: the
       product and the sum accumulate in float32 inside the GEMM and are rounded once, reading and writing each
       weight once. It differs from the float32 merge by at most one rounding step in a few percent of elements.
+      Returned as ``LoraProduct``s (the factors rounded, the GEMM not run).
 
-    Layers with several terms or a non-matrix delta always use ``_merged`` (wide dtype, one rounding)."""
+    Layers with several terms or a non-matrix delta always merge here through ``_merged`` (wide dtype, one
+    rounding)."""
     if precision not in MERGE_PRECISIONS:
         raise ValueError(f"merge precision {precision!r}: use one of {MERGE_PRECISIONS}")
     out: dict[str, torch.Tensor] = {}
+    products: dict[str, LoraProduct] = {}
     groups: dict[tuple[Any, ...], list[str]] = {}
     for key, terms in deltas.items():
         w = weights[key]
@@ -243,8 +263,7 @@ def _merged_batches(weights: dict[str, torch.Tensor], deltas: dict[str, list[Any
         if precision == "weight_dtype" or wide == dtype:
             b = torch.stack([deltas[k][0][0] for k in keys]).to(dtype)
             a = torch.stack([deltas[k][0][1] for k in keys]).to(dtype)
-            for i, key in enumerate(keys):
-                out[key] = torch.addmm(weights[key], b[i], a[i], alpha=scaling)
+            products.update((key, LoraProduct(b[i], a[i], scaling)) for i, key in enumerate(keys))
             continue
         per_chunk = max(1, MERGE_CHUNK_ELEMENTS // max(1, shape.numel()))
         for i in range(0, len(keys), per_chunk):
@@ -257,47 +276,80 @@ def _merged_batches(weights: dict[str, torch.Tensor], deltas: dict[str, list[Any
             a = torch.stack([deltas[k][0][1] for k in chunk]).to(wide)
             merged = acc.baddbmm_(b, a, alpha=scaling).to(dtype)
             out.update(zip(chunk, merged.unbind(0)))
-    return out
+    return out, products
 
 
 class _DoraNeedsMerge(Exception):
     """DoRA cannot be merged as an additive delta; peft's merge/unmerge is used instead."""
 
 
+@dataclass(frozen=True)
+class UnmergedWeights:
+    """``full_weights`` with its plain LoRA products not yet added: ``base`` holds every key of ``full_weights`` in
+    its order, with its names, shapes, strides and dtypes; for a key of ``products`` the value there is the frozen
+    weight the product adds to (``LoraProduct.add_to``), for every other key the value ``full_weights`` returns.
+    ``merged()`` is ``full_weights``' result, bit for bit. An engine that writes the products straight into its own
+    parameters (``vllm.sync.merge_into_engine``) makes no merged copy of the model."""
+
+    base: dict[str, torch.Tensor]
+    products: dict[str, LoraProduct]
+
+    def merged(self) -> dict[str, torch.Tensor]:
+        return {k: (self.products[k].add_to(v) if k in self.products else v) for k, v in self.base.items()}
+
+
+def _unmerged(plan: _Plan, deltas: dict[str, list[Any]], dtype: torch.dtype | None,
+              precision: str = "weight_dtype") -> UnmergedWeights:
+    base = {slot.key: slot.tensor().detach() for slot in plan.slots}
+    products: dict[str, LoraProduct] = {}
+    if deltas:
+        merged, products = _merge_terms(base, deltas, precision)
+        base.update(merged)
+    for key, value in base.items():
+        if dtype is not None and value.is_floating_point() and value.dtype != dtype:
+            if key in products:
+                value = products.pop(key).add_to(value)
+            value = value.to(dtype)
+        base[key] = value.contiguous()
+    return UnmergedWeights(base, products)
+
+
 def _collect(plan: _Plan, deltas: dict[str, list[Any]], dtype: torch.dtype | None,
              precision: str = "weight_dtype") -> dict[str, torch.Tensor]:
-    out = {slot.key: slot.tensor().detach() for slot in plan.slots}
-    if deltas:
-        out.update(_merged_batches(out, deltas, precision))
-    for key, value in out.items():
-        if dtype is not None and value.is_floating_point() and value.dtype != dtype:
-            value = value.to(dtype)
-        out[key] = value.contiguous()
-    return out
+    return _unmerged(plan, deltas, dtype, precision).merged()
 
 
 @torch.no_grad()
 def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, merge_adapter: bool = True,
                  merge_precision: str = "weight_dtype") -> dict[str, torch.Tensor]:
     """Base weights in HF checkpoint naming (see module docstring), LoRA merged unless ``merge_adapter`` is
-    false (then the frozen base alone); the model is left unchanged. ``merge_precision``: see ``_merged_batches``
+    false (then the frozen base alone); the model is left unchanged. ``merge_precision``: see ``_merge_terms``
     (DoRA always merges through peft, in its arithmetic)."""
+    return unmerged_weights(model, dtype, merge_adapter, merge_precision).merged()
+
+
+@torch.no_grad()
+def unmerged_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, merge_adapter: bool = True,
+                     merge_precision: str = "weight_dtype") -> UnmergedWeights:
+    """``full_weights`` with the plain LoRA layers' products left to add (``UnmergedWeights``): the factors are
+    rounded and stacked here, no weight-sized tensor is made for them. DoRA, the float32 merge precision, layers
+    with several adapters and a ``dtype`` cast merge here, as ``full_weights`` does."""
     plan = _plan(model)
     if is_peft_model(model) and merge_adapter:
         try:
-            out = _collect(plan, _lora_deltas(plan), dtype, merge_precision)
+            out = _unmerged(plan, _lora_deltas(plan), dtype, merge_precision)
         except _DoraNeedsMerge:
             model.merge_adapter()
             try:
-                out = {k: v.clone() for k, v in _collect(plan, {}, dtype).items()}
+                out = UnmergedWeights({k: v.clone() for k, v in _collect(plan, {}, dtype).items()}, {})
             finally:
                 model.unmerge_adapter()
     else:
-        out = _collect(plan, {}, dtype)
-    if _ties_embeddings(model) and "lm_head.weight" not in out:
-        embed = next((k for k in out if k.endswith("embed_tokens.weight")), None)
+        out = _unmerged(plan, {}, dtype)
+    if _ties_embeddings(model) and "lm_head.weight" not in out.base:
+        embed = next((k for k in out.base if k.endswith("embed_tokens.weight")), None)
         if embed is not None:
-            out["lm_head.weight"] = out[embed]
+            out.base["lm_head.weight"] = out.base[embed]
     return out
 
 
