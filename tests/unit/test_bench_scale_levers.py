@@ -249,3 +249,20 @@ def test_memory_budget_knob_runs_only_where_the_config_takes_it(tmp_path, capsys
     assert t.compile_activation_memory_budget == "auto"
     with pytest.raises(SystemExit, match="no run left: a memory budget below 1 needs compiled layers"):
         scale.with_levers(scale.selected("2b"), scale.lever_knobs({"RM_BENCH_SCALE_MEMBUDGET": "0.5"}))
+
+
+def test_a_trl_side_that_cannot_import_is_refused_before_any_run(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    assert scale.trl_side_missing({"RM_BENCH_TRL_LIGER": "0"}) is None, "trl and peft are installed for the tests"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    assert "trl cannot be imported here" in scale.trl_side_missing({"RM_BENCH_TRL_LIGER": "0"})
+    assert "set RM_BENCH_TRL=0" in scale.trl_side_missing({})
+    assert scale.trl_side_missing({"RM_BENCH_TRL": "0"}) is None
+    monkeypatch.setattr(scale.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("RM_BENCH_TRL_LIGER", "0")
+    monkeypatch.delenv("RM_BENCH_TRL", raising=False)
+    monkeypatch.setattr(scale, "run_isolated", lambda *a: pytest.fail("a run started before TRL's side was checked"))
+    with pytest.raises(SystemExit, match="trl cannot be imported"):
+        scale.run(__import__("pathlib").Path("/tmp/rm-scale-trl-missing"))

@@ -524,6 +524,24 @@ def run_isolated(run: ScaleRun, work: Path) -> dict[str, Any]:
     return rec
 
 
+def trl_side_missing(env: Mapping[str, str | None]) -> str | None:
+    """Why TRL's side (``RM_BENCH_TRL``, on by default for GPU runs) could not run here, said before any of ours runs
+    (a GPU call once spent its whole scale run to learn that ``trl`` was not installed), or None: the packages
+    ``trainer.bench.trl_peer`` imports, ``liger_kernel`` too unless ``RM_BENCH_TRL_LIGER=0``."""
+    import importlib.util
+
+    if env.get("RM_BENCH_TRL", "1") != "1":
+        return None
+    wanted = ["trl", "peft"] + ([] if env.get("RM_BENCH_TRL_LIGER") == "0" else ["liger_kernel"])
+    missing = [m for m in wanted if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (f"RM_BENCH_TRL=1 (the default) runs TRL's GRPOTrainer beside each run, but {', '.join(missing)} "
+            "cannot be imported here: install them (trl==0.29.1 as locks/cpu-test.txt pins it; on a GPU bundle, on "
+            "its build line), or set RM_BENCH_TRL=0 for our side alone"
+            + ("" if "liger_kernel" not in missing else " (RM_BENCH_TRL_LIGER=0: TRL without Liger)"))
+
+
 def trl_side_by_side(run: ScaleRun, model_dir: Path, data: Path, work: Path, ours: dict[str, Any]) -> dict[str, Any]:
     """TRL's GRPOTrainer on the same model, records, batch, lengths and vLLM share (``trainer.bench.trl_peer``, its own
     process), and the ratios TRL / ours per phase (> 1: we are faster)."""
@@ -815,6 +833,9 @@ def run(out: Path, quick: bool = False) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
     if device == "cpu" and not quick:
         raise SystemExit("bench --only scale needs a CUDA GPU and vLLM; `--quick` runs the tiny Qwen3-VL on the CPU")
+    missing = trl_side_missing(os.environ) if device == "cuda" else None
+    if missing:
+        raise SystemExit(missing)
     work = Path(os.environ.get("RM_BENCH_WORK", "/tmp/rm-bench-scale"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("scale_quick.json" if quick else "scale.json")
