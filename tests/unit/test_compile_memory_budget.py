@@ -160,18 +160,23 @@ EIGHT_B = ck.TextShape(36, 4096, 4096, 1024, 12288, 151936)
 
 
 @pytest.mark.parametrize(("shape", "resident_gib", "measured"), [
-    (EIGHT_B, 18.9, {"off@0.6": 68.1, "off@0.5": 64.5}),  # 8B LoRA r64 beside an engine at 0.35
-    (FOUR_B, 33.1, {"off@0.4": 64.7}),  # 4B full beside an engine at 0.2
+    (EIGHT_B, 18.94, {"off@0.6": (68.1, 68.4), "off@0.5": (64.5,)}),  # 8B LoRA r64 beside an engine at 0.35
+    (FOUR_B, 30.75, {"off@0.6": (73.0,), "off@0.4": (64.7,)}),  # 4B full beside an engine at 0.2
 ])
 def test_the_compiled_estimate_and_the_measured_device_use_at_level_2(shape, resident_gib, measured):
-    """Session 26 on an H100 (79.2 GiB; sleep level 2, 16k rows, no checkpointing): the driver's used memory of each
-    run against resident + loss + the compiled estimate. Each measured run fitted with the engine charged nothing
-    (asleep, its pool unmapped); the estimate stays within 4.5 GiB below the measurement, inside the 10 % headroom
-    (7.9 GiB) that ``auto`` keeps."""
-    plan = ck.MemoryPlan(shape, 16384, 2, 79.2 * ck.GIB, resident_gib * ck.GIB, 0.0, 1.74 * ck.GIB,
+    """Sessions 26-27 on an H100 (79.19 GiB; sleep level 2, 16k rows, no checkpointing): the driver's used memory of
+    each run against resident + loss + the compiled estimate. The residents are the runs' own (session 27's records:
+    ``checkpointing_budget_gib`` 50.59 at 8B, 38.78 at 4B). Each measured run fitted with the engine charged nothing
+    (asleep, its pool unmapped); the estimate is never above the measurement and at most the 10 % headroom ``auto``
+    keeps (7.9 GiB) below it (4B: 3.3-6.5 GiB below), so what ``auto`` chooses fits. Session 27's ``auto`` chose 0.6
+    at both sizes, as here."""
+    device = 79.19
+    plan = ck.MemoryPlan(shape, 16384, 2, device * ck.GIB, resident_gib * ck.GIB, 0.0, 1.74 * ck.GIB,
                          compiled_budgets=ck.AUTO_MEMORY_BUDGETS)
     choice = ck.choose_checkpointing(plan)
-    for label, used_gib in measured.items():
+    for label, runs in measured.items():
         estimate = resident_gib + 1.74 + choice.estimates_gib[label]
-        assert 0 <= used_gib - estimate <= 4.5, (label, estimate, used_gib)
-    assert choice.label == ("off@0.6" if shape is EIGHT_B else "off@0.5")
+        for used_gib in runs:
+            assert 0 <= used_gib - estimate <= ck.HEADROOM * device, (label, estimate, used_gib)
+    assert choice.label == "off@0.6"
+    assert abs(choice.budget_gib - (50.59 if shape is EIGHT_B else 38.78)) < 0.05, "the runs' own budgets"
