@@ -45,9 +45,11 @@ def test_start_group_appends_to_the_log(tmp_path):
     log.write_text("before\n")
     proc = start_group([sys.executable, "-c", "print('after')"], log)
     proc.wait(30)
+    stop_group(proc)
     assert log.read_text() == "before\nafter\n"
     proc = start_group([sys.executable, "-c", "print('fresh')"], log, append=False)
     proc.wait(30)
+    stop_group(proc)
     assert log.read_text() == "fresh\n"
 
 
@@ -84,3 +86,21 @@ def test_stop_group_forgets_the_group(tmp_path):
     assert proc.pid in live_groups()
     stop_group(proc, grace_s=5.0)
     assert proc.pid not in live_groups()
+
+
+def test_the_exit_on_signal_hook_lives_only_while_a_group_does(tmp_path):
+    """SIGTERM raises ``SystemExit`` while a started group is live (so the bench stops it on the way out); once the
+    last group is stopped the process's own handlers are back (a test run once kept the hook for good, and a forked
+    pool worker later raised ``SystemExit`` on its pool's SIGTERM instead of ending)."""
+    from trainer.bench import processes
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert before is signal.SIG_DFL, "the test suite restores the default between tests"
+    first = start_group([sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "a.log")
+    second = start_group([sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "b.log")
+    assert signal.getsignal(signal.SIGTERM) is processes._exit_on_signal
+    stop_group(first, grace_s=5.0)
+    assert signal.getsignal(signal.SIGTERM) is processes._exit_on_signal, "one group is still live"
+    stop_group(second, grace_s=5.0)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
