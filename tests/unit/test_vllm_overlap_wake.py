@@ -78,11 +78,18 @@ def test_the_check_is_read_before_the_load_and_after_the_wake_only_with_overlap(
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_non_finite_update_writes_nothing_and_leaves_no_valid_weights(events, overlap):
     engine = _engine(events, overlap)
-    with pytest.raises(WeightUpdateRefused, match="'b.weight'.*1 NaN"):
+    with pytest.raises(WeightUpdateRefused, match="'b.weight'.*1 NaN.*; the engine holds no valid weights"):
         engine.load_weights(_update(bad=True))
     assert not any(e.startswith("load") for e in events), "nothing written before the check was read"
     assert not engine._weights_valid, "level 2's weights stay invalid: the next decode reloads from the learner"
     assert ("wake:weights" in events) == overlap, "without overlap a refused update wakes nothing"
+
+
+def test_an_engine_with_valid_weights_says_the_old_ones_keep_serving(events):
+    engine = _engine(events, False)
+    engine._weights_valid = True
+    with pytest.raises(WeightUpdateRefused, match="1 NaN.*; the old weights keep serving$"):
+        engine.load_weights(_update(bad=True))
 
 
 def test_a_wrong_layout_is_refused_before_the_wake_even_with_overlap(events):

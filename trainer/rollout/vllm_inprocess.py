@@ -28,6 +28,7 @@ Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -116,6 +117,9 @@ def exception_chain(exc: BaseException) -> list[BaseException]:
         e = e.__cause__ or e.__context__
     return seen
 
+
+#: what an engine without valid weights (level 2 asleep) serves after a refused update
+NO_VALID_WEIGHTS = "the engine holds no valid weights, as after its level-2 sleep, until an update passes"
 
 #: free device memory a wake keeps beyond what it maps before it leaves torch's cached blocks in place
 WAKE_HEADROOM_BYTES = 1 << 30
@@ -283,6 +287,19 @@ class InProcessVllm:
             self._spec = spec_from_checkpoint(self.settings.model_dir, self.dtype)
         return self._spec
 
+    @contextlib.contextmanager
+    def _refusal_outcome(self):
+        """A ``WeightUpdateRefused`` raised inside says what the engine serves after it: nothing, for an engine that
+        holds no valid weights (``NO_VALID_WEIGHTS``); the old weights otherwise."""
+        from trainer.sync.update_check import WeightUpdateRefused
+
+        try:
+            yield
+        except WeightUpdateRefused as exc:
+            if self._weights_valid or exc.outcome == NO_VALID_WEIGHTS:
+                raise
+            raise WeightUpdateRefused(exc.tensor, exc.reason, NO_VALID_WEIGHTS) from None
+
     def load_weights(self, tensors: dict[str, torch.Tensor], *, checked: bool = False) -> LoadReport:
         """Check (unless ``checked``) and load HF-named ``tensors`` into the served model (see module docstring).
 
@@ -293,7 +310,7 @@ class InProcessVllm:
         from trainer.sync.update_check import start_check_update
 
         overlap = self.settings.overlap_wake and not checked
-        with phase("sync_check"):
+        with phase("sync_check"), self._refusal_outcome():
             t0 = time.perf_counter()
             pending = None if checked else start_check_update(tensors, self.update_spec(),
                                                               allow_cast=self.settings.allow_dtype_cast)
@@ -304,7 +321,7 @@ class InProcessVllm:
             tensors = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in tensors.items()}
         self.wake(("weights",), phase_name="sync_wake")
         if overlap and pending is not None:
-            with phase("sync_check_wait"):
+            with phase("sync_check_wait"), self._refusal_outcome():
                 t0 = time.perf_counter()
                 pending.wait()
                 check_s += time.perf_counter() - t0
@@ -362,7 +379,7 @@ class InProcessVllm:
             launch_finite_check,
         )
 
-        with phase("sync_check"):
+        with phase("sync_check"), self._refusal_outcome():
             t0 = time.perf_counter()
             check_update_layout(update.base, self.update_spec(), allow_cast=self.settings.allow_dtype_cast)
             check_s = time.perf_counter() - t0
@@ -381,8 +398,7 @@ class InProcessVllm:
         if bad is not None:
             name, dst = written[int(bad)]
             raise WeightUpdateRefused(name, describe_non_finite(dst) + " in the engine's parameter after the LoRA "
-                                      "merge into it", "the engine holds no valid weights, as after its level-2 "
-                                      "sleep, until an update passes")
+                                      "merge into it", NO_VALID_WEIGHTS)
         self._weights_valid = True
         nbytes = sum(t.numel() * t.element_size() for t in update.base.values())
         self.last_load = LoadReport(len(update.base), nbytes, check_s, load_s)
