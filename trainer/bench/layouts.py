@@ -497,8 +497,8 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
     finally:
         if sampler is not None and sampler.is_alive():
             sampler.stop()
-        if learner is not None and learner.poll() is None:
-            _stop(learner)
+        if learner is not None:
+            _stop(learner)  # also a learner that exited: what its ranks left in its group, and its entry as a live group
         for s in servers:
             _stop(s)
     return rec
