@@ -530,16 +530,20 @@ def trl_side_missing(env: Mapping[str, str | None]) -> str | None:
     ``trainer.bench.trl_peer`` imports, ``liger_kernel`` too unless ``RM_BENCH_TRL_LIGER=0``."""
     import importlib.util
 
+    from trainer.extras import EXTRAS
+
     if env.get("RM_BENCH_TRL", "1") != "1":
         return None
-    wanted = ["trl", "peft"] + ([] if env.get("RM_BENCH_TRL_LIGER") == "0" else ["liger_kernel"])
+    liger_module, liger_install = EXTRAS["liger"]
+    liger = liger_module.partition(".")[0]
+    wanted = ["trl", "peft"] + ([] if env.get("RM_BENCH_TRL_LIGER") == "0" else [liger])
     missing = [m for m in wanted if importlib.util.find_spec(m) is None]
     if not missing:
         return None
     return (f"RM_BENCH_TRL=1 (the default) runs TRL's GRPOTrainer beside each run, but {', '.join(missing)} "
             "cannot be imported here: install them (trl==0.29.1 as locks/cpu-test.txt pins it; on a GPU bundle, on "
             "its build line), or set RM_BENCH_TRL=0 for our side alone"
-            + ("" if "liger_kernel" not in missing else " (RM_BENCH_TRL_LIGER=0: TRL without Liger)"))
+            + ("" if liger not in missing else f" (Liger: {liger_install}; RM_BENCH_TRL_LIGER=0: TRL without it)"))
 
 
 def trl_side_by_side(run: ScaleRun, model_dir: Path, data: Path, work: Path, ours: dict[str, Any]) -> dict[str, Any]:
