@@ -112,12 +112,13 @@ def test_overlap_wake_knob_runs_both_reaches_the_sync_config_and_leaves_out_prew
         {"RM_BENCH_SCALE_OVERLAPWAKE": "0,1", "RM_BENCH_SCALE_PREWAKE": "0,1"}))
     assert [r.name for r in runs] == ["8b-lora64-sleep2-util0.35", "8b-lora64-sleep2-util0.35-overlapwake",
                                       "8b-lora64-sleep2-util0.35-prewake"]
-    assert "8b-lora64-sleep2-util0.35-prewake-overlapwake: left out: vllm.sync.overlap_wake and prewake" in \
+    assert "8b-lora64-sleep2-util0.35-prewake-overlapwake: left out: custom.extra.rollout_matching.vllm.sync: " \
+        "sync.overlap_wake and sync.prewake both wake" in \
         capsys.readouterr().out
     sync = validate_config(scale.stage2_config(runs[1], tmp_path, tmp_path / "o", "vllm")
                            ).custom.extra.rollout_matching.vllm.sync
     assert (sync.overlap_wake, sync.prewake) == (True, False)
-    with pytest.raises(SystemExit, match="no run left: vllm.sync.overlap_wake and prewake do not combine"):
+    with pytest.raises(SystemExit, match="no run left: .*sync.overlap_wake and sync.prewake both wake"):
         scale.with_levers(scale.selected("2b"), scale.lever_knobs(
             {"RM_BENCH_SCALE_OVERLAPWAKE": "1", "RM_BENCH_SCALE_PREWAKE": "1"}))
 
@@ -127,16 +128,31 @@ def test_merge_into_engine_knob_runs_beside_off_reaches_the_sync_config_and_leav
         {"RM_BENCH_SCALE_MERGEIN": "0,1", "RM_BENCH_SCALE_RECLOAD": "1"}))
     assert [r.name for r in runs] == ["4b-full-sleep2-util0.2-recload", "8b-lora64-sleep2-util0.35-recload",
                                       "8b-lora64-sleep2-util0.35-recload-mergein"]
-    assert "4b-full-sleep2-util0.2-recload-mergein: left out: vllm.sync.merge_into_engine needs a merged LoRA" in \
+    assert "4b-full-sleep2-util0.2-recload-mergein: left out: vllm.sync.merge_into_engine has no LoRA merge" in \
         capsys.readouterr().out
     vllm = validate_config(scale.stage2_config(runs[2], tmp_path, tmp_path / "o", "vllm")
                            ).custom.extra.rollout_matching.vllm
     assert (vllm.sync.merge_into_engine, vllm.sync.recorded_load, vllm.sleep_level) == (True, True, 2)
-    for env in ({"RM_BENCH_SCALE_RECLOAD": "0"}, {"RM_BENCH_SCALE_SLEEP": "kv_cache", "RM_BENCH_SCALE_RECLOAD": "1"},
-                {"RM_BENCH_SCALE_OVERLAPWAKE": "1", "RM_BENCH_SCALE_RECLOAD": "1"}):
-        with pytest.raises(SystemExit, match="no run left: vllm.sync.merge_into_engine needs"):
+    for env, config_says in (({"RM_BENCH_SCALE_RECLOAD": "0"}, "merge_into_engine writes through the recorded load"),
+                             ({"RM_BENCH_SCALE_SLEEP": "kv_cache", "RM_BENCH_SCALE_RECLOAD": "1"},
+                              "needs mode: colocate and sleep_level: 2"),
+                             ({"RM_BENCH_SCALE_OVERLAPWAKE": "1", "RM_BENCH_SCALE_RECLOAD": "1"},
+                              "merge_into_engine checks the weights after writing them")):
+        with pytest.raises(SystemExit, match=f"no run left: .*{config_says}"):
             scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"),
                               scale.lever_knobs({"RM_BENCH_SCALE_MERGEIN": "1", **env}))
+
+
+def test_a_left_out_combination_is_worded_by_the_config_itself(tmp_path):
+    """The bench asks ``validate_config`` rather than restating its rules: any problem the config finds in a run's
+    config, also one no knob rule names, leaves the run out in the config's words."""
+    from dataclasses import replace
+
+    run = scale.selected("8b-lora64-sleep2-util0.35")[0]
+    assert scale.refused_combination(run) is None
+    bad = replace(run, gpu_memory_utilization=1.5)
+    reason = scale.refused_combination(bad)
+    assert reason is not None and "gpu_memory_utilization" in reason
 
 
 def test_compile_knob_is_an_axis_eager_and_compiled_in_one_call(tmp_path):
@@ -153,9 +169,9 @@ def test_compile_knob_is_an_axis_eager_and_compiled_in_one_call(tmp_path):
     with pytest.raises(SystemExit, match="RM_BENCH_SCALE_COMPILE"):
         scale.lever_knobs({"RM_BENCH_SCALE_COMPILE": "true"})
     knobs = scale.lever_knobs({**_env("1"), "RM_BENCH_SCALE_COMPILE": "1"})
-    liger_compiled = scale.with_levers(scale.selected("2b"), knobs)[0]
-    with pytest.raises(Exception, match="use_liger_kernel and compile_decoder_layers do not combine"):
-        validate_config(scale.stage2_config(liger_compiled, tmp_path, tmp_path / "o", "vllm"))
+    with pytest.raises(SystemExit, match="no run left: training: use_liger_kernel and compile_decoder_layers do not "
+                       "combine"):
+        scale.with_levers(scale.selected("2b"), knobs)
 
 
 def test_recorded_load_knob_reaches_the_sync_config(tmp_path):
@@ -247,7 +263,8 @@ def test_memory_budget_knob_runs_only_where_the_config_takes_it(tmp_path, capsys
     assert [r.name for r in auto] == ["8b-lora64-sleep2-util0.35-compiled-ckptauto-membudgetauto"]
     t = validate_config(scale.stage2_config(auto[0], tmp_path / "m", tmp_path / "o", "vllm")).training
     assert t.compile_activation_memory_budget == "auto"
-    with pytest.raises(SystemExit, match="no run left: a memory budget below 1 needs compiled layers"):
+    with pytest.raises(SystemExit, match="no run left: training: compile_activation_memory_budget 0.5 needs "
+                       "compile_decoder_layers: true"):
         scale.with_levers(scale.selected("2b"), scale.lever_knobs({"RM_BENCH_SCALE_MEMBUDGET": "0.5"}))
 
 

@@ -768,22 +768,19 @@ def lever_knobs(env: Mapping[str, str | None]) -> list[dict[str, Any]]:
 
 
 def refused_combination(run: ScaleRun) -> str | None:
-    """Why ``run``'s config would refuse its levers together, or None when it accepts them: an activation memory
-    budget other than 1 needs compiled layers that are not all checkpointed (``auto``: the policy ``auto``);
-    ``overlap_wake`` and ``prewake`` exclude each other; ``merge_into_engine`` needs a merged LoRA sync at level 2
-    through the recorded load, without ``overlap_wake``."""
-    budget = run.activation_memory_budget
-    budget_ok = (run.compile_layers and run.checkpointing == "auto") if budget == "auto" else (
-        budget == 1.0 or (run.compile_layers and run.checkpointing != "full"))
-    if not budget_ok:
-        return ("a memory budget below 1 needs compiled layers (RM_BENCH_SCALE_COMPILE=1) that are not all "
-                "checkpointed (RM_BENCH_SCALE_CKPT off, selective or auto); auto needs RM_BENCH_SCALE_CKPT=auto")
-    if run.overlap_wake and run.prewake:
-        return "vllm.sync.overlap_wake and prewake do not combine (RM_BENCH_SCALE_OVERLAPWAKE, RM_BENCH_SCALE_PREWAKE)"
-    if run.merge_into_engine and (not run.recorded_load or run.overlap_wake or run.sleep_level != 2
-                                  or run.tuner == "full" or run.vllm_lora):
-        return ("vllm.sync.merge_into_engine needs a merged LoRA sync at sleep level 2 with recorded_load and without "
-                "overlap_wake (RM_BENCH_SCALE_RECLOAD=1, RM_BENCH_SCALE_SLEEP=2, RM_BENCH_SCALE_OVERLAPWAKE=0)")
+    """Why ``run`` cannot run, or None when it can: the problems ``validate_config`` finds in its stage-2 config (the
+    config's own rules, in its words), or a lever with nothing to act on here (``merge_into_engine`` beside a full
+    fine-tune or an adapter sync: no LoRA merge)."""
+    from trainer.config.errors import ConfigErrors
+    from trainer.config.schema import validate_config
+
+    try:
+        validate_config(stage2_config(run, Path("model"), Path("out"), "vllm"))
+    except ConfigErrors as e:
+        return "; ".join(str(err) for err in e.errors)
+    if run.merge_into_engine and (run.tuner == "full" or run.vllm_lora):
+        return ("vllm.sync.merge_into_engine has no LoRA merge to write in a full fine-tune or an adapter sync; "
+                "leave RM_BENCH_SCALE_MERGEIN off for it")
     return None
 
 
