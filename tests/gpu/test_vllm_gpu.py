@@ -130,9 +130,10 @@ def _served(worker, names):
     return {n: params[n].detach().to("cpu").clone() for n in names}
 
 
-def assert_weights_bit_exact(engine, model) -> None:
-    """The served parameters equal the learner's (qkv stacked as vLLM stores it)."""
-    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+def assert_weights_bit_exact(engine, weights, what: str = "the learner's") -> None:
+    """The served parameters equal ``weights`` (HF names to tensors: a model's ``state_dict()`` or ``full_weights``
+    of a LoRA learner), dtype and bits, with qkv stacked as vLLM stores it."""
+    sd = {k: v.detach().cpu() for k, v in weights.items()}
     want = {
         "model.embed_tokens.weight": sd["model.embed_tokens.weight"],
         "model.norm.weight": sd["model.norm.weight"],
@@ -143,7 +144,7 @@ def assert_weights_bit_exact(engine, model) -> None:
     got = engine.vllm.collective_rpc(_served, list(want))[0]
     for name, w in want.items():
         g = got[name][: w.shape[0]]
-        assert g.dtype == w.dtype and torch.equal(g, w), f"{name}: served weights differ from the learner's"
+        assert g.dtype == w.dtype and torch.equal(g, w), f"{name}: served weights differ from {what}"
 
 
 def colocate(text_dir, stop_ids, **kw):
@@ -172,7 +173,7 @@ def test_colocate_full_sync_in_process(text_dir, tok, stop_ids, hf_model, lora):
         gap1 = assert_greedy(learner, after, "after full sync")
         assert max(greedy_gaps(hf_model, after)) > LOGIT_TOL or [r.response_token_ids for r in after] != \
             [r.response_token_ids for r in before], "the sync did not change what vLLM decodes"
-        assert_weights_bit_exact(engine, learner)
+        assert_weights_bit_exact(engine, learner.state_dict())
         engine.sync_full(hf_model)
         assert [r.response_token_ids for r in engine.generate(reqs, params())] == \
             [r.response_token_ids for r in before]
@@ -315,7 +316,7 @@ def recorded_load_check() -> dict:
             path, replayed = state()  # read while the weights are mapped: the decode below puts them to sleep
             paths.append(path)
             loads.append(engine.vllm.last_load.load_s)
-            assert_weights_bit_exact(engine, learner)
+            assert_weights_bit_exact(engine, learner.state_dict())
             assert_greedy(learner, engine.generate(reqs, params()), f"replayed load, seed {seed}")
             assert engine.vllm.asleep
         assert paths == ["recorded", "replayed", "replayed"], paths
@@ -410,14 +411,7 @@ def merge_into_engine_check() -> dict:
                          merge_into_engine=True)
 
     def served_equals_merged() -> None:
-        merged = {k: v.detach().cpu() for k, v in full_weights(learner).items()}
-        want = {"model.layers.0.self_attn.qkv_proj.weight": torch.cat([merged[f"model.layers.0.self_attn.{x}_proj.weight"]
-                                                                       for x in "qkv"]),
-                "model.layers.1.mlp.down_proj.weight": merged["model.layers.1.mlp.down_proj.weight"],
-                "model.embed_tokens.weight": merged["model.embed_tokens.weight"]}
-        got = engine.vllm.collective_rpc(_served, list(want))[0]
-        for name, w in want.items():
-            assert torch.equal(got[name][: w.shape[0]], w), f"{name}: served weights differ from the merged learner's"
+        assert_weights_bit_exact(engine, full_weights(learner), "the merged learner's")
 
     def load_path() -> str:
         return engine.vllm.llm.collective_rpc(lambda w: inner_worker(w)._rm_load_path)[0]
