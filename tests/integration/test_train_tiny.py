@@ -140,3 +140,27 @@ def test_logit_chunk_rows_reaches_the_stage2_loss(tmp_path, monkeypatch):
     rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
     assert len(rows) == 2 and all(r["grad_norm"] > 0 for r in rows)
     assert len(chunks) >= 2 and set(chunks) == {3}, chunks
+
+
+@pytest.mark.parametrize("after_first_step", [True, False])
+def test_the_heap_is_frozen_before_training_and_after_the_first_step(tmp_path, monkeypatch, after_first_step):
+    """``training.freeze_heap_after_first_step`` reaches the run: the setup freeze, then (on) one more when the first
+    optimizer step ends."""
+    import gc
+
+    from trainer.sft import heap
+    from trainer.sft import run as run_module
+
+    calls = []
+
+    def spy(where):
+        return lambda: calls.append(where) or gc.get_freeze_count()
+
+    monkeypatch.setattr(run_module, "freeze_setup_objects", spy("setup"))
+    monkeypatch.setattr(heap, "freeze_setup_objects", spy("first step"))
+    data = config(tmp_path, "text", max_steps=2, per_device_train_batch_size=4,
+                  freeze_heap_after_first_step=after_first_step)
+    data["data"]["synthetic"]["num_samples"] = 4
+    data["custom"]["extra"]["rollout_matching"]["decoding"]["max_new_tokens"] = 8
+    run_training(validate_config(data))
+    assert calls == (["setup", "first step"] if after_first_step else ["setup"])

@@ -283,3 +283,16 @@ def test_a_trl_side_that_cannot_import_is_refused_before_any_run(monkeypatch):
     monkeypatch.setattr(scale, "run_isolated", lambda *a: pytest.fail("a run started before TRL's side was checked"))
     with pytest.raises(SystemExit, match="trl cannot be imported"):
         scale.run(__import__("pathlib").Path("/tmp/rm-scale-trl-missing"))
+
+
+def test_gc_freeze_knob_runs_both_and_reaches_the_training_config(tmp_path):
+    from trainer.config.schema import validate_config
+
+    runs = scale.with_levers(scale.selected("8b-lora64-sleep2-util0.35"),
+                             scale.lever_knobs({"RM_BENCH_SCALE_GCFREEZE": "1,0"}))
+    assert [r.name for r in runs] == ["8b-lora64-sleep2-util0.35", "8b-lora64-sleep2-util0.35-nofreeze"]
+    got = [validate_config(scale.stage2_config(r, tmp_path, tmp_path / "o", "vllm")).training
+           .freeze_heap_after_first_step for r in runs]
+    assert got == [True, False]
+    with pytest.raises(SystemExit, match="RM_BENCH_SCALE_GCFREEZE"):
+        scale.lever_knobs({"RM_BENCH_SCALE_GCFREEZE": "on"})

@@ -138,6 +138,9 @@ class ScaleRun:
     #: ``vllm.sync.merge_into_engine`` (``RM_BENCH_SCALE_MERGEIN``: 0, the default, or 1, suffix ``-mergein``; needs
     #: recorded_load, a LoRA tuner, sleep level 2 and no overlap_wake: other combinations are left out, with a line)
     merge_into_engine: bool = False
+    #: ``training.freeze_heap_after_first_step`` (``RM_BENCH_SCALE_GCFREEZE``: 1, the default since session 28, or 0,
+    #: suffix ``-nofreeze``: the heap frozen only before training, as every record before)
+    freeze_heap_after_first_step: bool = True
 
     @property
     def name(self) -> str:
@@ -156,7 +159,8 @@ class ScaleRun:
             "" if self.host_vision_metadata else "-devicevision") + (
             "" if self.varlen_kernel == "op" else f"-varlen{self.varlen_kernel}") + (
             "" if self.activation_memory_budget == 1.0 else f"-membudget{self.activation_memory_budget}") + (
-            "-overlapwake" if self.overlap_wake else "") + ("-mergein" if self.merge_into_engine else "")
+            "-overlapwake" if self.overlap_wake else "") + ("-mergein" if self.merge_into_engine else "") + (
+            "" if self.freeze_heap_after_first_step else "-nofreeze")
         sleep = "kv" if self.sleep_level == "kv_cache" else self.sleep_level
         return (f"{self.size}-{tuner}{served}-sleep{sleep}-util{self.gpu_memory_utilization:g}{compiled}"
                 f"{chunks}{merge}{levers}")
@@ -351,6 +355,7 @@ def stage2_config(run: ScaleRun, model_dir: Path, out_dir: Path, backend: str) -
     cfg["training"]["phase_timing"] = run.phase_timing
     cfg["training"]["host_vision_metadata"] = run.host_vision_metadata
     cfg["training"]["packed_varlen_kernel"] = run.varlen_kernel
+    cfg["training"]["freeze_heap_after_first_step"] = run.freeze_heap_after_first_step
     if run.activation_memory_budget != 1.0:
         cfg["training"]["compile_activation_memory_budget"] = run.activation_memory_budget
     if run.profile_step:
@@ -746,6 +751,7 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[str], Any]]] = {
                                  lambda v: v if v == "auto" else float(v)),  # compile_activation_memory_budget
     "RM_BENCH_SCALE_OVERLAPWAKE": ("overlap_wake", ("0", "1"), _on),  # vllm.sync.overlap_wake
     "RM_BENCH_SCALE_MERGEIN": ("merge_into_engine", ("0", "1"), _on),  # vllm.sync.merge_into_engine
+    "RM_BENCH_SCALE_GCFREEZE": ("freeze_heap_after_first_step", ("1", "0"), _on),  # freeze_heap_after_first_step
 }
 
 

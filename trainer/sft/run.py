@@ -31,6 +31,7 @@ from trainer.packing.varlen_attention import choose_packed_attention
 from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
 from trainer.sft import deepspeed_config
+from trainer.sft.heap import freeze_setup_objects, install_first_step_freeze
 from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
 from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
 from trainer.sft.trainer import JsonlMetricsCallback, RolloutMatchingTrainer, SampleDataset
@@ -200,16 +201,6 @@ def periodic_eval(cfg: TrainConfig, pipeline: Stage2Pipeline, engine, weight_syn
                                 tensorboard="tensorboard" in cfg.training.report_to)
 
 
-def freeze_setup_objects() -> None:
-    """Move every object built so far (model, engine, data index) out of the garbage collector's reach
-    (``gc.freeze``): they live for the whole run, and each full collection would walk them again. vLLM's
-    sleep mode runs a full collection on the learner's heap every step (0.26: at each sleep; 0.32: at each sleep and
-    each wake); frozen, it only walks what the step made. ``run_training`` unfreezes them when training ends (a
-    process that trains again collects them)."""
-    gc.collect()
-    gc.freeze()
-
-
 def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) -> RunSummary:
     """``resume_from_checkpoint``: a stage-2 checkpoint folder or "latest"; the stage-1 warm-up is skipped."""
     rm = cfg.rollout_matching
@@ -290,6 +281,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             pixels_during_decode=rm.vllm.pixels_during_decode,  # validated: vllm backend, not with async rollouts
             profile_steps=t.profile_steps, profile_trace=t.profile_trace, memory_settings=memory_settings(cfg),
             **common)
+        if t.freeze_heap_after_first_step:
+            install_first_step_freeze(trainer)
         freeze_setup_objects()
         result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:
