@@ -6,22 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import TrainingArguments
 
+from tests.tiny_trainer import tiny_stage2_trainer
 from trainer.config.schema import TunerConfig
-from trainer.data.records import load_jsonl
-from trainer.data.synthetic import generate
-from trainer.losses.objective import LossWeights
 from trainer.modeling.adapter_casts import adapter_layers, uncast_adapter_inputs
-from trainer.modeling.coord_vocab import stop_token_ids
-from trainer.modeling.fixtures import build_tiny_model, tiny_tokenizer
+from trainer.modeling.fixtures import build_tiny_model
 from trainer.modeling.loading import apply_tuner
-from trainer.modeling.prompts import PromptEncoder
-from trainer.rollout.hf import HFRolloutEngine
-from trainer.rollout.types import DecodingParams
 from trainer.sft import trainer as trainer_module
-from trainer.sft.stage2 import Stage2Pipeline
-from trainer.sft.trainer import RolloutMatchingTrainer, SampleDataset
 
 
 def bf16_lora(train_type: str = "lora", dropout: float = 0.0):
@@ -82,7 +73,6 @@ def test_flags_are_restored_when_the_region_raises():
 
 @pytest.mark.parametrize("bf16", [True, False])
 def test_the_trainer_uncasts_only_inside_a_mixed_precision_training_step(tmp_path, monkeypatch, bf16):
-    tok = tiny_tokenizer()
     model = bf16_lora() if bf16 else apply_tuner(build_tiny_model("text", seed=0)[0],
                                                  TunerConfig(train_type="lora", lora_rank=8), multimodal=False)
     seen: list[list[bool]] = []
@@ -93,15 +83,7 @@ def test_the_trainer_uncasts_only_inside_a_mixed_precision_training_step(tmp_pat
         return original(model_, *args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "forward_loss", spy)
-    samples = load_jsonl(generate(tmp_path / "data", 2, seed=0, max_objects=2))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2,
-                             learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[], bf16=bf16,
-                             remove_unused_columns=False, disable_tqdm=True, use_cpu=True)
-    engine = HFRolloutEngine(model, tok.pad_token_id, sorted(stop_token_ids(tok)), 2)
-    trainer = RolloutMatchingTrainer(model=model, args=args, train_dataset=SampleDataset(samples),
-                                     pipeline=Stage2Pipeline(PromptEncoder(tok)), engine=engine,
-                                     decoding=DecodingParams(max_new_tokens=8), loss_weights=LossWeights(),
-                                     target_source="rollout", processing_class=tok)
+    trainer = tiny_stage2_trainer(tmp_path, model=model, bf16=bf16)
     assert trainer.accelerator.native_amp is bf16
     trainer.train()
     assert seen and all(flags for flags in seen)

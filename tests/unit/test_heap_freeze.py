@@ -6,19 +6,8 @@ from __future__ import annotations
 import gc
 from types import SimpleNamespace
 
-from transformers import TrainingArguments
-
-from trainer.data.records import load_jsonl
-from trainer.data.synthetic import generate
-from trainer.losses.objective import LossWeights
-from trainer.modeling.coord_vocab import stop_token_ids
-from trainer.modeling.fixtures import build_tiny_model, tiny_tokenizer
-from trainer.modeling.prompts import PromptEncoder
-from trainer.rollout.hf import HFRolloutEngine
-from trainer.rollout.types import DecodingParams
+from tests.tiny_trainer import tiny_stage2_trainer
 from trainer.sft import heap
-from trainer.sft.stage2 import Stage2Pipeline
-from trainer.sft.trainer import RolloutMatchingTrainer, SampleDataset
 
 
 class Kept:
@@ -51,17 +40,7 @@ def test_the_callback_freezes_what_the_first_step_made_once(monkeypatch):
 
 
 def test_the_freeze_runs_before_the_step_clock_ticks_the_first_step(tmp_path, monkeypatch):
-    tok = tiny_tokenizer()
-    model, _ = build_tiny_model("text", seed=0)
-    samples = load_jsonl(generate(tmp_path / "data", 4, seed=0, max_objects=2))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
-                             learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[],
-                             remove_unused_columns=False, disable_tqdm=True, use_cpu=True)
-    engine = HFRolloutEngine(model, tok.pad_token_id, sorted(stop_token_ids(tok)), 2)
-    trainer = RolloutMatchingTrainer(model=model, args=args, train_dataset=SampleDataset(samples),
-                                     pipeline=Stage2Pipeline(PromptEncoder(tok)), engine=engine,
-                                     decoding=DecodingParams(max_new_tokens=8), loss_weights=LossWeights(),
-                                     target_source="rollout", processing_class=tok)
+    trainer = tiny_stage2_trainer(tmp_path, records=4, max_steps=2)
     seen = []
     real = heap.freeze_setup_objects
     monkeypatch.setattr(heap, "freeze_setup_objects", lambda: seen.append(

@@ -8,16 +8,11 @@ import os
 
 import pytest
 import torch
-from transformers import TrainingArguments
 
+from tests.tiny_trainer import tiny_stage2_trainer
 from trainer.config.errors import ConfigErrors
 from trainer.config.schema import validate_config
-from trainer.data.records import load_jsonl
-from trainer.data.synthetic import generate
-from trainer.losses.objective import LossWeights
-from trainer.modeling.coord_vocab import stop_token_ids
-from trainer.modeling.fixtures import build_tiny_model, tiny_tokenizer
-from trainer.modeling.prompts import PromptEncoder
+from trainer.modeling.fixtures import build_tiny_model
 from trainer.profiling import (
     SYNC_WARNING,
     HostSyncTracer,
@@ -30,10 +25,6 @@ from trainer.profiling import (
     is_plumbing,
     summarize,
 )
-from trainer.rollout.hf import HFRolloutEngine
-from trainer.rollout.types import DecodingParams
-from trainer.sft.stage2 import Stage2Pipeline
-from trainer.sft.trainer import RolloutMatchingTrainer, SampleDataset
 from trainer.sync.policy import SyncDecision, WeightSync
 from trainer.sync.weights import full_weights
 
@@ -190,20 +181,11 @@ class CopyIntoShadow:
 
 
 def test_the_listed_step_is_profiled_once_and_no_other(tmp_path):
-    tok = tiny_tokenizer()
     model, _ = build_tiny_model("text", seed=0)
     target = CopyIntoShadow(build_tiny_model("text", seed=1)[0])
-    samples = load_jsonl(generate(tmp_path / "data", 6, seed=0, max_objects=2))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
-                             learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[],
-                             remove_unused_columns=False, disable_tqdm=True, use_cpu=True)
-    engine = HFRolloutEngine(model, tok.pad_token_id, sorted(stop_token_ids(tok)), 2)
-    trainer = RolloutMatchingTrainer(model=model, args=args, train_dataset=SampleDataset(samples),
-                                     pipeline=Stage2Pipeline(PromptEncoder(tok)), engine=engine,
-                                     decoding=DecodingParams(max_new_tokens=8), loss_weights=LossWeights(),
-                                     target_source="rollout", processing_class=tok, profile_steps=[2],
-                                     profile_trace=True, weight_sync=WeightSync(target, SyncDecision("full", "test")),
-                                     micro_batch_rows=1)
+    trainer = tiny_stage2_trainer(tmp_path, model=model, records=6, max_steps=3, profile_steps=[2],
+                                  profile_trace=True, weight_sync=WeightSync(target, SyncDecision("full", "test")),
+                                  micro_batch_rows=1)
     trainer.train()
     assert target.synced == 3
     prof = tmp_path / "out" / "profile"
