@@ -38,9 +38,11 @@ def test_every_layout_config_validates(layout, tmp_path):
         assert v.sleep_level == ("kv_cache" if layout.name.endswith("-sleepkv") else 2)
     assert v.pixels_during_decode == layout.pixels_during_decode == ("-pixels" in layout.name)
     assert (t.deepspeed == "zero2") == (layout.zero == 2)
-    assert t.checkpointing_policy == ("auto" if layout.name.endswith("-auto-compile") else "full")
-    assert t.compile_decoder_layers == layout.name.endswith("-compile")
-    assert t.compile_activation_memory_budget == ("auto" if layout.name.endswith("-auto-compile") else 1.0), \
+    auto_compile = "-auto-compile" in layout.name
+    assert t.checkpointing_policy == ("auto" if auto_compile else "full")
+    assert t.compile_decoder_layers == auto_compile
+    assert v.sync.recorded_load == layout.name.endswith("-recload")
+    assert t.compile_activation_memory_budget == ("auto" if auto_compile else 1.0), \
         "the -auto-compile learner is the values files' (auto policy, compiled layers, auto budget)"
 
 

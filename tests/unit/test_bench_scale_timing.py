@@ -139,16 +139,31 @@ def test_each_timed_step_keeps_its_own_mfu_so_the_spread_behind_the_mean_is_in_t
     run = scale.ScaleRun("4b", "full", steps=4, profile_step=4)
     rows = [_row(50.0, 1.0, 60.0), _row(10.0, 1.0, 12.0, **{"batch/tokens": 32000.0, "batch/rows_per_step": 2.0}),
             _row(8.0, 1.0, 9.0, **{"batch/tokens": 16000.0, "batch/rows_per_step": 1.0}), _row(30.0, 1.0, 31.0)]
-    out = scale.summarise_steps(run, rows, "cuda", checkpointing=True)
+    out = scale.summarise_steps(run, rows, "cuda", checkpointing=True, peak_tflops=989.0)
     steps = out["timed_steps"]
     assert [t["step"] for t in steps] == [2, 3], "warm-up step 1 and profiled step 4 are not timed"
     assert [t["rows"] for t in steps] == [2.0, 1.0] and steps[0]["fwd_bwd_s"] == pytest.approx(2.5)
     for t in steps:
         flops = scale.fwd_bwd_flops("4b", t["tokens"], run.batch, (run.image_size // 16) ** 2, checkpointing=True)
-        assert t["mfu"] == pytest.approx(flops["model"] / t["fwd_bwd_s"] / 1e12 / scale.H100_BF16_TFLOPS)
+        assert t["mfu"] == pytest.approx(flops["model"] / t["fwd_bwd_s"] / 1e12 / 989.0)
     assert min(t["mfu"] for t in steps) <= out["mfu"] <= max(t["mfu"] for t in steps)
     assert steps[0]["mfu"] != pytest.approx(steps[1]["mfu"])
     assert scale.summarise_steps(scale.QUICK, rows[:2], "cpu", True)["timed_steps"][0]["mfu"] is None
+    unknown = scale.summarise_steps(run, rows, "cuda", checkpointing=True, peak_tflops=None)
+    assert unknown["mfu"] is None and unknown["timed_steps"][0]["mfu"] is None, \
+        "a card without a known peak gets no MFU rather than the H100's"
+    half = scale.summarise_steps(run, rows, "cuda", checkpointing=True, peak_tflops=989.0 / 2)
+    assert half["mfu"] == pytest.approx(2 * out["mfu"]) and half["peak_tflops"] == 989.0 / 2
+
+
+def test_the_mfu_peak_is_the_card_s_own():
+    from trainer.bench.models import peak_bf16_tflops
+
+    assert peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.0 == peak_bf16_tflops("NVIDIA H200")
+    assert peak_bf16_tflops("NVIDIA H100 PCIe") == 756.5, "the PCIe card's lower peak, not its family's"
+    assert peak_bf16_tflops("NVIDIA H100 NVL") == peak_bf16_tflops("NVIDIA H200 NVL") == 835.5
+    assert peak_bf16_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_bf16_tflops("NVIDIA L4") is None and peak_bf16_tflops("cpu") is None
 
 
 def test_trl_side_runs_with_liger_whatever_our_levers_unless_told_not_to(tmp_path):

@@ -68,6 +68,8 @@ class Layout:
     checkpointing: str | None = None
     #: the learner's ``training.compile_decoder_layers``
     compile: bool = False
+    #: colocate: ``vllm.sync.recorded_load`` (each sync replays the engine's recorded loader copies)
+    recorded_load: bool = False
 
     @property
     def gpus(self) -> int:
@@ -132,6 +134,9 @@ LAYOUTS = (
     Layout("2v2-async-auto-compile", 2, servers=2, async_rollouts=True, checkpointing="auto", compile=True),
     Layout("colocate-4-r256-pixels-auto-compile", 4, records_per_step=256, pixels_during_decode=True,
            checkpointing="auto", compile=True),
+    # the shipped colocate learner on two ranks, 64 records per engine, the sync's load replayed from its recording
+    Layout("colocate-2-r128-pixels-auto-compile-recload", 2, records_per_step=128, pixels_during_decode=True,
+           checkpointing="auto", compile=True, recorded_load=True),
     Layout("colocate-8", 8),
     Layout("6v2-async", 2, servers=6, async_rollouts=True),
     Layout("7v1-async", 1, servers=7, async_rollouts=True),
@@ -234,6 +239,8 @@ def layout_config(layout: Layout, work: Work, model_dir: Path, out_dir: Path, ur
         rm["vllm"] = {"mode": "colocate", "max_model_len": 4096, "sleep_level": sleep,
                       "tensor_parallel_size": layout.tp, "gpu_memory_utilization": work.colocate_util,
                       "pixels_during_decode": layout.pixels_during_decode}
+        if layout.recorded_load:
+            rm["vllm"]["sync"] = {"recorded_load": True}
     if layout.mode == "server":
         rm["rollout_backend"] = "vllm"
         rm["vllm"] = {"mode": "server", "server": {

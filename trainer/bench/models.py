@@ -10,11 +10,21 @@ import torch
 
 from trainer.modeling.shapes import QWEN3_0_6B
 
-__all__ = ["QWEN3_0_6B", "TINY", "H100_BF16_TFLOPS", "device_name", "random_qwen3", "sync"]
+__all__ = ["QWEN3_0_6B", "TINY", "H100_BF16_TFLOPS", "device_name", "peak_bf16_tflops", "random_qwen3", "sync"]
 
 TINY = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=64)
 H100_BF16_TFLOPS = 989.0
+#: dense BF16 tensor-core peaks (TFLOPS, without sparsity) by a substring of the name CUDA reports; the first match
+#: wins, so a card's variant comes before its family
+DENSE_BF16_TFLOPS = (("H100 PCIe", 756.5), ("H100 NVL", 835.5), ("H200 NVL", 835.5), ("H100", H100_BF16_TFLOPS),
+                     ("H200", 989.0), ("A100", 312.0))
+
+
+def peak_bf16_tflops(name: str) -> float | None:
+    """The dense BF16 peak of the GPU CUDA calls ``name`` (``None`` for a GPU not in ``DENSE_BF16_TFLOPS`` or the
+    CPU): what a published MFU divides by, so that a figure is never taken against another card's peak."""
+    return next((peak for key, peak in DENSE_BF16_TFLOPS if key in name), None)
 
 
 def random_qwen3(shape: dict[str, int] | None = None, *, device: str | torch.device = "cpu",

@@ -16,7 +16,8 @@ labels. Every variant runs the trainer's own ``forward_loss`` on the same micro-
   logits), on the widest packed layout: the peak-memory difference is the point.
 
 Real tokens/s, ratios against ``padded/full`` and MFU (model FLOPs of a full causal-LM forward+backward over the
-real tokens, recompute not counted, over ``peak_tflops``) go to ``docs/benchmarks/packing.json`` + ``packing.png``.
+real tokens, recompute not counted, over ``peak_tflops``: by default the card's own dense BF16 peak,
+``models.peak_bf16_tflops``) go to ``docs/benchmarks/packing.json`` + ``packing.png``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.bench.models import H100_BF16_TFLOPS, QWEN3_0_6B, TINY, random_qwen3
+from trainer.bench.models import QWEN3_0_6B, TINY, peak_bf16_tflops, random_qwen3
 from trainer.losses.objective import LossWeights
 from trainer.matching.targets import IGNORE_INDEX, TrainTarget
 from trainer.modeling.compile import compile_decoder_layers, decoder_layers
@@ -102,7 +103,7 @@ def _timed(step, device: str, repeats: int) -> tuple[float, float, float | None]
 
 def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int = 16, min_len: int = 300,
               max_len: int = 2000, repeats: int = 3, gradient_checkpointing: bool = True, seed: int = 0,
-              peak_tflops: float = H100_BF16_TFLOPS, compile_layers: bool = False) -> dict:
+              peak_tflops: float | None = None, compile_layers: bool = False) -> dict:
     """Every variant trains the same ``segments`` targets once per pass (forward+backward, no optimizer step).
 
     ``micro_batch`` segments per forward is the configuration under test; ``wide`` segments per forward is the
@@ -111,6 +112,8 @@ def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int =
     is in place).
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if peak_tflops is None and device == "cuda":
+        peak_tflops = peak_bf16_tflops(torch.cuda.get_device_name())
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rng = random.Random(seed)
     vocab = shape["vocab_size"]
@@ -180,7 +183,7 @@ def run_bench(shape: dict, micro_batch: int = 4, segments: int = 32, wide: int =
                         "compiled": compiled, "first_pass_s": compile_s,
                         "forwards_per_pass": len(layouts[(layout, k)]), "s_per_pass": seconds,
                         "real_tokens_per_s": sum(lengths) / seconds,
-                        "mfu": flops / seconds / (peak_tflops * 1e12) if device == "cuda" else None,
+                        "mfu": flops / seconds / (peak_tflops * 1e12) if device == "cuda" and peak_tflops else None,
                         "peak_gib": peak})
     base = results[0]["real_tokens_per_s"]
     for r in results:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from trainer.bench.models import H100_BF16_TFLOPS, device_name
+from trainer.bench.models import device_name, peak_bf16_tflops
 
 #: published Qwen3-VL-{2B,4B,8B}-Instruct ``config.json`` dimensions (text model / vision tower).
 QWEN3_VL_TEXT = {
@@ -417,7 +417,8 @@ def run_one(run: ScaleRun, work: Path, device: str) -> dict[str, Any]:
     rec["levers"] = {k.removeprefix("train/"): v for k, v in setup.items() if k.startswith("train/")}
     rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
     rec.update(summarise_steps(run, rows, device,
-                               recomputed_fraction(rec["levers"], cfg["training"]["gradient_checkpointing"])))
+                               recomputed_fraction(rec["levers"], cfg["training"]["gradient_checkpointing"]),
+                               peak_tflops=peak_bf16_tflops(device_name(device))))
     return rec
 
 
@@ -433,7 +434,7 @@ TRAINING_STEP_PHASES = ("weight_sync", "rollout", "target", "forward", "backward
 
 
 def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str,
-                    checkpointing: bool | float) -> dict[str, Any]:
+                    checkpointing: bool | float, peak_tflops: float | None = None) -> dict[str, Any]:
     """The record's timing fields from the stage-2 metrics rows (one per optimizer step; means leave out the first
     step, which pays CUDA-graph capture, compilation and first allocations, and a profiled step).
 
@@ -444,7 +445,8 @@ def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str,
     trainer timed the optimizer give ``None`` for both and no ``wall_split``. ``timed_steps``: each step the means
     cover, with its own forward + backward seconds, wall time, tokens, rows and MFU, so the spread behind a mean is
     in the record (session 17: the same 4B configuration gave 27.9 % and 33.6 % MFU in two calls, one step apart by
-    30 %, the other within 1 %)."""
+    30 %, the other within 1 %). MFU / HFU divide by ``peak_tflops``, the card's dense BF16 peak
+    (``models.peak_bf16_tflops``; ``None``, on the CPU or a card without a known peak, leaves them out)."""
     numbered = [(i + 1, r) for i, r in enumerate(rows) if i > 0 and i + 1 != run.profile_step] or \
         list(enumerate(rows, 1))
     timed = [r for _, r in numbered]
@@ -460,7 +462,7 @@ def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str,
     flops = fwd_bwd_flops(run.size, tokens, run.batch, patches, run.tuner, run.lora_rank, checkpointing=checkpointing,
                           logit_rows=logit_rows(avg))
     fb_s = avg.get("time/forward_s", 0.0) + avg.get("time/backward_s", 0.0)
-    on_gpu = bool(fb_s) and device != "cpu"
+    on_gpu = bool(fb_s) and device != "cpu" and bool(peak_tflops)
     generated = run.batch * run.max_new_tokens
     wall_split: dict[str, float] = {}
     if step_wall_s:
@@ -473,7 +475,7 @@ def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str,
     for t in timed_steps:
         f = fwd_bwd_flops(run.size, t["tokens"], run.batch, patches, run.tuner, run.lora_rank,
                           checkpointing=checkpointing, logit_rows=t["logit_rows"])["model"]
-        t["mfu"] = f / t["fwd_bwd_s"] / 1e12 / H100_BF16_TFLOPS if on_gpu and t["fwd_bwd_s"] else None
+        t["mfu"] = f / t["fwd_bwd_s"] / 1e12 / peak_tflops if on_gpu and t["fwd_bwd_s"] else None
     return dict(
         steps=len(rows), per_step={k: v for k, v in avg.items() if k.startswith(("time/", "batch/", "rollout/", "tokens/"))},
         timed_steps=timed_steps,
@@ -481,9 +483,9 @@ def summarise_steps(run: ScaleRun, rows: list[dict[str, Any]], device: str,
         rollout_tokens_per_s=generated / avg["time/generate_s"] if avg.get("time/generate_s") else None,
         train_tokens_per_s=tokens / fb_s if fb_s else None,
         fwd_bwd_tflops=flops["model"] / fb_s / 1e12 if fb_s else None,
-        mfu=flops["model"] / fb_s / 1e12 / H100_BF16_TFLOPS if on_gpu else None,
-        mfu_blocks=flops["model_blocks"] / fb_s / 1e12 / H100_BF16_TFLOPS if on_gpu else None,
-        hfu=flops["hardware"] / fb_s / 1e12 / H100_BF16_TFLOPS if on_gpu else None,
+        mfu=flops["model"] / fb_s / 1e12 / peak_tflops if on_gpu else None,
+        mfu_blocks=flops["model_blocks"] / fb_s / 1e12 / peak_tflops if on_gpu else None,
+        hfu=flops["hardware"] / fb_s / 1e12 / peak_tflops if on_gpu else None, peak_tflops=peak_tflops,
         flops=flops, flop_count=FLOP_COUNT,
         split={p: avg.get(f"time/{p}_s", 0.0) / step_s for p in TRAINING_STEP_PHASES} if step_s else {},
         wall_split=wall_split,
