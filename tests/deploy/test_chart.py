@@ -104,6 +104,15 @@ def test_shipped_topologies_size_checkpointing_and_compile_the_learner(values_fi
     assert cfg.training.compile_decoder_layers and not cfg.training.use_liger_kernel
 
 
+def test_the_colocate_topology_ships_the_engine_levers_it_ran_with():
+    """``values-colocate.yaml``'s engine: level-2 sleep, the training pixels made during the decode and the recorded
+    load (bench --only layouts ``colocate-2-r128-pixels-auto-compile-recload`` on 2 x H200, session 29)."""
+    _, docs = render_docs("values-colocate.yaml")
+    v = validate_config(train_yaml(docs), source="values-colocate.yaml").rollout_matching.vllm
+    assert v.mode == "colocate" and v.sleep_level == 2 and v.pixels_during_decode and v.sync.recorded_load
+    assert not v.sync.merge_into_engine, "a full fine-tune has no LoRA merge to write into the engine"
+
+
 @pytest.mark.parametrize("values_file", ALL_VALUES)
 def test_mounted_training_config_passes_the_trainer_schema(values_file):
     _, docs = render_docs(values_file)
