@@ -61,7 +61,8 @@ def test_trl_ratio_is_on_step_to_step_wall_time_and_keeps_the_training_step_rati
     ours = scale.summarise_steps(scale.QUICK, [_row(10.0, 2.0, 13.0), _row(10.0, 2.0, 12.0)], "cpu", True)
     r = scale.trl_over_ours(_trl(), ours)
     assert set(r) == {"step_wall", "training_step", "generate", "weight_sync", "train_fwd_bwd", "optimizer",
-                      "train_tokens", "train_fwd_bwd_per_token"}
+                      "train_tokens", "train_fwd_bwd_per_token", "step_wall_range"}
+    assert r["step_wall_range"] is None, "a TRL JSON without its per-step walls"
     assert "train_fwd_bwd_opt" not in r and "step" not in r
     assert r["step_wall"] == pytest.approx(15.0 / 12.0)
     assert r["training_step"] == pytest.approx(12.0 / 10.0)
@@ -70,6 +71,19 @@ def test_trl_ratio_is_on_step_to_step_wall_time_and_keeps_the_training_step_rati
     # TRL's training_step less _prepare_inputs (generation, sync, rewards) against our forward + backward
     assert r["train_fwd_bwd"] == pytest.approx((12.0 - 9.0) / 2.5)
     assert r["train_tokens"] is None and r["train_fwd_bwd_per_token"] is None  # a TRL JSON without its token count
+
+
+def test_trl_ratio_is_published_with_the_spread_of_the_steps_behind_it():
+    """Session 28's 4B pairing: 1.297 on the means, from our steps 11.70 / 10.57 s and TRL's 14.28 / 14.60 s."""
+    ours = scale.summarise_steps(scale.QUICK, [_row(10.0, 1.0, 30.0), _row(10.0, 1.0, 11.70), _row(9.0, 1.0, 10.57)],
+                                 "cpu", True)
+    trl = {**_trl(wall_s=(14.28 + 14.60) / 2), "step_wall_s_runs": [40.0, 14.28, 14.60]}
+    r = scale.trl_over_ours(trl, ours)
+    assert r["step_wall"] == pytest.approx(14.44 / 11.135)
+    lo, hi = r["step_wall_range"]
+    assert lo == pytest.approx(14.28 / 11.70) and hi == pytest.approx(14.60 / 10.57), \
+        "each side's warm-up step (ours 30 s, TRL's 40 s) stays out of the range as it stays out of the means"
+    assert lo < r["step_wall"] < hi
 
 
 def test_trl_ratio_per_token_divides_each_side_by_its_own_tokens():

@@ -592,7 +592,10 @@ def trl_over_ours(trl: dict[str, Any], ours: dict[str, Any]) -> dict[str, float 
     ``optimizer``: the optimizer step (``optimizer_s``); ``train_tokens``: the tokens TRL's loss ran over (prompt +
     completion, no padding) against the tokens of our step's packed rows (``batch/tokens``): the two sides train
     different sequences (TRL: prompt + sampled completion; ours: prompt + the rebuilt target), so
-    ``train_fwd_bwd_per_token`` divides each side's forward + backward seconds by its own tokens."""
+    ``train_fwd_bwd_per_token`` divides each side's forward + backward seconds by its own tokens;
+    ``step_wall_range``: ``[lowest, highest]`` ratio any timed step of TRL's makes with any timed step of ours (TRL's
+    first step left out as its mean leaves it out; ours: ``timed_steps``), so a ratio of means that sits on a
+    target is published with the spread behind it (``None`` without per-step wall times on both sides)."""
     blocks = {k.split(".", 1)[-1]: v for k, v in trl.get("blocks_s", {}).items()}  # "GRPOTrainerSubclass.vLLM.generate"
     step = ours.get("per_step", {})
     trl_generate = blocks.get("vLLM.generate", 0.0)
@@ -613,7 +616,18 @@ def trl_over_ours(trl: dict[str, Any], ours: dict[str, Any]) -> dict[str, float 
         "train_tokens": ratio(trl.get("train_tokens"), step.get("batch/tokens")),
         "train_fwd_bwd_per_token": ratio(ratio(trl_train, trl.get("train_tokens")),
                                          ratio(ours_train, step.get("batch/tokens"))),
+        "step_wall_range": step_wall_range(trl.get("step_wall_s_runs") or [], ours.get("timed_steps") or []),
     }
+
+
+def step_wall_range(trl_walls: list[float], ours_timed: list[dict[str, Any]]) -> list[float] | None:
+    """``[min TRL step / max our step, max TRL step / min our step]`` over the steps each side's mean covers (TRL's
+    ``step_wall_s_runs`` less its first, as ``trl_peer.steady_mean``; ours: ``timed_steps``)."""
+    theirs = [w for w in trl_walls[1:] if w]
+    ours = [t["step_wall_s"] for t in ours_timed if t.get("step_wall_s")]
+    if not theirs or not ours:
+        return None
+    return [min(theirs) / max(ours), max(theirs) / min(ours)]
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def add_scale_records(call_dirs: list[Path], session: int, device: str) -> list[
 
 def scale_table(records: list[dict]) -> None:
     """One row a scale record: our step wall, TRL's where it ran beside it, the ratios, MFU, memory and the sync."""
-    print("\n| call | run | auto chose | ours step wall s (steps) | TRL step wall s (steps) | **TRL / ours** | generate | "
+    print("\n| call | run | auto chose | ours step wall s (steps) | TRL step wall s (steps) | **TRL / ours** (step by step) | generate | "
           "sync | fwd+bwd | per token | MFU (blocks only) | device used GiB | ours sync s |")
     for r in records:
         t, lv, p = r.get("trl") or {}, r["levers"], r["per_step"]
@@ -60,7 +60,8 @@ def scale_table(records: list[dict]) -> None:
         if t.get("trl_over_ours"):
             ratio = t["trl_over_ours"]
             theirs = f"{t['step_wall_s']:.2f} ({', '.join(f'{s:.2f}' for s in t['step_wall_s_runs'][1:])})"
-            rs = (f"**{ratio['step_wall']:.4f}** | {ratio['generate']:.2f} | {ratio['weight_sync']:.2f} | "
+            lo, hi = scale.step_wall_range(t["step_wall_s_runs"], r["timed_steps"])
+            rs = (f"**{ratio['step_wall']:.4f}** ({lo:.2f}-{hi:.2f}) | {ratio['generate']:.2f} | {ratio['weight_sync']:.2f} | "
                   f"{ratio['train_fwd_bwd']:.2f} | {ratio['train_fwd_bwd_per_token']:.2f}")
         else:
             theirs, rs = "-", "- | - | - | - | -"
