@@ -9,8 +9,9 @@ runs the same work (``Work``: model, records per optimizer step, rollout length,
 entry points (``trainer serve``, ``torch.distributed.run -m trainer train``), one after the other. The learner
 checkpoints every decoder layer (``Work.checkpointing``: ``full``) and runs eagerly unless the layout names its own
 levers (``-auto-compile``: ``gradient_checkpointing_policy: auto``, ``compile_decoder_layers`` and, since session 25,
-``compile_activation_memory_budget: auto``, as the values files ship them); each record says which policy and budget
-ran (``learner_checkpointing``, ``learner_memory_budget``).
+``compile_activation_memory_budget: auto``, as the values files ship them; ``-recload``: ``vllm.sync.recorded_load``,
+as ``values-colocate.yaml`` ships it); each record says which policy and budget ran (``learner_checkpointing``,
+``learner_memory_budget``).
 
 Per layout: trained samples/s (ledger rows of every rank, i.e. samples that went through a backward pass, over the
 wall time of the measured steps; the first step is warm-up), that rate per GPU against ``colocate-1``'s, the busy %
