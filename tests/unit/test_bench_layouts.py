@@ -115,6 +115,26 @@ def test_compare_sets_a_faster_learner_against_colocate_1_with_the_same_levers()
     assert "speedup_vs_same_learner_colocate_1" not in recs[4], "default learner: colocate-1 is its baseline already"
 
 
+def test_an_engine_lever_is_part_of_the_same_levers_baseline():
+    from dataclasses import asdict
+
+    def rec(layout: Layout, sps: float) -> dict:
+        return {"name": layout.name, "gpus": layout.gpus, "layout": asdict(layout), "trained_samples_per_s": sps}
+
+    fast = {"checkpointing": "auto", "compile": True}
+    recs = [rec(Layout("colocate-1-auto-compile", 1, **fast), 3.0),
+            rec(Layout("colocate-1-pixels-auto-compile-recload", 1, pixels_during_decode=True, recorded_load=True,
+                       **fast), 4.0),
+            rec(Layout("colocate-2-r128-pixels-auto-compile-recload", 2, records_per_step=128,
+                       pixels_during_decode=True, recorded_load=True, **fast), 7.6),
+            rec(Layout("colocate-4-r256-pixels", 4, records_per_step=256, pixels_during_decode=True), 10.0)]
+    compare(recs)
+    assert recs[2]["speedup_vs_same_learner_colocate_1"] == 1.9 and recs[2]["per_gpu_efficiency_same_learner"] == 0.95, \
+        "the pixels and the recorded load are levers: the baseline is the colocate-1 that ran them too"
+    assert "speedup_vs_same_learner_colocate_1" not in recs[3], "no colocate-1 ran with pixels alone"
+    assert recs[1]["speedup_vs_same_learner_colocate_1"] == 1.0, "a colocate-1 with levers is its own baseline"
+
+
 def test_merge_calls_tags_each_record_and_compares_across_calls(tmp_path):
     from trainer.bench.layouts import merge_calls
 

@@ -138,6 +138,8 @@ LAYOUTS = (
     # the shipped colocate learner on two ranks, 64 records per engine, the sync's load replayed from its recording
     Layout("colocate-2-r128-pixels-auto-compile-recload", 2, records_per_step=128, pixels_during_decode=True,
            checkpointing="auto", compile=True, recorded_load=True),
+    Layout("colocate-1-pixels-auto-compile-recload", 1, pixels_during_decode=True, checkpointing="auto", compile=True,
+           recorded_load=True),  # the line above's same-levers baseline: one GPU, one engine, 64 records
     Layout("colocate-8", 8),
     Layout("6v2-async", 2, servers=6, async_rollouts=True),
     Layout("7v1-async", 1, servers=7, async_rollouts=True),
@@ -512,33 +514,40 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
     return rec
 
 
-def _learner(rec: dict[str, Any]) -> tuple[Any, bool]:
+#: the Layout fields that choose how the learner and its engine run, not where: a layout that sets any of them is also
+#: set against the colocate-1 run that sets the same ones
+LEVERS = ("checkpointing", "compile", "pixels_during_decode", "sleep_level", "recorded_load")
+
+
+def _levers(rec: dict[str, Any]) -> tuple[Any, ...]:
     lay = rec.get("layout") or {}
-    return lay.get("checkpointing"), bool(lay.get("compile"))
+    defaults = asdict(Layout("colocate-1", 1))
+    return tuple(lay.get(k, defaults[k]) for k in LEVERS)
 
 
 def _is_colocate_1(rec: dict[str, Any]) -> bool:
-    """colocate-1's placement and work, whatever the learner's levers (a same-learner baseline)."""
+    """colocate-1's placement and work, whatever its levers (``LEVERS``): a same-levers baseline."""
     lay = rec.get("layout") or {}
-    return all(lay.get(k) == v for k, v in asdict(Layout("colocate-1", 1)).items()
-               if k not in ("name", "checkpointing", "compile"))
+    return all(lay.get(k) == v for k, v in asdict(Layout("colocate-1", 1)).items() if k != "name" and k not in LEVERS)
 
 
 def compare(records: list[dict[str, Any]]) -> None:
     """``per_gpu_efficiency``: trained samples/s per GPU against colocate-1's; ``speedup_vs_colocate_1``. A layout
-    whose learner runs other levers (``Layout.checkpointing`` / ``compile``) is also set against the colocate-1 run
-    with the same levers, where one ran: ``speedup_vs_same_learner_colocate_1``, ``per_gpu_efficiency_same_learner``
-    (the layout's own gain, apart from the learner's)."""
+    that sets any of ``LEVERS`` (the learner's checkpointing and compile, the engine's pixels, sleep level and
+    recorded load) is also set against the colocate-1 run with exactly those levers, where one ran:
+    ``speedup_vs_same_learner_colocate_1``, ``per_gpu_efficiency_same_learner`` (what the placement gives, apart from
+    what the levers give)."""
     base = next((r.get("trained_samples_per_s") for r in records if r["name"] == "colocate-1"), None)
+    default = _levers({})
     for r in records:
         sps = r.get("trained_samples_per_s")
         if base and sps:
             r["speedup_vs_colocate_1"] = round(sps / base, 3)
             r["per_gpu_efficiency"] = round(sps / base / r["gpus"], 3)
-        if _learner(r) == (None, False) or not sps:
+        if _levers(r) == default or not sps:
             continue
         same = next((c.get("trained_samples_per_s") for c in records
-                     if _is_colocate_1(c) and _learner(c) == _learner(r) and c.get("trained_samples_per_s")), None)
+                     if _is_colocate_1(c) and _levers(c) == _levers(r) and c.get("trained_samples_per_s")), None)
         if same:
             r["speedup_vs_same_learner_colocate_1"] = round(sps / same, 3)
             r["per_gpu_efficiency_same_learner"] = round(sps / same / r["gpus"], 3)
