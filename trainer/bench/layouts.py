@@ -131,6 +131,7 @@ LAYOUTS = (
     Layout("3v1-async-kill", 1, servers=3, async_rollouts=True, fault="kill-server"),
     # the learner near its GPU's limit: checkpointing sized from the memory (``auto``) and compiled decoder layers
     Layout("colocate-1-auto-compile", 1, checkpointing="auto", compile=True),
+    Layout("1v1-async-auto-compile", 1, servers=1, async_rollouts=True, checkpointing="auto", compile=True),
     Layout("3v1-async-auto-compile", 1, servers=3, async_rollouts=True, checkpointing="auto", compile=True),
     Layout("2v2-async-auto-compile", 2, servers=2, async_rollouts=True, checkpointing="auto", compile=True),
     Layout("colocate-4-r256-pixels-auto-compile", 4, records_per_step=256, pixels_during_decode=True,
