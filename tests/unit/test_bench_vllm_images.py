@@ -50,3 +50,27 @@ def test_without_a_gpu_it_says_why(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="torchvision"):
         run(tmp_path)
+
+
+def test_the_pixel_thread_makes_every_records_pixels_and_leaves_the_callers_threads(tiny_vl, tmp_path):
+    import torch
+
+    from trainer.bench.vllm_images import build_pixel_work, pixels_on_a_thread
+
+    work = build_pixel_work(tiny_vl, tmp_path, 3, tiny_workload())
+    before = torch.get_num_threads()
+    join = pixels_on_a_thread(work, 1)
+    assert join() > 0
+    assert torch.get_num_threads() == before, "capping the pixel thread changed the caller's intra-op threads"
+    work.samples[0] = work.samples[0].__class__(**{**work.samples[0].__dict__, "width": 2 * work.samples[0].width})
+    with pytest.raises(Exception, match="record declares 256x128"):  # raised on the caller's thread
+        pixels_on_a_thread(work, None)()
+
+
+def test_pixel_thread_settings_are_named_or_refused():
+    from trainer.bench.vllm_images import parse_pixel_threads
+
+    assert parse_pixel_threads("default, 1,4") == (None, 1, 4)
+    assert parse_pixel_threads("") == ()
+    with pytest.raises(SystemExit, match="'0' is neither"):
+        parse_pixel_threads("default,0")

@@ -13,7 +13,13 @@ every run, so image loading and preprocessing are inside every timed call on bot
 * ours: ``VllmColocateEngine.generate`` on the ``RolloutRequest`` s the stage-2 trainer builds (sleep level 0).
 
 Each side runs every workload ``repeats`` times after a warm-up call; the median run's new tokens/s is the figure and
-``engine_over_raw_vllm`` is ours / plain. GPU only: vLLM's Qwen3-VL imports torchvision, which the CPU environment
+``engine_over_raw_vllm`` is ours / plain.
+
+``RM_BENCH_VL_PIXEL_THREADS`` (e.g. ``default,1``): our side also decodes each workload while a thread makes the
+training pixels of the same records, as stage 2 does with ``vllm.pixels_during_decode``; ``default`` leaves that
+thread torch's intra-op threads, a number caps them there (``torch.set_num_threads`` on that thread only).
+``pixel_thread_slowdown``: the decode's tokens/s alone over with the thread; ``pixel_thread_s``: the thread's own
+seconds. ``RM_BENCH_VL_PLAIN=0`` leaves plain vLLM out (no ``engine_over_raw_vllm``). GPU only: vLLM's Qwen3-VL imports torchvision, which the CPU environment
 cannot have (locks/overrides.txt); the prompt building is tested on the CPU with the tiny Qwen3-VL.
 """
 
@@ -61,6 +67,20 @@ ENGINE_KWARGS: dict[str, Any] = {"mm_processor_cache_gb": 0, "limit_mm_per_promp
 
 def build_prompts(model_dir: Path, data_dir: Path, n: int, w: ImageWorkload):
     """``n`` synthetic detection records encoded by the product's own prompt encoder -> ``RolloutRequest`` s."""
+    return build_pixel_work(model_dir, data_dir, n, w).requests
+
+
+@dataclass
+class PixelWork:
+    """A workload's records, their requests with pixels, and the codec that makes the pixels apart from the prompt
+    (``requests(pixels=False)`` + ``with_pixels``, as stage 2 does with ``vllm.pixels_during_decode``)."""
+
+    codec: Any
+    samples: list
+    requests: list
+
+
+def build_pixel_work(model_dir: Path, data_dir: Path, n: int, w: ImageWorkload) -> PixelWork:
     from transformers import AutoTokenizer
 
     from trainer.data.records import index_jsonl
@@ -72,8 +92,45 @@ def build_prompts(model_dir: Path, data_dir: Path, n: int, w: ImageWorkload):
     path = generate(data_dir / f"n{n}", n, seed=n, min_objects=w.min_objects, max_objects=w.max_objects,
                     image_size=w.image_size)
     codec = RolloutCodec(PromptEncoder(AutoTokenizer.from_pretrained(model_dir), load_image_processor(model_dir)))
-    requests, _ = codec.requests(list(index_jsonl(path)))
-    return requests
+    samples = list(index_jsonl(path))
+    requests, _ = codec.requests(samples)
+    return PixelWork(codec, samples, requests)
+
+
+def pixels_on_a_thread(work: PixelWork, torch_threads: int | None):
+    """Start making ``work``'s training pixels on a new thread (intra-op threads capped at ``torch_threads`` there;
+    None: torch's default). Returns a callable that joins it and gives the thread's seconds; the pixels must match
+    the prompts (``with_pixels`` raises otherwise)."""
+    import threading
+
+    import torch
+
+    bare, _ = work.codec.requests(work.samples, pixels=False)
+    out: dict[str, Any] = {}
+
+    def make() -> None:
+        try:
+            if torch_threads is not None:
+                torch.set_num_threads(torch_threads)
+            t0 = time.perf_counter()
+            made = work.codec.with_pixels(work.samples, bare)
+            out["seconds"] = time.perf_counter() - t0
+            out["images"] = sum(len(r.mm_inputs["image_grid_thw"]) for r in made)
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread by join
+            out["error"] = exc
+
+    thread = threading.Thread(target=make, name="rm-bench-pixels", daemon=True)
+    main_threads = torch.get_num_threads()
+    thread.start()
+
+    def join() -> float:
+        thread.join()
+        torch.set_num_threads(main_threads)  # the global a capped thread set; this thread's own count is unchanged
+        if "error" in out:
+            raise out["error"]
+        return out["seconds"]
+
+    return join
 
 
 def plain_prompts(requests, image_token_id: int) -> list[dict[str, Any]]:
@@ -113,8 +170,11 @@ def _plain_main(spec_path: str, out: str) -> None:
     Path(out).write_text(json.dumps(res))
 
 
-def ours(model_dir: Path, requests: dict[str, list], w: ImageWorkload, dtype: str) -> dict[str, Any]:
-    """Our engine (``VllmColocateEngine``, sleep level 0) on the same requests."""
+def ours(model_dir: Path, requests: dict[str, list], w: ImageWorkload, dtype: str,
+         pixel_work: dict[str, PixelWork] | None = None, pixel_threads: tuple[int | None, ...] = ()
+         ) -> dict[str, Any]:
+    """Our engine (``VllmColocateEngine``, sleep level 0) on the same requests; for each of ``pixel_threads`` also
+    while a thread makes ``pixel_work``'s pixels (``pixels_on_a_thread``): ``with_pixel_thread[setting][n]``."""
     from trainer.rollout.types import DecodingParams
     from trainer.rollout.vllm_colocate import VllmColocateEngine
 
@@ -134,14 +194,45 @@ def ours(model_dir: Path, requests: dict[str, list], w: ImageWorkload, dtype: st
                 return sum(len(r.response_token_ids) for r in engine.generate(reqs, params))
 
             res[n] = timed_runs(len(reqs), once, w.repeats)
+            for setting in pixel_threads:
+                pixel_s: list[float] = []
+
+                def with_thread(reqs=reqs, work=pixel_work[n], setting=setting, pixel_s=pixel_s):
+                    engine.reset_prefix_cache()
+                    join = pixels_on_a_thread(work, setting)
+                    toks = sum(len(r.response_token_ids) for r in engine.generate(reqs, params))
+                    pixel_s.append(join())
+                    return toks
+
+                runs = timed_runs(len(reqs), with_thread, w.repeats)
+                res.setdefault("with_pixel_thread", {}).setdefault(_setting_name(setting), {})[n] = {
+                    **runs, "pixel_thread_s": pixel_s}
     finally:
         engine.close()
     return res
 
 
-def images_engine_bench(work: Path, w: ImageWorkload) -> dict[str, Any]:
-    """Plain vLLM first (a child process, so its memory is gone before ours starts), then ours in this process, on
-    the same prompts and image files."""
+def _setting_name(torch_threads: int | None) -> str:
+    return "default" if torch_threads is None else f"{torch_threads}-threads"
+
+
+def parse_pixel_threads(spec: str) -> tuple[int | None, ...]:
+    """``RM_BENCH_VL_PIXEL_THREADS``: comma-separated ``default`` or a positive thread count."""
+    out: list[int | None] = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        if item == "default":
+            out.append(None)
+        elif item.isdigit() and int(item) > 0:
+            out.append(int(item))
+        else:
+            raise SystemExit(f"RM_BENCH_VL_PIXEL_THREADS: {item!r} is neither 'default' nor a positive thread count")
+    return tuple(out)
+
+
+def images_engine_bench(work: Path, w: ImageWorkload, pixel_threads: tuple[int | None, ...] = (),
+                        plain_side: bool = True) -> dict[str, Any]:
+    """Plain vLLM first (a child process, so its memory is gone before ours starts; unless not ``plain_side``), then
+    ours in this process, on the same prompts and image files (and ``pixel_threads``, see ``ours``)."""
     import torch
 
     from trainer.bench.scale import save_random_vl_model
@@ -149,27 +240,42 @@ def images_engine_bench(work: Path, w: ImageWorkload) -> dict[str, Any]:
     model_dir, build = save_random_vl_model(work / f"qwen3-vl-{w.size}-random", w.size, "cuda")
     dtype = "bfloat16"
     t0 = time.perf_counter()
-    requests = {str(n): build_prompts(model_dir, work / "data", n, w) for n in w.requests}
+    pixel_work = {str(n): build_pixel_work(model_dir, work / "data", n, w) for n in w.requests}
+    requests = {n: pw.requests for n, pw in pixel_work.items()}
     encode_s = time.perf_counter() - t0
     prompt_lens = [len(r.prompt_token_ids) for reqs in requests.values() for r in reqs]
     image_token_id = json.loads((model_dir / "config.json").read_text())["image_token_id"]
     spec = {"model_dir": str(model_dir), "dtype": dtype, "workload": asdict(w),
             "prompts": {n: plain_prompts(reqs, image_token_id) for n, reqs in requests.items()}}
+    plain = _plain_side(work, spec) if plain_side else None
+    torch.cuda.empty_cache()
+    mine = ours(model_dir, requests, w, dtype, pixel_work, pixel_threads)
+    threaded = mine.pop("with_pixel_thread", {})
+    result: dict[str, Any] = {"workload": asdict(w), "model_build": build,
+                              "prompt_tokens": {"min": min(prompt_lens), "max": max(prompt_lens)}, "encode_s": encode_s,
+                              "plain_vllm": plain, "engine": mine}
+    if plain is not None:
+        ratio = {n: mine[n]["tokens_per_s"] / plain[n]["tokens_per_s"] for n in mine}
+        result["same_new_tokens"] = all(mine[n]["new_tokens"] == plain[n]["new_tokens"] for n in mine)
+        result["engine_over_raw_vllm"] = {**ratio, "min": min(ratio.values())}
+    if threaded:
+        result["engine_with_pixel_thread"] = threaded
+        result["pixel_thread_slowdown"] = {
+            name: {n: round(mine[n]["tokens_per_s"] / r["tokens_per_s"], 4) for n, r in by_n.items()}
+            for name, by_n in threaded.items()}
+        result["pixel_thread_s"] = {name: {n: r["pixel_thread_s"] for n, r in by_n.items()}
+                                    for name, by_n in threaded.items()}
+    return result
+
+
+def _plain_side(work: Path, spec: dict[str, Any]) -> dict[str, Any]:
     spec_path, raw_out = work / "plain_spec.json", work / "plain_vllm.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_PLUGINS": ""}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     subprocess.run([sys.executable, "-m", "trainer.bench.vllm_images", "--plain", str(spec_path), str(raw_out)],
                    check=True, env=env)
-    plain = json.loads(raw_out.read_text())
-    torch.cuda.empty_cache()
-    mine = ours(model_dir, requests, w, dtype)
-    ratio = {n: mine[n]["tokens_per_s"] / plain[n]["tokens_per_s"] for n in mine}
-    return {"workload": asdict(w), "model_build": build,
-            "prompt_tokens": {"min": min(prompt_lens), "max": max(prompt_lens)}, "encode_s": encode_s,
-            "plain_vllm": plain, "engine": mine,
-            "same_new_tokens": all(mine[n]["new_tokens"] == plain[n]["new_tokens"] for n in mine),
-            "engine_over_raw_vllm": {**ratio, "min": min(ratio.values())}}
+    return json.loads(raw_out.read_text())
 
 
 def run(out: Path) -> dict[str, Any]:
@@ -184,18 +290,23 @@ def run(out: Path) -> dict[str, Any]:
         w = replace(w, new_tokens=int(os.environ["RM_BENCH_VL_NEW_TOKENS"]))
     if os.environ.get("RM_BENCH_VL_REQUESTS"):
         w = replace(w, requests=tuple(int(n) for n in os.environ["RM_BENCH_VL_REQUESTS"].split(",")))
+    pixel_threads = parse_pixel_threads(os.environ.get("RM_BENCH_VL_PIXEL_THREADS", ""))
     work = Path(os.environ.get("RM_BENCH_WORK", "/tmp/rm-bench-vllm-images"))
     work.mkdir(parents=True, exist_ok=True)
-    result = images_engine_bench(work, w)
+    result = images_engine_bench(work, w, pixel_threads, plain_side=os.environ.get("RM_BENCH_VL_PLAIN", "1") != "0")
     out.mkdir(parents=True, exist_ok=True)
     path = out / "vllm.json"
     saved = json.loads(path.read_text()) if path.is_file() else {}
-    saved["images_bench"] = result
-    saved["engine_over_raw_vllm_images"] = result["engine_over_raw_vllm"]
+    key = "images_bench" if result["plain_vllm"] is not None else "images_pixel_thread_bench"
+    saved[key] = result
+    if result["plain_vllm"] is not None:
+        saved["engine_over_raw_vllm_images"] = result["engine_over_raw_vllm"]
     path.write_text(json.dumps(saved, indent=2))
-    print(json.dumps({"engine_over_raw_vllm_images": result["engine_over_raw_vllm"],
-                      "same_new_tokens": result["same_new_tokens"], "plain": plain_summary(result["plain_vllm"]),
-                      "ours": plain_summary(result["engine"])}), flush=True)
+    print(json.dumps({"engine_over_raw_vllm_images": result.get("engine_over_raw_vllm"),
+                      "same_new_tokens": result.get("same_new_tokens"),
+                      "plain": plain_summary(result["plain_vllm"] or {}), "ours": plain_summary(result["engine"]),
+                      "pixel_thread_slowdown": result.get("pixel_thread_slowdown"),
+                      "pixel_thread_s": result.get("pixel_thread_s")}), flush=True)
     return result
 
 

@@ -11,21 +11,28 @@ SYNC_KEYS = ("time/generate_s", "time/forward_s", "time/backward_s", "time/optim
              "time/sleep_s", "time/wake_s", "time/weight_sync_s", "gc/pause_s")
 
 
-def layouts_table(call_dir: Path, call: int, session: int, device: str, note: str) -> dict:
-    """Merge `call_dir/layouts.json` into `docs/benchmarks/layouts-session<session>.json` / `.png` and print one row a
-    layout: the learner `auto` chose, throughput, the step's parts, busy %, peak, losses, ledger and per-step sync."""
-    out = layouts.merge_calls([call_dir / "layouts.json"], [call], session=session, device=device, note=note)
+def layouts_table(call_dirs: dict[int, Path], session: int, device: str, note: str) -> dict:
+    """Merge each `call_dir/layouts.json` (keyed by its call number; one held machine, so the ratios may take their
+    baseline from another call) into `docs/benchmarks/layouts-session<session>.json` / `.png` and print one row a
+    layout: the learner `auto` chose, throughput and its ratios, the step's parts, busy %, peak, losses, ledger and
+    per-step sync."""
+    out = layouts.merge_calls([d / "layouts.json" for d in call_dirs.values()], list(call_dirs), session=session,
+                              device=device, note=note)
     Path(f"docs/benchmarks/layouts-session{session}.json").write_text(json.dumps(out, indent=2) + "\n")
     layouts.plot(out, Path(f"docs/benchmarks/layouts-session{session}.png"))
     print("| layout | learner (auto chose) | trained samples/s | step wall s | fwd + bwd s | generate s | sync s | "
           "busy % | learner peak GiB | losses |")
     for r in out["layouts"]:
         m = r["means"]
+        call_dir = call_dirs[r["call"]]
         rows = [json.loads(x) for x in (call_dir / "logs" / "runs" / r["name"] / "metrics.jsonl").read_text()
                 .splitlines()]
         losses = ", ".join(f"{x['loss']:.3f}" for x in rows if "loss" in x)
         chose = r["learner_checkpointing"] + (f"@{r['learner_memory_budget']:g}" if r["learner_memory_budget"] else "")
         ratio = f" ({r['speedup_vs_colocate_1']:.2f}x)" if r.get("speedup_vs_colocate_1") else ""
+        if r.get("speedup_vs_same_learner_colocate_1"):
+            ratio += (f" ({r['speedup_vs_same_learner_colocate_1']:.2f}x the same-levers colocate-1, "
+                      f"{r['per_gpu_efficiency_same_learner']:.2f} a GPU)")
         print(f"| {r['name']} | {chose} | {r['trained_samples_per_s']:.2f}{ratio} | {r['step_wall_s']:.2f} | "
               f"{m['time/forward_s']:.2f} + {m['time/backward_s']:.2f} | {m['time/generate_s']:.2f} | "
               f"{m['time/weight_sync_s']:.3f} | {' / '.join(f'{b:.0f}' for b in r['gpu']['busy_pct'])} | "

@@ -16,7 +16,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 from session_tables import add_scale_records, layouts_table, scale_table  # noqa: E402
 
-layouts_table(HERE / "call4", 4, session=29, device="2 x NVIDIA H200",
+layouts_table({4: HERE / "call4"}, session=29, device="2 x NVIDIA H200",
               note="Call 4 of session 29: the shipped colocate learner (pixels, auto, compiled) on two torchrun ranks, "
                    "64 records per engine, the recorded load and the heap freeze on.")
 scale_table(add_scale_records([HERE / "call1", HERE / "call2", HERE / "call3"], session=29, device="NVIDIA H200"))
