@@ -141,6 +141,7 @@ LAYOUTS = (
            checkpointing="auto", compile=True, recorded_load=True),
     Layout("colocate-1-pixels-auto-compile-recload", 1, pixels_during_decode=True, checkpointing="auto", compile=True,
            recorded_load=True),  # the line above's same-levers baseline: one GPU, one engine, 64 records
+    Layout("colocate-1-auto-compile-recload", 1, checkpointing="auto", compile=True, recorded_load=True),
     Layout("colocate-8", 8),
     Layout("6v2-async", 2, servers=6, async_rollouts=True),
     Layout("7v1-async", 1, servers=7, async_rollouts=True),
