@@ -34,7 +34,9 @@ def _config(root: Path, records_per_step: int) -> dict:
 @pytest.mark.slow
 def test_two_ranks_train_every_sample_once_with_agreed_rows(tmp_path):
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump(_config(tmp_path, records_per_step=12)))
+    cfg_data = _config(tmp_path, records_per_step=12)
+    cfg_data["training"]["cpu_threads_per_rank"] = 2
+    cfg.write_text(yaml.safe_dump(cfg_data))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(listen_port()), "-m", "trainer", "train", "--config", str(cfg)]
@@ -55,6 +57,9 @@ def test_two_ranks_train_every_sample_once_with_agreed_rows(tmp_path):
     data = tmp_path / "run" / "data"
     assert len(list((data / "images").glob("*.png"))) == 24 and not list(data.rglob("*.tmp")), "written once, whole"
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    setup = next(m for m in metrics if m.get("phase") == "setup")
+    assert setup["train/cpu_threads_per_rank"] == 2, "torchrun's OMP_NUM_THREADS=1 left the configured count unset"
+    assert setup["train/cpu_threads_reason"] == "training.cpu_threads_per_rank"
     steps = [m for m in metrics if m.get("phase") == "stage2" and "loss" in m]
     assert len(steps) == 2, "24 records / 12 per step (6 on each of 2 ranks)"
     assert all(m["rollout/samples"] == 6 for m in steps), "rank 0 decoded its 6 records of every step at once"

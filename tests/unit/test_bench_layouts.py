@@ -88,11 +88,12 @@ def test_measure_reports_the_checkpointing_that_ran(tmp_path):
     _write_run(tmp_path, [100.0, 104.0, 106.0], {0: [["a"], ["b"], ["c"]]})
     rows = (tmp_path / "metrics.jsonl").read_text()
     setup = {"phase": "setup", "step": 0, "time": 99.0, "train/checkpointing_policy": "selective",
-             "train/checkpointed_layers": 14, "train/compile_activation_memory_budget": 0.4}
+             "train/checkpointed_layers": 14, "train/compile_activation_memory_budget": 0.4,
+             "train/cpu_threads_per_rank": 16}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(setup) + "\n" + rows)
     m = measure(tmp_path)
     assert m["learner_checkpointing"] == "selective" and m["learner_checkpointed_layers"] == 14
-    assert m["learner_memory_budget"] == 0.4
+    assert m["learner_memory_budget"] == 0.4 and m["learner_cpu_threads"] == 16
     assert m["steps_measured"] == 2, "the setup row is not a step"
 
 

@@ -410,6 +410,7 @@ def measure(run_dir: Path, first_step: int = 1) -> dict[str, Any]:
         "learner_checkpointing": setup.get("train/checkpointing_policy"),
         "learner_checkpointed_layers": setup.get("train/checkpointed_layers"),
         "learner_memory_budget": setup.get("train/compile_activation_memory_budget"),
+        "learner_cpu_threads": setup.get("train/cpu_threads_per_rank"),
         "carried_at_end": len(carried),
     }
 

@@ -193,6 +193,12 @@ class TrainingConfig(Section):
         "own helpers, so the encoder reads no GPU value back (about eighty host waits a packed row at 4B otherwise), "
         "and merge the deepstack features at image-token positions the collator found on the host instead of through "
         "a boolean mask (trainer.modeling.vision_metadata). Other models: no effect. false: both on the GPU")
+    cpu_threads_per_rank: int | Literal["auto"] = Field(
+        "auto", description="torch's intra-op CPU threads in each learner rank (the image processor, the packing's "
+        "pixel concatenation). auto: an OMP_NUM_THREADS you set is kept, except the 1 torchrun sets when it starts "
+        "several ranks, which becomes the node's physical cores / local ranks (as accelerate launch does); one rank "
+        "without it keeps torch's default. A count: that many (1 keeps torchrun's). Recorded as "
+        "train/cpu_threads_per_rank in metrics.jsonl's setup row (trainer.launch.cpu_threads)")
     freeze_heap_after_first_step: bool = Field(
         True, description="freeze Python's heap (gc.collect, then gc.freeze) once more when the stage's first "
         "optimizer step ends, as it is frozen once before training: what that step built for the whole run (the "
@@ -216,6 +222,13 @@ class TrainingConfig(Section):
                              "Liger's Triton RMSNorm (Dynamo AssertionError at the decoder layer's input_layernorm, "
                              "H100, liger-kernel 0.8.5, torch 2.11); set one of them false (measured: Liger 1.35x on "
                              "the forward + backward at 4B full, compile 1.32x at 8B LoRA; docs/benchmarks/README.md)")
+        return self
+
+    @model_validator(mode="after")
+    def _cpu_threads_are_a_count(self) -> TrainingConfig:
+        n = self.cpu_threads_per_rank
+        if n != "auto" and n < 1:
+            raise ValueError(f"cpu_threads_per_rank {n!r}: a thread count of at least 1, or auto")
         return self
 
     @model_validator(mode="after")

@@ -19,6 +19,7 @@ from trainer.config.schema import TrainConfig
 from trainer.data.records import JsonlDataset, LoadReport, index_jsonl
 from trainer.data.synthetic import SYNTHETIC_JSONL, generate
 from trainer.extras import require
+from trainer.launch.cpu_threads import apply_cpu_threads
 from trainer.losses.objective import LossWeights
 from trainer.memory.oom import memory_settings
 from trainer.modeling.checkpointing import training_arguments_kwargs
@@ -207,6 +208,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     if cfg.training.deepspeed:
         require("deepspeed", f"training.deepspeed ({cfg.training.deepspeed})")
     start_distributed()
+    cpu_threads = apply_cpu_threads(cfg.training.cpu_threads_per_rank)
     out = Path(cfg.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "resolved_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
@@ -219,7 +221,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     # metrics.jsonl's setup row
     packed_attn = (choose_packed_attention(cfg.model.attn_implementation, loaded.image_token_id is not None,
                                            cfg.training.packed_varlen_kernel) if cfg.training.packing else None)
-    cfg, _ = apply_model_levers(cfg, model, out, data_parallel_world_size(), packed_attention=packed_attn)
+    cfg, _ = apply_model_levers(cfg, model, out, data_parallel_world_size(), packed_attention=packed_attn,
+                                cpu_threads=cpu_threads)
     if cfg.training.compile_decoder_layers:
         log.info("compiled %d decoder layers (training.compile_decoder_layers)", compile_decoder_layers(
             model, cfg.training.compile_activation_memory_budget))
