@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trainer.config.schema import TrainingConfig
-from trainer.launch.cpu_threads import apply_cpu_threads, choose_cpu_threads
+from trainer.launch.cpu_threads import apply_cpu_threads, cgroup_cpu_limit, choose_cpu_threads
 
 
 def test_torchruns_one_thread_becomes_each_ranks_share_of_the_cores():
@@ -48,3 +48,14 @@ def test_the_count_is_applied_to_torch_and_to_child_processes(monkeypatch):
 def test_a_count_below_one_is_refused_naming_the_key(bad):
     with pytest.raises(ValueError, match="cpu_threads_per_rank"):
         TrainingConfig(cpu_threads_per_rank=bad)
+
+
+def test_a_containers_cpu_quota_bounds_the_cores(tmp_path):
+    f = tmp_path / "cpu.max"
+    f.write_text("3200000 100000\n")
+    assert cgroup_cpu_limit(f) == 32
+    f.write_text("50000 100000\n")
+    assert cgroup_cpu_limit(f) == 1, "half a CPU still runs one thread"
+    f.write_text("max 100000\n")
+    assert cgroup_cpu_limit(f) is None
+    assert cgroup_cpu_limit(tmp_path / "absent") is None

@@ -20,8 +20,10 @@ training pixels of the same records, as stage 2 does with ``vllm.pixels_during_d
 thread torch's intra-op threads, a number caps them there (``torch.set_num_threads`` on that thread only),
 ``process`` makes them in a child process instead (its own interpreter; the tensors come back through shared memory).
 ``pixel_thread_slowdown``: the decode's tokens/s alone over with the thread; ``pixel_thread_s``: the thread's own
-seconds. ``RM_BENCH_VL_PLAIN=0`` leaves plain vLLM out (no ``engine_over_raw_vllm``). GPU only: vLLM's Qwen3-VL imports torchvision, which the CPU environment
-cannot have (locks/overrides.txt); the prompt building is tested on the CPU with the tiny Qwen3-VL.
+seconds. ``RM_BENCH_VL_PLAIN=0`` leaves plain vLLM out (no ``engine_over_raw_vllm``).
+
+GPU only: vLLM's Qwen3-VL imports torchvision, which the CPU environment cannot have (locks/overrides.txt); the
+prompt building and the pixel thread and process are tested on the CPU with the tiny Qwen3-VL.
 """
 
 from __future__ import annotations

@@ -196,9 +196,10 @@ class TrainingConfig(Section):
     cpu_threads_per_rank: int | Literal["auto"] = Field(
         "auto", description="torch's intra-op CPU threads in each learner rank (the image processor, the packing's "
         "pixel concatenation). auto: an OMP_NUM_THREADS you set is kept, except the 1 torchrun sets when it starts "
-        "several ranks, which becomes the node's physical cores / local ranks (as accelerate launch does); one rank "
-        "without it keeps torch's default. A count: that many (1 keeps torchrun's). Recorded as "
-        "train/cpu_threads_per_rank in metrics.jsonl's setup row (trainer.launch.cpu_threads)")
+        "several ranks, which becomes the node's physical cores (within the CPU affinity and a container's CPU quota) "
+        "/ local ranks (as accelerate launch does); one rank without it keeps torch's default. A count: that many (1 "
+        "keeps torchrun's). Recorded as train/cpu_threads_per_rank in metrics.jsonl's setup row "
+        "(trainer.launch.cpu_threads)")
     freeze_heap_after_first_step: bool = Field(
         True, description="freeze Python's heap (gc.collect, then gc.freeze) once more when the stage's first "
         "optimizer step ends, as it is frozen once before training: what that step built for the whole run (the "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,26 @@ def choose_cpu_threads(setting: int | str, local_world_size: int, cores: int, om
     return CpuThreads(share, f"{cores} cores / {ranks} ranks")
 
 
+def cgroup_cpu_limit(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
+    """The CPUs a cgroup-v2 quota allows (a Kubernetes container's ``resources.limits.cpu``: ``quota period`` in
+    ``cpu.max``, rounded down, at least 1), or None without one (``max``, no file, cgroup v1)."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return None
+    return max(1, int(quota) // int(period))
+
+
 def usable_physical_cores() -> int:
-    """Physical cores, bounded by the CPUs this process may run on (a container's or ``taskset``'s affinity)."""
+    """Physical cores, bounded by the CPUs this process may run on (a container's or ``taskset``'s affinity) and by
+    its cgroup's CPU quota (``cgroup_cpu_limit``)."""
     import psutil
 
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     physical = psutil.cpu_count(logical=False) or allowed
-    return max(1, min(physical, allowed))
+    return max(1, min(physical, allowed, cgroup_cpu_limit() or allowed))
 
 
 def apply_cpu_threads(setting: int | str) -> CpuThreads:
