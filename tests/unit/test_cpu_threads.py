@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trainer.config.schema import TrainingConfig
-from trainer.launch.cpu_threads import apply_cpu_threads, cgroup_cpu_limit, choose_cpu_threads
+from trainer.sft.cpu_threads import apply_cpu_threads, cgroup_cpu_limit, choose_cpu_threads
 
 
 def test_torchruns_one_thread_becomes_each_ranks_share_of_the_cores():

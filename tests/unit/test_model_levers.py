@@ -61,7 +61,7 @@ def test_the_setup_row_says_which_levers_run(tmp_path):
     model, _ = build_tiny_model("vl")
     cfg = validate_config(stage2(tmp_path, gradient_checkpointing_policy="selective",
                                  gradient_checkpointing_every_n_layers=3, optim="adamw_torch"))
-    from trainer.launch.cpu_threads import CpuThreads
+    from trainer.sft.cpu_threads import CpuThreads
 
     resolved, row = apply_model_levers(cfg, model, tmp_path, packed_attention="rm_varlen",
                                        cpu_threads=CpuThreads(4, "OMP_NUM_THREADS"))

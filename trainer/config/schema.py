@@ -199,7 +199,7 @@ class TrainingConfig(Section):
         "several ranks, which becomes the node's physical cores (within the CPU affinity and a container's CPU quota) "
         "/ local ranks (as accelerate launch does); one rank without it keeps torch's default. A count: that many (1 "
         "keeps torchrun's). Recorded as train/cpu_threads_per_rank in metrics.jsonl's setup row "
-        "(trainer.launch.cpu_threads)")
+        "(trainer.sft.cpu_threads)")
     freeze_heap_after_first_step: bool = Field(
         True, description="freeze Python's heap (gc.collect, then gc.freeze) once more when the stage's first "
         "optimizer step ends, as it is frozen once before training: what that step built for the whole run (the "

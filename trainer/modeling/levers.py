@@ -10,7 +10,7 @@ recorded as the first row of ``metrics.jsonl`` (``phase: setup``), so every run 
 - ``training.compile_decoder_layers``: ``train/compile_decoder_layers``, and the partitioner's activation memory
   budget that runs, ``train/compile_activation_memory_budget`` (``auto`` resolved with the checkpointing policy),
   beside ``train/compile_activation_memory_budget_requested`` (both null when the layers are not compiled);
-- ``training.cpu_threads_per_rank`` (``trainer.launch.cpu_threads``, applied before the model loads):
+- ``training.cpu_threads_per_rank`` (``trainer.sft.cpu_threads``, applied before the model loads):
   ``train/cpu_threads_per_rank`` (read back from torch) and ``train/cpu_threads_reason``;
 - the attention of packed rows (``training.packing``; ``training.packed_varlen_kernel`` on a CUDA GPU without
   flash-attn): ``train/packed_attention`` (``rm_varlen`` | ``rm_varlen_api`` | ``flash_attention_2`` | ``sdpa``; null
@@ -39,7 +39,7 @@ def apply_model_levers(cfg, model: torch.nn.Module, out: Path | None = None, wor
     """Apply Liger (when on), resolve the checkpointing policy, write the ``setup`` metrics row under ``out`` (rank 0)
     and return ``(cfg with the policy that runs, the row)``. ``packed_attention``: the attention implementation the
     packed rows run (``trainer.packing.varlen_attention.choose_packed_attention``; the caller chooses it), recorded;
-    ``cpu_threads``: the ``trainer.launch.cpu_threads.CpuThreads`` the caller applied, recorded."""
+    ``cpu_threads``: the ``trainer.sft.cpu_threads.CpuThreads`` the caller applied, recorded."""
     t = cfg.training
     row: dict[str, Any] = {"train/use_liger_kernel": t.use_liger_kernel, "train/optim": t.optim,
                            "train/compile_decoder_layers": t.compile_decoder_layers,

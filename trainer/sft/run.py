@@ -19,7 +19,6 @@ from trainer.config.schema import TrainConfig
 from trainer.data.records import JsonlDataset, LoadReport, index_jsonl
 from trainer.data.synthetic import SYNTHETIC_JSONL, generate
 from trainer.extras import require
-from trainer.launch.cpu_threads import apply_cpu_threads
 from trainer.losses.objective import LossWeights
 from trainer.memory.oom import memory_settings
 from trainer.modeling.checkpointing import training_arguments_kwargs
@@ -32,6 +31,7 @@ from trainer.packing.varlen_attention import choose_packed_attention
 from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
 from trainer.sft import deepspeed_config
+from trainer.sft.cpu_threads import apply_cpu_threads
 from trainer.sft.heap import freeze_setup_objects, install_first_step_freeze
 from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
 from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
