@@ -59,3 +59,16 @@ def test_a_containers_cpu_quota_bounds_the_cores(tmp_path):
     f.write_text("max 100000\n")
     assert cgroup_cpu_limit(f) is None
     assert cgroup_cpu_limit(tmp_path / "absent") is None
+
+
+def test_one_rank_without_the_variable_changes_nothing(monkeypatch):
+    import os
+
+    import torch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    before = torch.get_num_threads()
+    applied = apply_cpu_threads("auto")
+    assert applied.threads == before == torch.get_num_threads() and applied.reason == "torch's default"
+    assert "OMP_NUM_THREADS" not in os.environ, "a plain run's environment is left as it was"

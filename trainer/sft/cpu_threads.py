@@ -18,6 +18,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
+TORCH_DEFAULT = "torch's default"
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def choose_cpu_threads(setting: int | str, local_world_size: int, cores: int, om
             return CpuThreads(int(raw), "OMP_NUM_THREADS")
         return CpuThreads(share, f"OMP_NUM_THREADS={raw!r} is no thread count: {cores} cores / {ranks} ranks")
     if ranks == 1:
-        return CpuThreads(current, "torch's default")
+        return CpuThreads(current, TORCH_DEFAULT)
     return CpuThreads(share, f"{cores} cores / {ranks} ranks")
 
 
@@ -75,15 +76,17 @@ def usable_physical_cores() -> int:
 
 
 def apply_cpu_threads(setting: int | str) -> CpuThreads:
-    """Choose this rank's count (``choose_cpu_threads``; ``LOCAL_WORLD_SIZE`` from torchrun), set it on torch and in
-    ``OMP_NUM_THREADS`` (for processes this one starts) and return it, with ``threads`` read back from torch."""
+    """Choose this rank's count (``choose_cpu_threads``; ``LOCAL_WORLD_SIZE`` from torchrun), set it on torch and,
+    unless it is torch's default, in ``OMP_NUM_THREADS`` (for processes this one starts); return it, with ``threads``
+    read back from torch."""
     import torch
 
     choice = choose_cpu_threads(setting, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_physical_cores(),
                                 os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads())
     if choice.threads != torch.get_num_threads():
         torch.set_num_threads(choice.threads)
-    os.environ["OMP_NUM_THREADS"] = str(choice.threads)
+    if choice.reason != TORCH_DEFAULT:
+        os.environ["OMP_NUM_THREADS"] = str(choice.threads)
     applied = CpuThreads(torch.get_num_threads(), choice.reason)
     log.info("cpu threads per rank: %d (%s)", applied.threads, applied.reason)
     return applied
