@@ -86,7 +86,7 @@ def test_the_pixel_process_gives_back_the_pixels_the_thread_makes(tiny_vl, tmp_p
     try:
         assert pixels_in_a_process(work, pool)() > 0
         bare, _ = work.codec.requests(work.samples, pixels=False)
-        made, _ = pool.submit(_pixels_in_child, str(work.model_dir), work.samples, bare).result()
+        made = pool.submit(_pixels_in_child, str(work.model_dir), work.samples, bare).result()
     finally:
         pool.shutdown()
     for child, here in zip(made, work.requests, strict=True):

@@ -522,16 +522,18 @@ def run_layout(layout: Layout, work: Work, model_dir: Path, root: Path, cuda: bo
 LEVERS = ("checkpointing", "compile", "pixels_during_decode", "sleep_level", "recorded_load")
 
 
+_COLOCATE_1 = asdict(Layout("colocate-1", 1))
+
+
 def _levers(rec: dict[str, Any]) -> tuple[Any, ...]:
     lay = rec.get("layout") or {}
-    defaults = asdict(Layout("colocate-1", 1))
-    return tuple(lay.get(k, defaults[k]) for k in LEVERS)
+    return tuple(lay.get(k, _COLOCATE_1[k]) for k in LEVERS)
 
 
 def _is_colocate_1(rec: dict[str, Any]) -> bool:
     """colocate-1's placement and work, whatever its levers (``LEVERS``): a same-levers baseline."""
     lay = rec.get("layout") or {}
-    return all(lay.get(k) == v for k, v in asdict(Layout("colocate-1", 1)).items() if k != "name" and k not in LEVERS)
+    return all(lay.get(k) == v for k, v in _COLOCATE_1.items() if k != "name" and k not in LEVERS)
 
 
 def compare(records: list[dict[str, Any]]) -> None:

@@ -10,14 +10,13 @@ import torch
 
 from trainer.modeling.shapes import QWEN3_0_6B
 
-__all__ = ["QWEN3_0_6B", "TINY", "H100_BF16_TFLOPS", "device_name", "peak_bf16_tflops", "random_qwen3", "sync"]
+__all__ = ["QWEN3_0_6B", "TINY", "device_name", "peak_bf16_tflops", "random_qwen3", "sync"]
 
 TINY = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=64)
-H100_BF16_TFLOPS = 989.0
 #: dense BF16 tensor-core peaks (TFLOPS, without sparsity) by a substring of the name CUDA reports; the first match
 #: wins, so a card's variant comes before its family
-DENSE_BF16_TFLOPS = (("H100 PCIe", 756.5), ("H100 NVL", 835.5), ("H200 NVL", 835.5), ("H100", H100_BF16_TFLOPS),
+DENSE_BF16_TFLOPS = (("H100 PCIe", 756.5), ("H100 NVL", 835.5), ("H200 NVL", 835.5), ("H100", 989.0),
                      ("H200", 989.0), ("A100", 312.0))
 
 

@@ -117,9 +117,8 @@ def pixels_on_a_thread(work: PixelWork, torch_threads: int | None):
             if torch_threads is not None:
                 torch.set_num_threads(torch_threads)
             t0 = time.perf_counter()
-            made = work.codec.with_pixels(work.samples, bare)
+            work.codec.with_pixels(work.samples, bare)
             out["seconds"] = time.perf_counter() - t0
-            out["images"] = sum(len(r.mm_inputs["image_grid_thw"]) for r in made)
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread by join
             out["error"] = exc
 
@@ -143,8 +142,8 @@ IN_A_PROCESS = "process"
 _CHILD_CODECS: dict[str, Any] = {}
 
 
-def _pixels_in_child(model_dir: str, samples: list, bare: list) -> tuple[list, float]:
-    """In the child: the codec for ``model_dir`` (built once), then ``with_pixels``; returns them and its seconds."""
+def _pixels_in_child(model_dir: str, samples: list, bare: list) -> list:
+    """In the child: the codec for ``model_dir`` (built once), then ``with_pixels``."""
     from transformers import AutoTokenizer
 
     from trainer.modeling.loading import load_image_processor
@@ -154,9 +153,7 @@ def _pixels_in_child(model_dir: str, samples: list, bare: list) -> tuple[list, f
     if model_dir not in _CHILD_CODECS:
         _CHILD_CODECS[model_dir] = RolloutCodec(PromptEncoder(AutoTokenizer.from_pretrained(model_dir),
                                                               load_image_processor(Path(model_dir))))
-    t0 = time.perf_counter()
-    made = _CHILD_CODECS[model_dir].with_pixels(samples, bare)
-    return made, time.perf_counter() - t0
+    return _CHILD_CODECS[model_dir].with_pixels(samples, bare)
 
 
 def pixel_process(work: PixelWork):
@@ -180,7 +177,7 @@ def pixels_in_a_process(work: PixelWork, pool) -> Any:
     future = pool.submit(_pixels_in_child, str(work.model_dir), work.samples, bare)
 
     def join() -> float:
-        made, _ = future.result()
+        made = future.result()
         if len(made) != len(work.samples) or any("pixel_values" not in r.mm_inputs for r in made
                                                   if r.images):
             raise RuntimeError("the pixel process gave back requests without their pixel values")

@@ -13,7 +13,7 @@ import logging
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import Field, model_validator
@@ -193,7 +193,7 @@ class TrainingConfig(Section):
         "own helpers, so the encoder reads no GPU value back (about eighty host waits a packed row at 4B otherwise), "
         "and merge the deepstack features at image-token positions the collator found on the host instead of through "
         "a boolean mask (trainer.modeling.vision_metadata). Other models: no effect. false: both on the GPU")
-    cpu_threads_per_rank: int | Literal["auto"] = Field(
+    cpu_threads_per_rank: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="torch's intra-op CPU threads in each learner rank (the image processor, the packing's "
         "pixel concatenation). auto: an OMP_NUM_THREADS you set is kept, except the 1 torchrun sets when it starts "
         "several ranks, which becomes the node's physical cores (within the CPU affinity and a container's CPU quota) "
@@ -223,13 +223,6 @@ class TrainingConfig(Section):
                              "Liger's Triton RMSNorm (Dynamo AssertionError at the decoder layer's input_layernorm, "
                              "H100, liger-kernel 0.8.5, torch 2.11); set one of them false (measured: Liger 1.35x on "
                              "the forward + backward at 4B full, compile 1.32x at 8B LoRA; docs/benchmarks/README.md)")
-        return self
-
-    @model_validator(mode="after")
-    def _cpu_threads_are_a_count(self) -> TrainingConfig:
-        n = self.cpu_threads_per_rank
-        if n != "auto" and n < 1:
-            raise ValueError(f"cpu_threads_per_rank {n!r}: a thread count of at least 1, or auto")
         return self
 
     @model_validator(mode="after")
