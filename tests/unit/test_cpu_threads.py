@@ -72,3 +72,37 @@ def test_one_rank_without_the_variable_changes_nothing(monkeypatch):
     applied = apply_cpu_threads("auto")
     assert applied.threads == before == torch.get_num_threads() and applied.reason == "torch's default"
     assert "OMP_NUM_THREADS" not in os.environ, "a plain run's environment is left as it was"
+
+
+def _hyperthreaded_sysfs(root, packages: int = 2, cores: int = 8):
+    """A fake ``/sys/devices/system/cpu``: ``packages`` x ``cores`` physical cores, two threads each (logical CPU
+    ``c`` and ``c + packages * cores`` are siblings, Linux's numbering)."""
+    n = packages * cores
+    for cpu in range(2 * n):
+        core = cpu % n
+        topology = root / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{core // cores}\n")
+        (topology / "core_id").write_text(f"{core % cores}\n")
+    return root
+
+
+def test_the_physical_cores_are_counted_among_the_allowed_cpus_only(tmp_path, monkeypatch):
+    """A cpuset of 8 logical CPUs (4 cores and their hyper-threads) on a 16-core, 32-thread host: 4 cores, not the
+    host's 16 nor the 8 logical CPUs; core ids repeat across packages and are told apart by the package."""
+    from trainer.sft import cpu_threads
+
+    sysfs = _hyperthreaded_sysfs(tmp_path / "cpu")
+    assert cpu_threads.physical_cores_of(range(32), sysfs) == 16
+    cpuset = {0, 1, 2, 3, 16, 17, 18, 19}
+    assert cpu_threads.physical_cores_of(cpuset, sysfs) == 4
+    assert cpu_threads.physical_cores_of({0, 8}, sysfs) == 2, "core 0 of package 0 and core 0 of package 1"
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: cpuset)
+    monkeypatch.setattr(cpu_threads, "cgroup_cpu_limit", lambda: None)
+    assert cpu_threads.usable_physical_cores(sysfs) == 4
+    monkeypatch.setattr(cpu_threads, "cgroup_cpu_limit", lambda: 3)
+    assert cpu_threads.usable_physical_cores(sysfs) == 3, "the cgroup quota still bounds it"
+    monkeypatch.setattr(cpu_threads, "cgroup_cpu_limit", lambda: None)
+    monkeypatch.setattr("psutil.cpu_count", lambda logical=True: 16)
+    assert cpu_threads.usable_physical_cores(tmp_path / "absent") == 8, \
+        "no topology: the host's physical cores, at most the allowed CPUs"

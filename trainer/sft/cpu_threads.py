@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,14 +66,35 @@ def cgroup_cpu_limit(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | No
     return max(1, int(quota) // int(period))
 
 
-def usable_physical_cores() -> int:
-    """Physical cores, bounded by the CPUs this process may run on (a container's or ``taskset``'s affinity) and by
-    its cgroup's CPU quota (``cgroup_cpu_limit``)."""
-    import psutil
+SYSFS_CPU = Path("/sys/devices/system/cpu")
 
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    physical = psutil.cpu_count(logical=False) or allowed
-    return max(1, min(physical, allowed, cgroup_cpu_limit() or allowed))
+
+def physical_cores_of(cpus: Iterable[int], sysfs_cpu: Path = SYSFS_CPU) -> int | None:
+    """Distinct physical cores among the logical ``cpus``: ``(physical_package_id, core_id)`` pairs read from each
+    CPU's ``topology`` folder under ``sysfs_cpu``; None when a CPU's topology cannot be read (no sysfs)."""
+    cores = set()
+    for cpu in cpus:
+        topology = sysfs_cpu / f"cpu{cpu}" / "topology"
+        try:
+            cores.add((topology.joinpath("physical_package_id").read_text().strip(),
+                       topology.joinpath("core_id").read_text().strip()))
+        except OSError:
+            return None
+    return len(cores) or None
+
+
+def usable_physical_cores(sysfs_cpu: Path = SYSFS_CPU) -> int:
+    """Physical cores among the CPUs this process may run on (a container's or ``taskset``'s affinity: 8 logical
+    CPUs of a hyper-threaded host are 4 cores), bounded by its cgroup's CPU quota (``cgroup_cpu_limit``). Without
+    the topology in sysfs: the host's physical cores (psutil), at most the allowed CPUs."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    physical = physical_cores_of(allowed, sysfs_cpu)
+    if physical is None:
+        import psutil
+
+        physical = min(psutil.cpu_count(logical=False) or len(allowed), len(allowed))
+    return max(1, min(physical, cgroup_cpu_limit() or physical))
 
 
 def apply_cpu_threads(setting: int | str) -> CpuThreads:
