@@ -163,7 +163,7 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
 def pin_determinism(threads: int) -> None:
     """What can be pinned across machines: intra-op threads (reduction splits), deterministic algorithms, and
     (in run_training / the HF Trainer) the seeds. CPU kernels still differ by instruction set and library build;
-    docs/EVALUATION.md says what varies and why."""
+    docs/quickstart/cpu-demo.md says what varies and why."""
     import torch
 
     torch.set_num_threads(threads)

@@ -2,7 +2,7 @@
 learner on one GPU, one server SIGKILLed mid-decode and restarted, one SIGSTOPped past ``infer_timeout_s``, one
 refusing a NaN update. Every fault is detected, the server quarantined (no posts while out) and re-admitted with the
 current weights, every sample trained exactly once, and the servers' checksums agree at the end. The six-server run
-with its figures is ``python -m trainer bench --only fleet`` (docs/RELIABILITY.md).
+with its figures is ``python -m trainer bench --only fleet`` (docs/guides/reliability.md).
 
 Run on the GPU machine: ``python -m pytest -m gpu tests/gpu/test_fleet_gpu.py`` (about 5 minutes)."""
 

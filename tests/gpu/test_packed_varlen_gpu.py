@@ -1,6 +1,6 @@
 """GPU-only (run on the device machine, never in CI): packed rows through PyTorch varlen attention give the
 same per-sample losses as the padded forward on the tiny text model. (Qwen3-VL packs with the block mask:
-with transformers 5.17 the varlen kwargs break its vision encoder — see docs/PACKING_MODE_GUIDE.md.)
+with transformers 5.17 the varlen kwargs break its vision encoder — see docs/concepts/packing.md.)
 
 Run: ``python -m pytest -m gpu tests/gpu``."""
 

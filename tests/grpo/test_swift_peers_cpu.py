@@ -2,7 +2,7 @@
 JSON / log helpers, the timeout-and-kill helper on real subprocesses, and our client subprocess against a scripted
 server. ``swift rollout`` itself needs a GPU; on the H200 it served from the same argv and model directory
 (docs/benchmarks/runs/h200-session7/swift_peers).
-The GPU run itself: ``python -m trainer.bench.swift_peers --out DIR`` (docs/VLLM_ROLLOUTS.md, "Peers check on one GPU")."""
+The GPU run itself: ``python -m trainer.bench.swift_peers --out DIR`` (docs/concepts/weight-sync.md, "Peers check")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``docs/YOUR_OWN_DATA.md`` runs as written: its import, check and validate commands on a tiny COCO dataset
+"""``docs/guides/own-data.md`` runs as written: its import, check and validate commands on a tiny COCO dataset
 written here (``/data/mycoco`` → a temporary folder), its example summary is what the import prints, and (slow)
 its train → eval → export commands on the embedded tiny VL model."""
 
@@ -17,7 +17,7 @@ import yaml
 from tests.unit.test_data_formats import coco_fixture
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "YOUR_OWN_DATA.md"
+DOC = ROOT / "docs" / "guides" / "own-data.md"
 PLACEHOLDER = "/data/mycoco"
 
 

@@ -79,7 +79,7 @@ class VllmSyncConfig(Section):
     weight in float32 and rounds once (each 16-bit weight read and written once; the training forward uses the
     factors at that precision under bf16 autocast too); float32 computes ``B @ A`` in float32 as peft's merge does
     (bit-equal to peft up to summation order; each weight copied into float32 and back: ~6x the bytes moved). The
-    two differ by one rounding step of the merged weight in a few percent of elements (docs/VLLM_ROLLOUTS.md)."""
+    two differ by one rounding step of the merged weight in a few percent of elements (docs/concepts/weight-sync.md)."""
 
     mode: Literal["full", "adapter", "auto"] = "full"
     fallback_to_full: bool = True

@@ -173,7 +173,7 @@ def register(data_subparsers: argparse._SubParsersAction) -> None:
     p = data_subparsers.add_parser(
         "import", help="COCO / LVIS instances JSON or ODVG JSONL → JSONL records (pixel coordinates)",
         description="Convert a detection dataset to JSONL records; prints what was skipped, clamped or dropped "
-                    "(with source ids). Details: docs/YOUR_OWN_DATA.md.")
+                    "(with source ids). Details: docs/guides/own-data.md.")
     p.add_argument("--from", dest="fmt", required=True, choices=["coco", "lvis", "odvg"])
     p.add_argument("source", metavar="SRC", help="instances JSON (coco, lvis) or ODVG JSONL")
     p.add_argument("--images", required=True, metavar="DIR",

@@ -4,7 +4,7 @@ Inputs are ``SamplePrediction``s: the valid objects the strict parser (``trainer
 invalid-object counts and whether the response was one complete JSON object, beside the ground truth. Outputs
 are per-sample ``SampleEval``s and one ``DetectionMetrics``.
 
-Definitions (the decisions, with their reasons, are in ``docs/EVALUATION.md``):
+Definitions (the decisions, with their reasons, are in ``docs/reference/metrics.md``):
 
 - **P / R / F1 @ IoU t**: the training matcher (``match_objects``: Hungarian on 1 − maskIoU, top-k candidates,
   gating at ``t``) with ``t`` as the gate; a matched pair is a TP, an unmatched prediction an FP, an unmatched

@@ -1,7 +1,7 @@
 """Strict, token-aligned parsing of a rollout (one streaming pass over the response tokens).
 
 Each token's exact bytes are scanned by a JSON pushdown automaton; a coord token is consumed atomically as
-a number value and its position recorded. Decisions (see ``docs/DECISIONS.md``):
+a number value and its position recorded. Decisions (see ``docs/concepts/decisions.md``):
 
 - Syntax: the response must be a prefix of one JSON object (coord tokens count as numbers). The first
   character that cannot continue valid JSON *breaks* the stream: everything from the enclosing object on is

@@ -1,6 +1,6 @@
 """One teacher-forced target per sample: ``Y_train = rollout prefix + FN append + EOS`` with its masks.
 
-Label rules (``docs/DECISIONS.md``): prompt tokens — no loss. Rollout prefix — non-coord tokens no loss;
+Label rules (``docs/concepts/decisions.md``): prompt tokens — no loss. Rollout prefix — non-coord tokens no loss;
 coord tokens of matched objects get coord loss towards the matched GT. Appended tail — non-coord tokens get
 full-vocabulary CE except the tokens of ``desc`` string values; coord tokens get coord loss towards their GT.
 The final EOS gets CE. Positions index the full sequence (prompt + response).

@@ -1,6 +1,6 @@
 """FastAPI app speaking ms-swift's rollout protocol (``swift rollout``) in front of a server engine.
 
-Endpoints: see ``docs/VLLM_ROLLOUTS.md`` and ``shared/specs/rollout-protocol.md``. Ours, marked ``/rm/``:
+Endpoints: see ``docs/reference/rollout-protocol.md``. Ours, marked ``/rm/``:
 ``POST /rm/update_weights_inband/?kind=full|adapter`` (body: safetensors bytes; adapters carry their peft
 config as the ``peft_config`` metadata entry) — the CPU-capable weight transport — and ``GET /rm/info/``.
 
