@@ -195,6 +195,28 @@ def test_resident_bytes_count_weights_gradients_and_adamw_states_and_zero_shards
     assert ck.resident_bytes(model, "zero3", world_size=4) == 2 * w / 4 + w / 4 + 12 * 100 / 4
     assert ck.resident_bytes(model, "zero3_offload", world_size=4) == w / 4
     assert ck.resident_bytes(model, "/path/ds.json") == ck.resident_bytes(model)
+    assert ck.resident_bytes(model, "zero1", world_size=4) == 2 * w + w + 12 * 100 / 4, "stage 1: states only"
+    assert ck.resident_bytes(model, "zero1", world_size=1) == 2 * w + w + 12 * 100, "one rank: nothing to shard"
+
+
+def test_ddp_on_several_ranks_holds_its_gradient_buckets_beside_the_gradients():
+    """Several ranks without ZeRO: DDP's all-reduce buckets are one gradient copy more (the rows of a step accumulate
+    into fresh gradients beside them: HF's zero_grad sets them to None); one rank has no DDP."""
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10, bias=False), torch.nn.Linear(10, 10, bias=False))
+    model[1].weight.requires_grad_(False)
+    w = 100 * 4
+    assert ck.resident_bytes(model, world_size=2) == 2 * w + 2 * w + 2 * w
+    assert ck.resident_bytes(model, world_size=8) == ck.resident_bytes(model, world_size=2)
+    assert ck.resident_bytes(model, world_size=1) == 2 * w + w + 2 * w
+
+
+def test_the_trainer_wraps_ddp_with_gradients_as_bucket_views(tmp_path):
+    """What the DDP wrapper gets (accelerate's handler, read when the model is prepared): the gradients are views of
+    the all-reduce buckets, so no separate copy stays after a step's all-reduce."""
+    from tests.tiny_trainer import tiny_stage2_trainer
+
+    trainer = tiny_stage2_trainer(tmp_path)
+    assert trainer.accelerator.ddp_handler.to_kwargs().get("gradient_as_bucket_view") is True
 
 
 def test_resolve_reads_the_config_and_the_model(tmp_path):
@@ -213,20 +235,45 @@ def test_resolve_reads_the_config_and_the_model(tmp_path):
     assert cfg.training.checkpointing_policy == "auto", "the caller's config is left as it was"
 
 
-def test_a_colocated_engine_is_charged_its_share_only_while_it_stays_mapped():
-    """Level 0 and ``kv_cache`` keep the engine's pool (or its weights) mapped while the learner trains: charged the
-    share. Levels 1 and 2 unmap it, and the cache release before each wake maps it back: charged nothing (session 26,
-    H100: the engine woke in every step beside learners that used 64-68 GiB of the card)."""
+def test_a_colocated_engine_is_charged_what_stays_mapped_while_the_learner_trains():
+    """Level 0 keeps the engine's whole pool mapped while the learner trains: charged the share. ``kv_cache`` frees the
+    KV cache and keeps the weights: charged its copy of the weights (half precision under ``vllm.dtype: auto``, split
+    over its tensor-parallel ranks). Levels 1 and 2 unmap it, and the cache release before each wake maps it back:
+    charged nothing (H100: the engine woke in every step beside learners that used 64-68 GiB of the card)."""
     model, _ = build_tiny_model("vl")
+    weights = sum(p.numel() for p in model.parameters())
     rm = {"rollout_backend": "vllm", "vllm": {"max_model_len": 2048, "sleep_level": 0,
                                               "gpu_memory_utilization": 0.4}}
     data = stage2(gradient_checkpointing_policy="auto", per_device_train_batch_size=2)
     data["custom"]["extra"]["rollout_matching"] = rm
     p = ck.memory_plan(validate_config(data), model, device=80 * GIB)
     assert p.engine_bytes == pytest.approx(0.4 * 80 * GIB) and p.tokens == 2 * 2048  # batch x max_model_len
-    for level, charged in ((0, 0.4 * 80 * GIB), ("kv_cache", 0.4 * 80 * GIB), (1, 0.0), (2, 0.0)):
+    for level, charged in ((0, 0.4 * 80 * GIB), ("kv_cache", 2.0 * weights), (1, 0.0), (2, 0.0)):
         rm["vllm"]["sleep_level"] = level
         assert ck.memory_plan(validate_config(data), model, device=80 * GIB).engine_bytes == pytest.approx(charged), level
+    rm["vllm"].update(sleep_level="kv_cache", dtype="float32", tensor_parallel_size=2)
+    assert ck.memory_plan(validate_config(data), model, device=80 * GIB).engine_bytes == pytest.approx(2.0 * weights)
+
+
+def test_the_engines_weights_leave_the_adapters_out():
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = build_tiny_model("text")
+    base = ck.engine_weight_bytes(model, "bfloat16")
+    assert base == 2.0 * sum(p.numel() for p in model.parameters())
+    tuned = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True))
+    assert ck.engine_weight_bytes(tuned, "auto") == base
+    assert ck.engine_weight_bytes(tuned, "float32", tensor_parallel_size=2) == base
+
+
+def test_a_plan_on_several_ranks_counts_the_buckets_or_the_zero_shards():
+    model, _ = build_tiny_model("vl")
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    ddp = validate_config(stage2(gradient_checkpointing_policy="auto"))
+    one = ck.memory_plan(ddp, model, world_size=1, device=80 * GIB).resident_bytes
+    assert ck.memory_plan(ddp, model, world_size=2, device=80 * GIB).resident_bytes == one + trained
+    zero2 = validate_config(stage2(gradient_checkpointing_policy="auto", deepspeed="zero2"))
+    assert ck.memory_plan(zero2, model, world_size=4, device=80 * GIB).resident_bytes < one
 
 
 def test_the_oom_advice_names_the_same_default_spacing():

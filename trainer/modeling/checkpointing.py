@@ -37,11 +37,12 @@ at budget 1, 46 KiB at 0.4 (eager: 194).
 A forward over ``tokens`` with ``c`` of the ``L`` layers checkpointed keeps ``(L - c) x per_layer`` plus ``c`` layer
 inputs (``h x dtype_bytes`` a token) plus, when ``c > 0``, one layer's activations rebuilt at a time in the backward.
 The budget is the device's memory less ``headroom`` (10 %: allocator fragmentation, CUDA context, NCCL), less the
-weights, gradients and AdamW's two states (``resident_bytes``; DeepSpeed ZeRO shards or offloads them), less a
-colocated vLLM engine's ``gpu_memory_utilization`` share while it stays mapped (sleep level 0, or ``kv_cache``, which
-keeps the weights), less the loss's logits (3 fp32 copies of ``logit_chunk_rows`` x vocabulary; every supervised row,
-bounded by the tokens, without chunking). ``auto`` takes the first that fits of: off, selective every 4, 3, 2 layers,
-full (full also when nothing fits).
+weights, gradients and AdamW's two states (``resident_bytes``; on several DDP ranks DDP's gradient buckets once more;
+DeepSpeed ZeRO shards or offloads them), less a colocated vLLM engine's ``gpu_memory_utilization`` share while it
+stays mapped (sleep level 0), or its copy of the weights alone at ``kv_cache`` (the KV cache is freed while the
+learner trains: ``engine_weight_bytes``), less the loss's logits (3 fp32 copies of ``logit_chunk_rows`` x
+vocabulary; every supervised row, bounded by the tokens, without chunking). ``auto`` takes the first that fits of:
+off, selective every 4, 3, 2 layers, full (full also when nothing fits).
 
 An engine asleep at level 1 or 2 is charged nothing: vLLM unmaps its whole pool while the learner trains, and
 ``InProcessVllm`` hands torch's cached free blocks back to the driver before each wake, so the pool maps back into
@@ -226,21 +227,36 @@ def _deepspeed_stage(deepspeed: str | None) -> tuple[int, bool]:
 
 def resident_bytes(model: torch.nn.Module, deepspeed: str | None = None, world_size: int = 1) -> float:
     """Weights + gradients of the trained parameters + AdamW's two states (in the parameter dtype, as torch's AdamW
-    keeps them). ZeRO: fp32 master + states (12 bytes a trained parameter) / world size from stage 1 (0 offloaded),
-    gradients / world size from stage 2, weights / world size at stage 3 (0 offloaded)."""
+    keeps them). DDP (``world_size`` > 1 without ZeRO): one gradient copy more, DDP's flat all-reduce buckets. The
+    trainer sets ``gradient_as_bucket_view``, but HF's ``zero_grad`` sets the gradients to None after each step, so
+    the rows of a step accumulated under ``no_sync`` build fresh gradients beside the buckets (allocated once for every
+    trained parameter) until the last row's all-reduce makes them views; the views save that copy from then on (the
+    optimizer step, a one-row step's backward), not in the backward of a step of several rows. ZeRO: fp32 master +
+    states (12 bytes a trained parameter) / world size from stage 1 (0 offloaded), gradients / world size from stage
+    2, weights / world size at stage 3 (0 offloaded)."""
     params = list(model.parameters())
     weights = float(sum(p.numel() * p.element_size() for p in params))
     trained = [p for p in params if p.requires_grad]
     grads = float(sum(p.numel() * p.element_size() for p in trained))
     stage, offloaded = _deepspeed_stage(deepspeed)
     if stage == 0:
-        return weights + grads + 2 * grads
+        buckets = grads if world_size > 1 else 0.0
+        return weights + grads + buckets + 2 * grads
     states = 0.0 if offloaded else 12.0 * sum(p.numel() for p in trained) / world_size
     if stage >= 2:
         grads /= world_size
     if stage == 3:
         weights = 0.0 if offloaded else weights / world_size
     return weights + grads + states
+
+
+def engine_weight_bytes(model: torch.nn.Module, dtype: str, tensor_parallel_size: int = 1) -> float:
+    """What a colocated engine's copy of the weights takes on one GPU: every parameter but peft's adapter factors
+    (``lora_*``), in the engine's ``vllm.dtype`` (``auto``: 2 bytes, the half precision vLLM serves a float32 or
+    bfloat16 checkpoint in), split over its tensor-parallel ranks."""
+    width = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}[dtype]
+    count = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    return float(count * width) / max(1, tensor_parallel_size)
 
 
 def device_bytes() -> float:
@@ -275,9 +291,11 @@ def memory_plan(cfg, model: torch.nn.Module, world_size: int = 1, device: float 
     total = device_bytes() if device is None else device
     rm = cfg.custom.extra.rollout_matching
     engine = 0.0
-    if rm is not None and rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate" and \
-            rm.vllm.sleep_level in (0, "kv_cache"):
-        engine = rm.vllm.gpu_memory_utilization * total
+    if rm is not None and rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate":
+        if rm.vllm.sleep_level == 0:
+            engine = rm.vllm.gpu_memory_utilization * total
+        elif rm.vllm.sleep_level == "kv_cache":
+            engine = engine_weight_bytes(model, rm.vllm.dtype, rm.vllm.tensor_parallel_size)
     chunk = rm.loss.logit_chunk_rows if rm is not None and rm.loss.supervised_logits_only else None
     loss = 3 * 4 * min(chunk or tokens, tokens) * shape.vocab
     requested = t.compile_activation_memory_budget

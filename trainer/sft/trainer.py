@@ -151,6 +151,10 @@ class RolloutMatchingTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if self.args.remove_unused_columns:
             raise ValueError("RolloutMatchingTrainer needs TrainingArguments(remove_unused_columns=False)")
+        if self.accelerator.ddp_handler is not None:
+            # gradients are views of DDP's all-reduce buckets: no second copy after each step's all-reduce
+            # (trainer.modeling.checkpointing.resident_bytes counts what the backward still holds)
+            self.accelerator.ddp_handler.gradient_as_bucket_view = True
         if self.args.gradient_accumulation_steps != 1:
             raise ValueError(
                 "RolloutMatchingTrainer accumulates a step's rows itself: pass TrainingArguments("
