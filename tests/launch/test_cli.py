@@ -81,7 +81,7 @@ def test_learner_fails_naming_servers_that_never_became_healthy():
 
 def _learner_args(**kw) -> argparse.Namespace:
     base = dict(config=STAGE2, nproc_per_node=None, gpus=None, wait_for_servers=None, health_timeout_s=60.0,
-                health_interval_s=0.2, master_port=None, print_command=False, extra=[])
+                health_interval_s=0.2, master_port=None, print_command=False, resume="never", extra=[])
     base.update(kw)
     return argparse.Namespace(**base)
 

@@ -6,7 +6,10 @@
 deadline), then execs ``swift rlhf`` (``grpo_summary`` configs) or ``torchrun -m trainer train`` (stage 2) on a
 rendezvous port of its own: ``--master-port``, else ``MASTER_PORT``, else a free port chosen then (and printed), so
 two learners on one node do not both take torchrun's 29500.
-``--print-command`` prints the command instead of running it. Arguments after ``--`` go to that command.
+``--resume auto`` (stage 2) resumes from the newest complete checkpoint under ``training.output_dir`` when there is
+one, else starts fresh: the same command restarts a killed learner where its last checkpoint left it (the chart's
+learner pods run with it). ``--print-command`` prints the command instead of running it. Arguments after ``--`` go
+to that command.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from trainer.launch.commands import (
 from trainer.launch.gpus import parse_gpus
 from trainer.launch.health import ServersNotHealthyError, wait_until_healthy
 from trainer.launch.ports import PortInUseError, ensure_port_free, listen_port
+from trainer.launch.resume import STAGE2_DIR, latest_checkpoint
 
 EXIT_CONFIG = 2
 EXIT_PORT = 3
@@ -114,6 +118,24 @@ def requested_master_port(flag: int | None) -> tuple[int | None, str]:
     return None, ""
 
 
+def resume_checkpoint(mode: str, config: TrainConfig, nproc: int, extra: list[str]) -> str | None:
+    """``--resume``: ``never`` → None; ``auto`` → the newest complete stage-2 checkpoint of the output directory
+    (``--output-dir`` among the learner's extra arguments, else ``training.output_dir``), None when there is none."""
+    if mode == "never":
+        return None
+    if trainer_variant(config) == GRPO_VARIANT:
+        raise ConfigError("--resume", "auto resumes stage-2 (rollout_matching_sft) runs; a grpo_summary config "
+                                      "(swift rlhf) starts fresh: drop --resume or pass --resume never")
+    if "--resume-from-checkpoint" in extra:
+        raise ConfigError("--resume", "auto and -- --resume-from-checkpoint both choose the checkpoint; keep one")
+    output_dir = extra[extra.index("--output-dir") + 1] if "--output-dir" in extra[:-1] else config.training.output_dir
+    found = latest_checkpoint(output_dir, nproc)
+    where = os.path.join(str(output_dir), STAGE2_DIR)
+    _say(f"resume auto: {found} (the newest complete checkpoint in {where})" if found is not None else
+         f"resume auto: no complete checkpoint in {where}; starting fresh")
+    return str(found) if found is not None else None
+
+
 def run_learner(args: argparse.Namespace) -> int:
     try:
         config = _load(args.config)
@@ -127,7 +149,8 @@ def run_learner(args: argparse.Namespace) -> int:
                                                   "one process per learner GPU")
         port, port_source = requested_master_port(args.master_port)
         extra = _split_extra(args.extra)
-        cmd = learner_command(args.config, config, nproc, gpus, extra, master_port=port)
+        resume_from = resume_checkpoint(args.resume, config, nproc, extra)
+        cmd = learner_command(args.config, config, nproc, gpus, extra, master_port=port, resume_from=resume_from)
         urls: list[str] = []
         if args.wait_for_servers == "config":
             urls = config_server_urls(config)
@@ -151,7 +174,7 @@ def run_learner(args: argparse.Namespace) -> int:
         except PortInUseError as exc:
             _say(f"no free rendezvous port: {exc}")
             return EXIT_PORT
-        cmd = learner_command(args.config, config, nproc, gpus, extra, master_port=port)
+        cmd = learner_command(args.config, config, nproc, gpus, extra, master_port=port, resume_from=resume_from)
     _say(f"rendezvous port {port} ({port_source})")
     if args.print_command:
         print(cmd.shell())
@@ -210,6 +233,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     learner.add_argument("--master-port", type=_port,
                          help="rendezvous port of the learner's processes (default: $MASTER_PORT, else a free port "
                               "below the ephemeral range, printed)")
+    learner.add_argument("--resume", choices=["auto", "never"], default="never",
+                         help="auto: resume stage 2 from the newest complete checkpoint under training.output_dir "
+                              "when there is one, else start fresh (what a restarted pod runs); never (default): "
+                              "start fresh")
     learner.add_argument("--print-command", action="store_true", help="print the command and exit")
     learner.add_argument("extra", nargs=argparse.REMAINDER, help="-- ARGS… passed to the learner command")
     learner.set_defaults(func=run_learner)

@@ -139,10 +139,12 @@ def config_server_urls(config: TrainConfig) -> list[str]:
 
 
 def learner_command(config_path: str, config: TrainConfig, nproc: int, gpus: list[int] | None,
-                    extra: list[str] | None = None, master_port: int | None = None) -> LaunchCommand:
+                    extra: list[str] | None = None, master_port: int | None = None,
+                    resume_from: str | None = None) -> LaunchCommand:
     """``swift rlhf`` for ``grpo_summary`` configs, else ``torchrun -m trainer train`` (stage 2). ``master_port``:
     the processes' rendezvous port (``MASTER_PORT`` for ``swift rlhf``, which hands it to its torchrun;
-    ``--master-port`` for torchrun); ``None`` leaves torchrun's default, 29500."""
+    ``--master-port`` for torchrun); ``None`` leaves torchrun's default, 29500. ``resume_from``: a stage-2
+    checkpoint folder the training resumes from (``--resume-from-checkpoint``)."""
     extra = list(extra or [])
     env = _gpu_env(gpus)
     if trainer_variant(config) == GRPO_VARIANT:
@@ -161,6 +163,7 @@ def learner_command(config_path: str, config: TrainConfig, nproc: int, gpus: lis
             env[SCHEMA_DATASET_ENV] = os.path.abspath(str(train_jsonl))
         return LaunchCommand(["swift", "rlhf", *to_argv(rlhf_arguments(config)), *extra], env)
     port = ["--master-port", str(master_port)] if master_port is not None else []
+    resume = ["--resume-from-checkpoint", resume_from] if resume_from is not None else []
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *port,
-            "-m", "trainer", "train", "--config", config_path, *extra]
+            "-m", "trainer", "train", "--config", config_path, *resume, *extra]
     return LaunchCommand(argv, env)

@@ -1,0 +1,32 @@
+"""``launch learner --resume auto``: the stage-2 checkpoint a (re)started learner resumes from.
+
+A stage-2 run writes ``<training.output_dir>/stage2/checkpoint-<step>/``; each rank's rollout state
+(``rank<i>-rollout_state.pt``) is written last and atomically, so a folder holding it for every rank is complete. The
+newest complete folder is what ``trainer train --resume-from-checkpoint`` takes for an exact resume (model,
+optimizer, RNG, data position, rollout and packing buffers; ledger rows past it are dropped and trained again).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+#: where ``trainer.sft.run.run_training`` puts the stage-2 trainer's output under ``training.output_dir``
+STAGE2_DIR = "stage2"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_ROLLOUT_STATE = "rank{}-rollout_state.pt"
+
+
+def complete(folder: Path, ranks: int) -> bool:
+    """Every rank's rollout state is in ``folder`` (written last by each rank: the checkpoint is whole)."""
+    return all((folder / _ROLLOUT_STATE.format(rank)).is_file() for rank in range(ranks))
+
+
+def latest_checkpoint(output_dir: str | Path, ranks: int) -> Path | None:
+    """The newest complete ``checkpoint-<step>`` of ``output_dir``'s stage 2 for a run of ``ranks`` processes;
+    ``None`` when there is none (a fresh start). Incomplete folders (a run killed while saving) are passed over."""
+    root = Path(output_dir) / STAGE2_DIR
+    if not root.is_dir():
+        return None
+    steps = sorted((int(m.group(1)), d) for d in root.iterdir() if d.is_dir() and (m := _CHECKPOINT.match(d.name)))
+    return next((d for _, d in reversed(steps) if complete(d, ranks)), None)
