@@ -1,4 +1,4 @@
-"""Command line: ``python -m trainer {train,eval,validate,data,serve,launch,render-job,demo,bench}``.
+"""Command line: ``python -m trainer {train,eval,validate,data,model,serve,launch,render-job,demo,bench}``.
 
 Each subcommand lives in the module that owns its concept and exposes ``register(subparsers)``;
 this file only wires them together, importing lazily so ``--help`` stays fast.
@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES = (
     "trainer.sft.cli",
     "trainer.evaluation.cli",
     "trainer.data.cli",
+    "trainer.modeling.cli",
     "trainer.server.cli",
     "trainer.launch.cli",
     "trainer.deploy.cli",
@@ -24,7 +25,7 @@ SUBCOMMAND_MODULES = (
 # the module owning each subcommand: ``main`` imports only that one (a server or benchmark machine needs none of
 # the other subcommands' dependencies, e.g. scipy for ``bench``)
 COMMAND_MODULES = {"validate": "trainer.config.cli", "train": "trainer.sft.cli", "eval": "trainer.evaluation.cli",
-                   "data": "trainer.data.cli",
+                   "data": "trainer.data.cli", "model": "trainer.modeling.cli",
                    "serve": "trainer.server.cli",
                    "launch": "trainer.launch.cli", "render-job": "trainer.deploy.cli", "supervise": "trainer.deploy.cli",
                    "demo": "trainer.demo",

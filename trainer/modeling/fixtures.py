@@ -3,6 +3,9 @@ embedded tokenizer (coord tokens, Qwen chat template). Random weights; head_dim 
 
 ``save_tiny_model(dir, kind)`` writes an ordinary HF model directory (config, safetensors, tokenizer, and for
 ``vl`` the processor), so every backend (HF, vLLM, the rollout server) loads it like a real checkpoint.
+``stock=True`` builds a "stock" checkpoint instead: the same tokenizer without the coord tokens, the embeddings
+sized to it (or to ``vocab_rows``, spare rows as in Qwen's padded vocabularies), which ``python -m trainer model
+prepare`` turns into a trainable one.
 """
 
 from __future__ import annotations
@@ -52,19 +55,20 @@ def tokenizer_corpus(n: int = 400, seed: int = 1234) -> list[str]:
     return texts
 
 
-@lru_cache(maxsize=1)
-def _cached_tokenizer() -> PreTrainedTokenizerFast:
-    return build_tokenizer(tokenizer_corpus())
+@lru_cache(maxsize=2)
+def _cached_tokenizer(coord_tokens: bool) -> PreTrainedTokenizerFast:
+    return build_tokenizer(tokenizer_corpus(), coord_tokens=coord_tokens)
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """The embedded tokenizer (deterministic; built once per process; callers must not mutate it)."""
-    return _cached_tokenizer()
+def tiny_tokenizer(stock: bool = False) -> PreTrainedTokenizerFast:
+    """The embedded tokenizer (deterministic; built once per process; callers must not mutate it). ``stock``: without
+    the coord tokens (every other id the same)."""
+    return _cached_tokenizer(not stock)
 
 
-def _text_kwargs(tok: PreTrainedTokenizerFast) -> dict:
+def _text_kwargs(tok: PreTrainedTokenizerFast, vocab_rows: int | None = None) -> dict:
     return dict(
-        vocab_size=len(tok),
+        vocab_size=max(len(tok), vocab_rows or 0),
         hidden_size=128,
         intermediate_size=384,
         num_hidden_layers=2,
@@ -78,18 +82,21 @@ def _text_kwargs(tok: PreTrainedTokenizerFast) -> dict:
     )
 
 
-def build_tiny_model(kind: TinyKind, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    tok = tiny_tokenizer()
+def build_tiny_model(kind: TinyKind, seed: int = 0, stock: bool = False, vocab_rows: int | None = None,
+                     tied: bool = True) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """``stock``: the tokenizer without coord tokens; ``vocab_rows``: at least this many embedding rows; ``tied``:
+    ``tie_word_embeddings`` (False: a separate LM head, as Qwen3-VL-8B has)."""
+    tok = tiny_tokenizer(stock)
     torch.manual_seed(seed)
     if kind == "text":
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        cfg = Qwen3Config(**_text_kwargs(tok), tie_word_embeddings=True, rope_theta=10000.0)
+        cfg = Qwen3Config(**_text_kwargs(tok, vocab_rows), tie_word_embeddings=tied, rope_theta=10000.0)
         model = Qwen3ForCausalLM(cfg)
     elif kind == "vl":
         from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-        text = _text_kwargs(tok)
+        text = _text_kwargs(tok, vocab_rows)
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [12, 10, 10],
                                    "mrope_interleaved": True}
         cfg = Qwen3VLConfig(
@@ -101,7 +108,7 @@ def build_tiny_model(kind: TinyKind, seed: int = 0) -> tuple[PreTrainedModel, Pr
             video_token_id=tok.convert_tokens_to_ids(VIDEO_PAD),
             vision_start_token_id=tok.convert_tokens_to_ids(VISION_START),
             vision_end_token_id=tok.convert_tokens_to_ids(VISION_END),
-            tie_word_embeddings=True,
+            tie_word_embeddings=tied,
         )
         model = Qwen3VLForConditionalGeneration(cfg)
     else:
@@ -119,17 +126,20 @@ def build_tiny_image_processor():
                                     size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128})
 
 
-def save_tiny_model(out_dir: str | Path, kind: TinyKind = "text", seed: int = 0) -> Path:
-    """Write a tiny model directory (idempotent: an existing complete directory is reused)."""
+def save_tiny_model(out_dir: str | Path, kind: TinyKind = "text", seed: int = 0, stock: bool = False,
+                    vocab_rows: int | None = None, tied: bool = True) -> Path:
+    """Write a tiny model directory (idempotent: an existing complete directory is reused); the options are
+    ``build_tiny_model``'s."""
     out = Path(out_dir)
     marker = out / ".tiny-complete"
-    if marker.is_file() and marker.read_text() == f"{kind}:{seed}":
+    stamp = f"{kind}:{seed}" + (f":stock:{vocab_rows or 0}" if stock else "") + ("" if tied else ":untied")
+    if marker.is_file() and marker.read_text() == stamp:
         return out
-    model, tok = build_tiny_model(kind, seed)
+    model, tok = build_tiny_model(kind, seed, stock, vocab_rows, tied)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     if kind == "vl":
         build_tiny_image_processor().save_pretrained(out)
-    marker.write_text(f"{kind}:{seed}")
+    marker.write_text(stamp)
     return out

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
 from trainer.config.schema import ModelConfig, TunerConfig
 from trainer.modeling.fixtures import save_tiny_model
-from trainer.modeling.tokenizer import coord_token_ids
+from trainer.modeling.tokenizer import MissingCoordTokens, coord_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,10 @@ class LoadedModel:
     @property
     def image_token_id(self) -> int | None:
         return getattr(self.model.config, "image_token_id", None)
+
+
+class CheckpointNotPrepared(ValueError):
+    """``model.path`` is a stock checkpoint (its tokenizer lacks the coord tokens); the message says how to prepare it."""
 
 
 def resolve_model_dir(cfg: ModelConfig, output_dir: str | Path) -> Path:
@@ -69,7 +73,13 @@ def load_model(cfg: ModelConfig, output_dir: str | Path) -> LoadedModel:
         kwargs["attn_implementation"] = cfg.attn_implementation
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
-    coord_token_ids(tokenizer)
+    try:
+        coord_token_ids(tokenizer)
+    except MissingCoordTokens as exc:
+        raise CheckpointNotPrepared(
+            f"model.path {model_dir}: the tokenizer lacks {len(exc.missing)} of the 1000 coord tokens; run `python -m "
+            f"trainer model prepare --from {model_dir} --out {model_dir}-prepared` and set model.path to the "
+            "prepared directory") from None
     if hf_cfg.model_type in VL_MODEL_TYPES:
         from transformers import AutoModelForImageTextToText
 

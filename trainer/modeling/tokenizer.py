@@ -38,8 +38,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(corpus: Iterable[str], vocab_size: int = 800) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on ``corpus`` and wrap it as a transformers fast tokenizer (deterministic)."""
+def build_tokenizer(corpus: Iterable[str], vocab_size: int = 800, coord_tokens: bool = True) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on ``corpus`` and wrap it as a transformers fast tokenizer (deterministic).
+    ``coord_tokens=False``: a stock tokenizer (the same ids, without the 1000 coord tokens appended)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -59,7 +60,8 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 800) -> PreTrainedT
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    hf.add_tokens(all_coord_tokens())
+    if coord_tokens:
+        hf.add_tokens(all_coord_tokens())
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
@@ -96,14 +98,27 @@ def token_bytes_table(tokenizer: PreTrainedTokenizerBase) -> list[bytes]:
     return table
 
 
-def coord_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Ids of ``<|coord_0|>``…``<|coord_999|>`` in bin order; fails if the tokenizer lacks them."""
-    ids = tokenizer.convert_tokens_to_ids(all_coord_tokens())
-    unk = getattr(tokenizer, "unk_token_id", None)
-    missing = [k for k, i in enumerate(ids) if i is None or (unk is not None and i == unk)]
-    if missing:
-        raise ValueError(
+class MissingCoordTokens(ValueError):
+    """The tokenizer lacks some or all of ``<|coord_0|>``…``<|coord_999|>`` (``missing``: how many)."""
+
+    def __init__(self, missing: list[int]):
+        self.missing = missing
+        super().__init__(
             f"tokenizer lacks {len(missing)} coord tokens (first: <|coord_{missing[0]}|>); "
             "add <|coord_0|>..<|coord_999|> to the tokenizer and resize the model embeddings"
         )
-    return list(ids)
+
+
+def missing_coord_bins(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The bins ``k`` whose ``<|coord_k|>`` is not a token of ``tokenizer`` (empty: all 1000 present)."""
+    ids = tokenizer.convert_tokens_to_ids(all_coord_tokens())
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return [k for k, i in enumerate(ids) if i is None or (unk is not None and i == unk)]
+
+
+def coord_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids of ``<|coord_0|>``…``<|coord_999|>`` in bin order; ``MissingCoordTokens`` if the tokenizer lacks any."""
+    missing = missing_coord_bins(tokenizer)
+    if missing:
+        raise MissingCoordTokens(missing)
+    return list(tokenizer.convert_tokens_to_ids(all_coord_tokens()))

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 
 from trainer.config.schema import TrainConfig
 from trainer.data.records import JsonlDataset, LoadReport, index_jsonl
@@ -49,6 +49,30 @@ class RunSummary:
     stage2_seconds: float
     final_model_dir: str
     metrics_path: str
+
+
+class StepRateCallback(TrainerCallback):
+    """Adds ``speed/steps_per_s`` and ``speed/records_per_s`` (this rank's records) to each log row: optimizer steps
+    since the previous row over the wall-clock time since it (the first row: since training began), everything
+    included. Listed before the writers, which then see the keys."""
+
+    def __init__(self, records_per_step: int):
+        self.records_per_step = records_per_step
+        self._mark: tuple[int, float] | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._mark = (state.global_step, time.perf_counter())
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs or self._mark is None:
+            return
+        step0, t0 = self._mark
+        now = time.perf_counter()
+        if state.global_step > step0 and now > t0:
+            rate = (state.global_step - step0) / (now - t0)
+            logs["speed/steps_per_s"] = rate
+            logs["speed/records_per_s"] = rate * self.records_per_step
+        self._mark = (state.global_step, now)
 
 
 def start_distributed() -> None:
@@ -128,10 +152,12 @@ def records_per_rank(records_per_step: int | None, batch_size: int, accumulation
 
 def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, learning_rate: float,
                        batch_size: int, report_to: list[str], logging_steps: int | None = None,
-                       step_records: bool = False, records_per_step: int | None = None) -> TrainingArguments:
+                       step_records: bool = False, records_per_step: int | None = None,
+                       bf16: bool | None = None) -> TrainingArguments:
     """HF's arguments; ``step_records``: for ``RolloutMatchingTrainer``, which gets a step's records
     (``records_per_step`` over all ranks, default ``batch_size`` x accumulation per rank) as HF's one micro-batch
-    (``gradient_accumulation_steps`` 1) and accumulates the rows they fill itself. Checkpointing follows
+    (``gradient_accumulation_steps`` 1) and accumulates the rows they fill itself. ``bf16``: None follows
+    ``training.bf16`` (the warm-up passes its own, ``stage1.bf16``). Checkpointing follows
     ``training.gradient_checkpointing_policy`` (``auto`` resolved first: ``trainer.modeling.levers``; the keyword is
     ``activation_checkpointing`` from transformers 5.2x), ``optim`` is ``training.optim``."""
     t = cfg.training
@@ -155,7 +181,7 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         save_steps=t.save_steps or 500,
         save_total_limit=t.save_total_limit,
         seed=t.seed,
-        bf16=t.bf16,
+        bf16=t.bf16 if bf16 is None else bf16,
         **training_arguments_kwargs(t, TrainingArguments.__dataclass_fields__),
         optim=t.optim,
         remove_unused_columns=False,
@@ -256,12 +282,15 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
         stage2_callbacks.append(periodic_eval(cfg, pipeline, engine, weight_sync, model, decoding, metrics_path))
     if cfg.stage1.steps > 0 and not resume_from_checkpoint:
         s1 = cfg.stage1
+        lr = s1.resolved_learning_rate(loaded.model.num_parameters(), cfg.tuner.train_type)
+        log.info("stage 1: %d steps at learning rate %g (stage1.learning_rate: %s)", s1.steps, lr, s1.learning_rate)
         warm = RolloutMatchingTrainer(
-            model=model, args=training_arguments(cfg, out / "stage1", max_steps=s1.steps,
-                                                 learning_rate=s1.learning_rate, batch_size=s1.batch_size,
-                                                 report_to=report, logging_steps=s1.logging_steps, step_records=True),
-            engine=None, target_source="ground_truth", callbacks=stage1_callbacks, micro_batch_rows=s1.batch_size,
-            memory_settings=memory_settings(cfg, stage1=True), **common)
+            model=model, args=training_arguments(cfg, out / "stage1", max_steps=s1.steps, learning_rate=lr,
+                                                 batch_size=s1.batch_size, report_to=report,
+                                                 logging_steps=s1.logging_steps, step_records=True,
+                                                 bf16=s1.resolved_bf16(cfg.training.bf16, cfg.model.torch_dtype)),
+            engine=None, target_source="ground_truth", callbacks=[StepRateCallback(s1.batch_size), *stage1_callbacks],
+            micro_batch_rows=s1.batch_size, memory_settings=memory_settings(cfg, stage1=True), **common)
         warm.train()
     t = cfg.training
     packing = PackingBuffer(t.packing_length, t.packing_buffer, t.packing_min_fill_ratio) if t.packing else None
