@@ -52,10 +52,16 @@ from pathlib import Path
 
 ONLY = ("all", "packing", "rollout", "weight-sync", "vllm", "vllm-engine", "vllm-sync", "vllm-step", "vllm-images", "async",
         "inband", "scale", "data", "fleet", "swift-peers", "sync-host",
-        "lora-merge", "layouts")
+        "lora-merge", "layouts", "plot")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "only", "all") == "plot":  # the headline PNGs from the JSON records in --out
+        from trainer.bench.plots import plot_all
+
+        for path in plot_all(args.out):
+            print(path)
+        return 0
     if getattr(args, "only", "all") == "layouts":  # every learner/server layout the GPUs allow (CPU: --quick)
         from trainer.bench.layouts import run as run_layouts
 
