@@ -13,7 +13,7 @@ import logging
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic
 from pydantic import Field, model_validator
@@ -265,10 +265,39 @@ class TrainingConfig(Section):
 class Stage1Config(Section):
     """Optional teacher-forced warm-up on ground truth before stage 2 (so rollouts parse on a fresh model)."""
 
+    #: ``learning_rate: auto``: (upper bound on the model's parameters, full fine-tuning rate, LoRA/DoRA rate), the
+    #: first row whose bound the loaded model is under (vision tower included; the LoRA rate is the adapter's)
+    AUTO_LEARNING_RATES: ClassVar[tuple[tuple[float, float, float], ...]] = (
+        (5e7, 3e-3, 3e-3),          # random test/demo models (the embedded tiny ones)
+        (3e9, 2e-5, 2e-4),          # Qwen3-VL-2B
+        (6e9, 1e-5, 1e-4),          # Qwen3-VL-4B
+        (2e10, 1e-5, 1e-4),         # Qwen3-VL-8B
+        (float("inf"), 5e-6, 5e-5),  # larger
+    )
+
     steps: int = Field(0, ge=0)
-    learning_rate: float = Field(3e-3, gt=0)
+    learning_rate: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
+        "auto", description="the warm-up's learning rate, or auto: by the model's parameter count and "
+        "tuner.train_type (Stage1Config.AUTO_LEARNING_RATES: under 50M parameters 3e-3; under 3B 2e-5 full / 2e-4 "
+        "LoRA; under 6B and under 20B 1e-5 / 1e-4; larger 5e-6 / 5e-5). The rate that ran is each stage-1 metrics "
+        "row's learning_rate")
     batch_size: int = Field(16, ge=1)
     logging_steps: int = Field(25, ge=1)
+    bf16: bool | Literal["auto"] = Field(
+        "auto", description="bf16 mixed precision in the warm-up; auto: on where training.bf16 is or the model is "
+                            "loaded in bfloat16 (model.torch_dtype)")
+
+    def resolved_learning_rate(self, num_parameters: int, train_type: str) -> float:
+        """``learning_rate``, with ``auto`` looked up in ``AUTO_LEARNING_RATES``."""
+        if self.learning_rate != "auto":
+            return float(self.learning_rate)
+        for bound, full, adapter in self.AUTO_LEARNING_RATES:
+            if num_parameters < bound:
+                return full if train_type == "full" else adapter
+        raise AssertionError("the last AUTO_LEARNING_RATES bound is infinite")
+
+    def resolved_bf16(self, training_bf16: bool, torch_dtype: str) -> bool:
+        return (training_bf16 or torch_dtype == "bfloat16") if self.bf16 == "auto" else bool(self.bf16)
 
 
 class DecodingConfig(Section):
