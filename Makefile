@@ -7,12 +7,13 @@ PIP := $(PY) -m pip
 export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 
-.PHONY: setup demo test test-fast lint bench clean pip-check
+.PHONY: setup demo test test-fast lint bench clean pip-check docs
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo   - CPU demo: tiny model + synthetic data, stage-1 warm-up then stage-2 rollout-matching"
-	@echo "make test   - the full test suite (sets everything up first)"
+	@echo "make test   - the full test suite (sets everything up first), the docs site included"
+	@echo "make docs   - build the docs site (mkdocs.yml, --strict: a warning or a broken link fails) into build/site"
 	@echo "make lock   - regenerate locks/cpu-test.txt and locks/gpu-runtime.txt (uv; mk/lock.mk)"
 	@echo "make lint   - ruff"
 	@echo "make bench  - benchmarks (GPU machine), JSON + PNG under docs/benchmarks/"
@@ -65,8 +66,13 @@ pip-check: setup
 
 test: setup
 	$(PY) locks/pip_check.py $(CPU_LOCK) $(LOCK_OVERRIDES)
+	$(MAKE) --no-print-directory docs
 	$(PY) -m compileall -q -j 0 trainer tests
 	$(PY) -m pytest -q --durations=30 tests
+
+# the docs site: reference pages generated from the code (docs/_hooks/reference.py); warnings and broken links fail
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 test-fast: setup
 	$(PY) -m pytest -q tests/unit

@@ -82,11 +82,18 @@ def _default(field: Any) -> str:
         value = field.default
     if isinstance(value, enum.Enum):
         value = value.value
-    return f"`{json.dumps(value)}`"
+    return f"`{json.dumps(value, default=str)}`"
 
 
 def _cell(text: str | None) -> str:
-    return " ".join((text or "").split()).replace("|", "\\|")
+    return " ".join((text or "").split()).replace("``", "`").replace("|", "\\|")
+
+
+def _bounds(field: Any) -> str:
+    """The field's numeric bounds (``ge``/``gt``/``le``/``lt``), e.g. ``>= 1, < 1``."""
+    signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    found = [f"{signs[k]} {getattr(m, k)}" for m in field.metadata for k in signs if getattr(m, k, None) is not None]
+    return ", ".join(found)
 
 
 def _doc(cls: type) -> str:
@@ -97,7 +104,7 @@ def _doc(cls: type) -> str:
         return ""
     from trainer.config.base import Section
 
-    return "" if doc == Section.__doc__ else " ".join(doc.split())
+    return "" if doc == Section.__doc__ else " ".join(doc.split()).replace("``", "`")
 
 
 def config_keys() -> list[tuple[str, type, str, Any]]:
@@ -148,6 +155,9 @@ def config_reference() -> str:
             desc = field.description or ""
             if subs and not desc:
                 desc = f"section: see `{path}` below"
+            bounds = _bounds(field)
+            if bounds:
+                desc = f"{desc} ({bounds})" if desc else bounds
             lines.append(f"| `{path}` | {_type_name(field.annotation)} | {_default(field)} | {_cell(desc)} |")
         lines.append("")
     return "\n".join(lines)
@@ -264,6 +274,41 @@ def changelog_page() -> str:
 
 def placeholder(title: str) -> str:
     return f"# {title}\n\nThis page is being written.\n"
+
+
+# --- rollout protocol bodies -----------------------------------------------------------------------------------------
+
+PROTOCOL_MARKER = "<!-- generated: protocol-models -->"
+
+
+def protocol_models() -> str:
+    """A table per request-body model of ``trainer/server/protocol.py``: field, type, default."""
+    import pydantic
+
+    from trainer.server import protocol
+
+    out = []
+    models = [m for name, m in vars(protocol).items()
+              if isinstance(m, type) and issubclass(m, pydantic.BaseModel) and m.__module__ == protocol.__name__
+              and not name.startswith("_")]
+    for model in models:
+        strict = model.model_config.get("extra") == "forbid"
+        doc = _doc(model)
+        out += [f"### `{model.__name__}`", ""]
+        if doc:
+            out += [doc, ""]
+        out += [f"Unknown keys: {'refused (422)' if strict else 'ignored'}.", "",
+                "| field | type | default |", "|---|---|---|"]
+        for name, field in model.model_fields.items():
+            out.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def on_page_markdown(markdown, page, config, files):  # noqa: ANN001 (MkDocs hook signature)
+    if PROTOCOL_MARKER in markdown:
+        markdown = markdown.replace(PROTOCOL_MARKER, GENERATED_NOTE.strip() + "\n\n" + protocol_models())
+    return markdown
 
 
 # --- MkDocs hook --------------------------------------------------------------------------------------------------
