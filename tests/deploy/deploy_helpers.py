@@ -12,17 +12,23 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rollout-matching"
-TOPOLOGY_FILES = ("values-6v2.yaml", "values-3v1.yaml", "values-colocate.yaml")
-ALL_VALUES = (None, *TOPOLOGY_FILES)  # the chart defaults and every topology file
+TOPOLOGY_FILES = ("presets/6v2-2b-full.values.yaml", "presets/3v1-2b-full.values.yaml",
+                  "presets/colocate-4-2b-full.values.yaml")
+ALL_VALUES = (None, *TOPOLOGY_FILES)  # the chart defaults and some presets (tests/deploy/test_presets.py: all of them)
+#: what the install command adds to every values file (`--set storage.output.hostPath=/data/runs`, the docs' line):
+#: the chart refuses to render without an output volume
+INSTALL_SET = {"storage": {"output": {"hostPath": "/data/runs"}}}
 # Versions the manifests must validate against: the chart's minimum (kubeVersion) and the newest schema shipped.
 KUBE_VERSIONS = ("1.27.0", "1.37.0")
 
 
-def load_values(name: str | None) -> dict[str, Any]:
-    """Values of a repository-root topology file (``None``: the chart defaults alone)."""
-    if name is None:
-        return {}
-    return helm.values_from_yaml((REPO / name).read_text())
+def load_values(name: str | None, install_set: bool = True) -> dict[str, Any]:
+    """Values of a preset file (``None``: the chart defaults alone), with the install command's ``INSTALL_SET``
+    unless ``install_set`` is false."""
+    from trainer.config.loader import deep_merge
+
+    values = {} if name is None else helm.values_from_yaml((REPO / name).read_text())
+    return deep_merge(values, copy.deepcopy(INSTALL_SET)) if install_set else values
 
 
 def render_chart(values: dict[str, Any], name: str = "stage2", namespace: str = "ml") -> dict[str, str]:

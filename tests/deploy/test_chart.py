@@ -27,7 +27,7 @@ from trainer.config.schema import validate_config
 from trainer.deploy.checks import check_manifests
 
 # values file -> (rollout servers, learner GPUs)
-EXPECTED_SHAPE = {None: (1, 1), "values-6v2.yaml": (6, 2), "values-3v1.yaml": (3, 1), "values-colocate.yaml": (0, 4)}
+EXPECTED_SHAPE = {None: (1, 1), "presets/6v2-2b-full.values.yaml": (6, 2), "presets/3v1-2b-full.values.yaml": (3, 1), "presets/colocate-4-2b-full.values.yaml": (0, 4)}
 
 
 @pytest.mark.parametrize("values_file", ALL_VALUES)
@@ -82,7 +82,7 @@ def test_learner_waits_for_every_server_and_config_lists_them(values_file):
         assert cfg["custom"]["extra"]["rollout_matching"]["vllm"]["mode"] == "colocate"
 
 
-@pytest.mark.parametrize("values_file", ["values-6v2.yaml", "values-3v1.yaml"])
+@pytest.mark.parametrize("values_file", ["presets/6v2-2b-full.values.yaml", "presets/3v1-2b-full.values.yaml"])
 def test_server_topologies_ship_async_rollouts_beside_the_written_server_list(values_file):
     """The server layouts we ship overlap decode and training (sync ping-pong measured at 0.97x one GPU on two); the
     chart's topology patch deep-merges the server list into ``vllm.server`` and keeps ``async_rollouts``."""
@@ -105,10 +105,10 @@ def test_shipped_topologies_size_checkpointing_and_compile_the_learner(values_fi
 
 
 def test_the_colocate_topology_ships_the_engine_levers_it_ran_with():
-    """``values-colocate.yaml``'s engine: level-2 sleep, the training pixels made during the decode and the recorded
+    """``presets/colocate-4-2b-full.values.yaml``'s engine: level-2 sleep, the training pixels made during the decode and the recorded
     load (bench --only layouts ``colocate-2-r128-pixels-auto-compile-recload`` on 2 x H200, session 29)."""
-    _, docs = render_docs("values-colocate.yaml")
-    v = validate_config(train_yaml(docs), source="values-colocate.yaml").rollout_matching.vllm
+    _, docs = render_docs("presets/colocate-4-2b-full.values.yaml")
+    v = validate_config(train_yaml(docs), source="presets/colocate-4-2b-full.values.yaml").rollout_matching.vllm
     assert v.mode == "colocate" and v.sleep_level == 2 and v.pixels_during_decode and v.sync.recorded_load
     assert not v.sync.merge_into_engine, "a full fine-tune has no LoRA merge to write into the engine"
 
@@ -137,7 +137,7 @@ def test_topology_files_live_only_at_the_repository_root():
 
 
 def test_grpo_config_gets_the_server_list_in_its_rlhf_section():
-    values = load_values("values-6v2.yaml")
+    values = load_values("presets/6v2-2b-full.values.yaml")
     values["rolloutServer"].update(engine="swift", instances=[{"port": 8080, "gpus": [0, 1, 2, 3, 4, 5]}],
                                    dataParallelSize=6)
     values["learner"]["config"] = {"rlhf": {"rlhf_type": "grpo", "use_vllm": True}, "model": {"path": "/models/policy"}}
@@ -153,7 +153,7 @@ def test_grpo_config_gets_the_server_list_in_its_rlhf_section():
 
 
 def test_visible_devices_mode_pins_physical_ids_without_resource_requests():
-    values = load_values("values-6v2.yaml")
+    values = load_values("presets/6v2-2b-full.values.yaml")
     values["gpu"] = {"assignment": "visibleDevices", "resourceName": "nvidia.com/gpu"}
     docs = manifests_of(render_chart(values))
     assert check_manifests(docs, 8) == []
@@ -165,7 +165,7 @@ def test_visible_devices_mode_pins_physical_ids_without_resource_requests():
 
 
 def test_node_name_pins_every_pod():
-    _, docs = render_docs("values-3v1.yaml", {"node": {"name": "gpu-node-7", "gpuCount": 4}})
+    _, docs = render_docs("presets/3v1-2b-full.values.yaml", {"node": {"name": "gpu-node-7", "gpuCount": 4}})
     for d in [*workload(docs, "rollout-server"), *workload(docs, "learner"), *[x for x in docs if x["kind"] == "Pod"]]:
         assert pod_spec(d)["nodeSelector"]["kubernetes.io/hostname"] == "gpu-node-7"
 
@@ -188,7 +188,7 @@ def test_node_name_pins_every_pod():
     ids=["duplicate-port", "shared-gpu", "probe-path", "learner-misses-servers", "no-host-network", "gpu-count"],
 )
 def test_semantic_checks_catch_broken_manifests(mutate, expected):
-    _, docs = render_docs("values-6v2.yaml")
+    _, docs = render_docs("presets/6v2-2b-full.values.yaml")
     mutate(docs)
     problems = check_manifests(docs, 8)
     assert any(expected in p for p in problems), problems
@@ -241,7 +241,7 @@ def test_topology_rules_fail_the_render_with_guidance(values, expected):
 
 
 def test_learner_works_in_the_writable_output_volume():
-    _, docs = render_docs("values-6v2.yaml")
+    _, docs = render_docs("presets/6v2-2b-full.values.yaml")
     (learner,) = workload(docs, "learner")
     container = pod_spec(learner)["containers"][0]
     assert container["workingDir"] == "/output"

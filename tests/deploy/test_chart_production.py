@@ -121,7 +121,7 @@ def docs_name(docs):
 
 
 def test_port_blocks_follow_the_instance_index():
-    _, docs = _render("values-6v2.yaml", "other-ports")
+    _, docs = _render("presets/6v2-2b-full.values.yaml", "other-ports")
     servers = workload(docs, "rollout-server")
     for i, s in enumerate(servers):
         first = 12000 + i * 250
@@ -140,7 +140,7 @@ def test_port_blocks_follow_the_instance_index():
 
 
 def test_grpo_group_ports_are_one_per_server_in_the_learner_block():
-    values = load_values("values-6v2.yaml")
+    values = load_values("presets/6v2-2b-full.values.yaml")
     values["rolloutServer"].update(engine="swift", instances=[{"port": 8080, "gpus": [0, 1, 2]}, {"port": 8081, "gpus": [3, 4, 5]}],
                                    dataParallelSize=3, gpuMemoryUtilization=None)
     values["learner"]["config"] = {"rlhf": {"rlhf_type": "grpo"}, "model": {"path": "/models/policy"}}
@@ -159,7 +159,7 @@ def test_grpo_group_ports_are_one_per_server_in_the_learner_block():
     (lambda docs: _set_group_port(docs, 20005), "port collision"),
 ], ids=["vllm-ranges-overlap", "master-port-on-http-port", "outside-block", "group-port-in-server-block"])
 def test_port_check_catches_collisions(mutate, expected):
-    _, docs = _render("values-6v2.yaml", "defaults")
+    _, docs = _render("presets/6v2-2b-full.values.yaml", "defaults")
     mutate(docs)
     problems = check_manifests(docs, 8)
     assert any(expected in p for p in problems), problems
@@ -203,7 +203,7 @@ def test_port_schema_rejects_small_blocks():
     ("caches-pvc+models-pvc", {"persistentVolumeClaim": {"claimName": "compile-cache"}}),
 ])
 def test_compile_caches_are_one_volume_shared_by_every_pod(option, source):
-    _, docs = _render("values-6v2.yaml", option)
+    _, docs = _render("presets/6v2-2b-full.values.yaml", option)
     pods = _gpu_pods(docs)
     assert len(pods) == 7
     for name, _, pod in pods:
@@ -219,19 +219,19 @@ def test_compile_caches_are_one_volume_shared_by_every_pod(option, source):
 def test_models_volume_is_read_only_and_the_same_for_every_pod():
     for option, source in [("defaults", {"hostPath": {"path": "/data/models", "type": "Directory"}}),
                            ("caches-pvc+models-pvc", {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}})]:
-        _, docs = _render("values-6v2.yaml", option)
+        _, docs = _render("presets/6v2-2b-full.values.yaml", option)
         for name, _, pod in _gpu_pods(docs):
             (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == "models"]
             assert {k: v for k, v in vol.items() if k != "name"} == source, name
             (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "models"]
             assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
-    (learner,) = workload(_render("values-6v2.yaml", "caches-pvc+models-pvc")[1], "learner")
+    (learner,) = workload(_render("presets/6v2-2b-full.values.yaml", "caches-pvc+models-pvc")[1], "learner")
     (output,) = [v for v in pod_spec(learner)["volumes"] if v["name"] == "output"]
     assert output["persistentVolumeClaim"] == {"claimName": "runs"}
 
 
 def test_extra_volumes_and_disabled_dataset():
-    values = deep_merge(load_values("values-3v1.yaml"), OPTIONS["extra-volume"])
+    values = deep_merge(load_values("presets/3v1-2b-full.values.yaml"), OPTIONS["extra-volume"])
     values["storage"]["data"] = {"enabled": False, "hostPath": "", "mountPath": "/data"}
     for name, _, pod in _gpu_pods(manifests_of(render_chart(values))):
         names = [v["name"] for v in pod["spec"]["volumes"]]
@@ -250,7 +250,7 @@ def _nccl_defaults():
 def test_nccl_block_reaches_every_pod_and_each_variable_is_documented():
     defaults = _nccl_defaults()
     assert {"NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_SHM_DISABLE"} <= set(defaults)
-    _, docs = _render("values-6v2.yaml", "defaults")
+    _, docs = _render("presets/6v2-2b-full.values.yaml", "defaults")
     for name, _, pod in _gpu_pods(docs):
         env = _env(pod)
         assert {k: env[k] for k in defaults} == {k: str(v) for k, v in defaults.items()}, name
@@ -261,7 +261,7 @@ def test_nccl_block_reaches_every_pod_and_each_variable_is_documented():
 
 
 def test_nccl_values_override_the_defaults():
-    _, docs = _render("values-3v1.yaml", "nccl-multinode")
+    _, docs = _render("presets/3v1-2b-full.values.yaml", "nccl-multinode")
     for _, _, pod in _gpu_pods(docs):
         env = _env(pod)
         assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["NCCL_IB_DISABLE"] == "0" and env["NCCL_CUMEM_ENABLE"] == "0"
@@ -271,7 +271,7 @@ def test_nccl_values_override_the_defaults():
 # --- scheduling -------------------------------------------------------------------------------------------------
 
 def test_scheduling_options_off_by_default():
-    _, docs = _render("values-6v2.yaml", "defaults")
+    _, docs = _render("presets/6v2-2b-full.values.yaml", "defaults")
     assert not [d for d in docs if d["kind"] in ("PodDisruptionBudget", "JobSet")]
     for d in [d for d in docs if d["kind"] == "Job"]:
         assert "ttlSecondsAfterFinished" not in d["spec"] and "suspend" not in d["spec"]
@@ -280,7 +280,7 @@ def test_scheduling_options_off_by_default():
 
 
 def test_priority_class_ttl_and_pdb():
-    _, docs = _render("values-6v2.yaml", "scheduling")
+    _, docs = _render("presets/6v2-2b-full.values.yaml", "scheduling")
     jobs = [d for d in docs if d["kind"] == "Job"]
     assert len(jobs) == 7
     for d in jobs:
@@ -298,12 +298,12 @@ def test_priority_class_ttl_and_pdb():
 
 
 def test_ttl_zero_is_kept():
-    _, docs = render_docs("values-3v1.yaml", {"jobs": {"ttlSecondsAfterFinished": 0}})
+    _, docs = render_docs("presets/3v1-2b-full.values.yaml", {"jobs": {"ttlSecondsAfterFinished": 0}})
     assert all(d["spec"]["ttlSecondsAfterFinished"] == 0 for d in docs if d["kind"] == "Job")
 
 
 def test_kueue_queue_suspends_every_job():
-    _, docs = _render("values-6v2.yaml", "kueue")
+    _, docs = _render("presets/6v2-2b-full.values.yaml", "kueue")
     jobs = [d for d in docs if d["kind"] == "Job"]
     assert len(jobs) == 7
     for d in jobs:
@@ -311,7 +311,7 @@ def test_kueue_queue_suspends_every_job():
 
 
 def test_jobset_gang_places_all_pods_as_one_group():
-    _, docs = _render("values-6v2.yaml", "jobset")
+    _, docs = _render("presets/6v2-2b-full.values.yaml", "jobset")
     assert not [d for d in docs if d["kind"] == "Job"]
     (js,) = [d for d in docs if d["kind"] == "JobSet"]
     assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
@@ -322,7 +322,7 @@ def test_jobset_gang_places_all_pods_as_one_group():
     assert names == [f"server-{i}" for i in range(6)] + ["learner"]
     assert all(rj["replicas"] == 1 and "suspend" not in rj["template"]["spec"] for rj in js["spec"]["replicatedJobs"])
     # the same pods as the separate Jobs
-    _, plain = _render("values-6v2.yaml", "defaults")
+    _, plain = _render("presets/6v2-2b-full.values.yaml", "defaults")
     assert [p for _, _, p in _gpu_pods(docs)] == [p for _, _, p in sorted(_gpu_pods(plain), key=_server_first)]
 
 
@@ -333,7 +333,7 @@ def _server_first(item):
 
 # --- lifecycle --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("values_file", ("values-6v2.yaml", "values-3v1.yaml"))
+@pytest.mark.parametrize("values_file", ("presets/6v2-2b-full.values.yaml", "presets/3v1-2b-full.values.yaml"))
 def test_servers_are_supervised_to_stop_when_the_learner_ends(values_file):
     _, docs = _render(values_file, "defaults")
     (learner,) = workload(docs, "learner")
@@ -351,12 +351,12 @@ def test_servers_are_supervised_to_stop_when_the_learner_ends(values_file):
 
 
 def test_a_learner_with_retries_left_is_not_final_on_failure():
-    _, docs = render_docs("values-3v1.yaml", {"learner": {"backoffLimit": 2}})
+    _, docs = render_docs("presets/3v1-2b-full.values.yaml", {"learner": {"backoffLimit": 2}})
     (learner,) = workload(docs, "learner")
     assert "--final-on-failure" not in args_of(learner) and learner["spec"]["backoffLimit"] == 2
 
 
-@pytest.mark.parametrize(("values_file", "option"), [("values-6v2.yaml", "no-lifecycle"), ("values-colocate.yaml", "defaults")])
+@pytest.mark.parametrize(("values_file", "option"), [("presets/6v2-2b-full.values.yaml", "no-lifecycle"), ("presets/colocate-4-2b-full.values.yaml", "defaults")])
 def test_no_supervisor_without_lifecycle_or_servers(values_file, option):
     _, docs = _render(values_file, option)
     for d in workload(docs, "rollout-server") + workload(docs, "learner"):
@@ -420,8 +420,8 @@ def test_metrics_ports_pod_monitor_and_learner_exporter(values_file):
 
 
 def test_metrics_on_loopback_without_pod_monitor_or_learner_port():
-    _, docs = _render("values-3v1.yaml", "defaults")
-    _, docs = render_docs("values-3v1.yaml", {"metrics": {"enabled": True, "host": "127.0.0.1"}})
+    _, docs = _render("presets/3v1-2b-full.values.yaml", "defaults")
+    _, docs = render_docs("presets/3v1-2b-full.values.yaml", {"metrics": {"enabled": True, "host": "127.0.0.1"}})
     assert not [d for d in docs if d["kind"] == "PodMonitor"]
     for _, _, pod in _gpu_pods(docs):
         c = pod["spec"]["containers"][0]

@@ -233,17 +233,17 @@ def _free_or_remapped(ports: list[int]) -> list[int]:
 
 
 def test_chart_rendered_3v1_pods_talk_to_each_other(images, assets, tmp_path):
-    values = load_values("values-3v1.yaml")
+    values = load_values("presets/3v1-2b-full.values.yaml")
     ports = _free_or_remapped([i["port"] for i in values["rolloutServer"]["instances"]])
     values["rolloutServer"].update(
         engine="scripted", model="/models/policy",
         instances=[{**inst, "port": p} for inst, p in zip(values["rolloutServer"]["instances"], ports)])
     values["storage"] = {"models": {"hostPath": str(assets["models"]), "mountPath": "/models"},
                          "data": {"hostPath": str(assets["data"]), "mountPath": "/data"},
-                         "output": {"hostPath": "", "mountPath": "/output", "sizeLimit": "1Gi"}}
+                         "output": {"hostPath": "", "ephemeral": True, "mountPath": "/output", "sizeLimit": "1Gi"}}
     values["learner"]["healthTimeoutS"] = 180
     shipped_server = values["learner"]["config"]["custom"]["extra"]["rollout_matching"]["vllm"]["server"]
-    assert shipped_server["async_rollouts"]["enabled"], "values-3v1.yaml ships async rollouts"
+    assert shipped_server["async_rollouts"]["enabled"], "presets/3v1-2b-full.values.yaml ships async rollouts"
     values["learner"]["config"] = {
         "model": {"path": None, "tiny": "vl", "torch_dtype": "float32"},
         "data": {"train_jsonl": "/data/train.jsonl", "image_root": "/data"},

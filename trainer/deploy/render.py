@@ -128,6 +128,12 @@ def chart_values(topology: Topology, deploy: DeployConfig, config: dict[str, Any
     storage["extraVolumes"] = [{"name": v.name, "hostPath": v.host_path, "mountPath": v.mount_path, "readOnly": v.read_only}
                                for v in deploy.volumes if v.name not in ("models", "data")]
     storage["output"] = {"hostPath": deploy.output_host_path or "", "claimName": "", "mountPath": deploy.output_mount_path}
+    chosen = ((deploy.values.get("storage") or {}).get("output") or {}) if isinstance(deploy.values, dict) else {}
+    if not (deploy.output_host_path or chosen.get("hostPath") or chosen.get("claimName") or chosen.get("ephemeral")):
+        raise ConfigError("deploy.output_host_path", "the learner's checkpoints need a volume that outlives the pod: "
+                          "set it to a node directory writable by deploy.run_as_user (e.g. /data/runs), or "
+                          "deploy.values: {storage: {output: {claimName: <pvc>}}}, or {storage: {output: "
+                          "{ephemeral: true}}} to lose them with the pod")
     values: dict[str, Any] = {
         "fullnameOverride": topology.name,
         "images": {"rolloutServer": _image(deploy.images.rollout_server, deploy.images.pull_policy),

@@ -175,6 +175,13 @@ Topology rules the schema cannot express. Fails the render with the offending ke
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- $out := $v.storage.output -}}
+{{- if and (not $out.hostPath) (not $out.claimName) (not $out.ephemeral) -}}
+{{- fail "storage.output: the learner's checkpoints need a volume that outlives the pod; set storage.output.hostPath (a node directory writable by securityContext.runAsUser, e.g. --set storage.output.hostPath=/data/runs) or storage.output.claimName (a PVC), or storage.output.ephemeral=true to lose them with the pod" -}}
+{{- end -}}
+{{- if and $out.ephemeral (or $out.hostPath $out.claimName) -}}
+{{- fail "storage.output.ephemeral is true but storage.output names a hostPath or claimName; drop one of them" -}}
+{{- end -}}
 {{- if and $v.rolloutServer.instances (not (has $v.rolloutServer.host (list "127.0.0.1" "localhost" "::1"))) -}}
 {{- fail (printf "rolloutServer.host is %s: servers share the node's host network and must bind the loopback (127.0.0.1)" $v.rolloutServer.host) -}}
 {{- end -}}

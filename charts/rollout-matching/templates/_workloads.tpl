@@ -179,6 +179,11 @@ spec:
         - --health-timeout-s
         - {{ $l.healthTimeoutS | quote }}
         {{- end }}
+        {{- if and (eq $l.resume "auto") (not (include "rm.isGrpo" .)) }}
+        # A restarted pod resumes stage 2 from the newest complete checkpoint in training.output_dir.
+        - --resume
+        - auto
+        {{- end }}
         {{- range $l.extraArgs }}
         - {{ . | quote }}
         {{- end }}
@@ -203,7 +208,7 @@ spec:
       configMap:
         name: {{ include "rm.fullname" . }}-config
     {{- include "rm.sharedVolumes" . | trim | nindent 4 }}
-    {{- include "rm.volume" (dict "name" "output" "spec" .Values.storage.output "hostPathType" "DirectoryOrCreate") | nindent 4 }}
+    {{- include "rm.volume" (dict "name" "output" "spec" .Values.storage.output "hostPathType" "Directory") | nindent 4 }}
 {{- end -}}
 
 {{/* Job spec around a pod template. Args: dict "root" $ "backoffLimit" N "activeDeadlineSeconds" N|nil "pod" YAML */}}
