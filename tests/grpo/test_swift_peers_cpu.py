@@ -152,8 +152,7 @@ def test_failed_command_records_rc_and_error(tmp_path):
 def tiny_model_dir(tmp_path_factory):
     import torch
 
-    from trainer.bench.async_vllm import CPU_SHAPE
-    from trainer.bench.vllm import save_random_model_dir
+    from trainer.bench.models import CPU_SHAPE, save_random_model_dir
 
     return save_random_model_dir(tmp_path_factory.mktemp("peers") / "model", CPU_SHAPE, dtype=torch.float32)
 
@@ -190,7 +189,7 @@ def test_a_peer_that_exits_before_health_is_recorded_as_a_failed_start(tmp_path)
 
 
 def test_a_peer_that_serves_is_probed(tmp_path, tiny_model_dir):
-    from trainer.bench.fleet import free_port
+    from trainer.launch.ports import listen_port as free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -1,5 +1,6 @@
-"""The scale bench's step timings beside TRL's (issue 37 item 2): our ``training_step``, optimizer step and
-step-to-step wall time from the metrics rows, TRL's from ``trl_peer``'s callback clock, and the ratio on wall time."""
+"""What a benchmark run measured (``trainer.bench.measure``) beside TRL's side: our ``training_step``, optimizer step
+and step-to-step wall time from the metrics rows, TRL's from ``trl_peer``'s callback clock, the ratio on wall time,
+MFU per timed step, and ``recompiles_after_first_step``."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from trainer.bench import scale, trl_peer
+from trainer.bench import measure as scale
+from trainer.bench import trl_peer
 from trainer.telemetry import StepClock, step_clock_callback
+
+
+QUICK = scale.Work(size="tiny", batch=2, image_size=64, max_new_tokens=8)
 
 
 def _row(step_s: float, optimizer_s: float, wall_s: float, **extra: float) -> dict[str, float]:
@@ -19,9 +24,9 @@ def _row(step_s: float, optimizer_s: float, wall_s: float, **extra: float) -> di
 
 
 def test_summary_reports_the_optimizer_and_the_wall_beside_the_training_step_and_skips_the_first_step():
-    run = scale.QUICK
+    run = QUICK
     rows = [_row(50.0, 9.0, 70.0), _row(10.0, 1.0, 12.0), _row(12.0, 3.0, 16.0)]  # the first: warm-up, left out
-    out = scale.summarise_steps(run, rows, "cpu", checkpointing=True)
+    out = scale.summarise_steps(run, rows, checkpointing=True)
     assert out["steps"] == 3
     assert out["step_s"] == pytest.approx(11.0) and out["optimizer_s"] == pytest.approx(2.0)
     assert out["step_wall_s"] == pytest.approx(14.0)
@@ -41,7 +46,7 @@ def test_summary_reports_the_optimizer_and_the_wall_beside_the_training_step_and
 
 def test_metrics_from_before_the_optimizer_phase_give_none_not_zero():
     rows = [{k: v for k, v in _row(10.0, 0.0, 0.0).items() if k not in ("time/optimizer_s", "time/step_wall_s")}]
-    out = scale.summarise_steps(scale.QUICK, rows, "cpu", checkpointing=False)
+    out = scale.summarise_steps(QUICK, rows, checkpointing=False)
     assert out["step_s"] == pytest.approx(10.0)
     assert out["optimizer_s"] is None and out["step_wall_s"] is None and out["wall_split"] == {}
 
@@ -58,7 +63,7 @@ def _trl(step_s: float = 12.0, wall_s: float | None = 15.0, optimizer_s: float |
 
 
 def test_trl_ratio_is_on_step_to_step_wall_time_and_keeps_the_training_step_ratio_apart():
-    ours = scale.summarise_steps(scale.QUICK, [_row(10.0, 2.0, 13.0), _row(10.0, 2.0, 12.0)], "cpu", True)
+    ours = scale.summarise_steps(QUICK, [_row(10.0, 2.0, 13.0), _row(10.0, 2.0, 12.0)], True)
     r = scale.trl_over_ours(_trl(), ours)
     assert set(r) == {"step_wall", "training_step", "generate", "weight_sync", "train_fwd_bwd", "optimizer",
                       "train_tokens", "train_fwd_bwd_per_token", "step_wall_range"}
@@ -74,9 +79,9 @@ def test_trl_ratio_is_on_step_to_step_wall_time_and_keeps_the_training_step_rati
 
 
 def test_trl_ratio_is_published_with_the_spread_of_the_steps_behind_it():
-    """Session 28's 4B pairing: 1.297 on the means, from our steps 11.70 / 10.57 s and TRL's 14.28 / 14.60 s."""
-    ours = scale.summarise_steps(scale.QUICK, [_row(10.0, 1.0, 30.0), _row(10.0, 1.0, 11.70), _row(9.0, 1.0, 10.57)],
-                                 "cpu", True)
+    """The H100 4B pairing of 2026-11-28: 1.297 on the means, from our steps 11.70 / 10.57 s and TRL's 14.28 / 14.60 s."""
+    ours = scale.summarise_steps(QUICK, [_row(10.0, 1.0, 30.0), _row(10.0, 1.0, 11.70), _row(9.0, 1.0, 10.57)],
+                                 True)
     trl = {**_trl(wall_s=(14.28 + 14.60) / 2), "step_wall_s_runs": [40.0, 14.28, 14.60]}
     r = scale.trl_over_ours(trl, ours)
     assert r["step_wall"] == pytest.approx(14.44 / 11.135)
@@ -87,7 +92,7 @@ def test_trl_ratio_is_published_with_the_spread_of_the_steps_behind_it():
 
 
 def test_trl_ratio_per_token_divides_each_side_by_its_own_tokens():
-    ours = scale.summarise_steps(scale.QUICK, [_row(10.0, 2.0, 13.0), _row(10.0, 2.0, 12.0)], "cpu", True)
+    ours = scale.summarise_steps(QUICK, [_row(10.0, 2.0, 13.0), _row(10.0, 2.0, 12.0)], True)
     r = scale.trl_over_ours({**_trl(), "train_tokens": 800.0}, ours)  # ours: 1000 tokens in 2.5 s of fwd + bwd
     assert r["train_tokens"] == pytest.approx(0.8)
     # TRL: 3.0 s for 800 tokens, ours 2.5 s for 1000: TRL spends 1.5x our seconds per token
@@ -95,7 +100,7 @@ def test_trl_ratio_per_token_divides_each_side_by_its_own_tokens():
 
 
 def test_trl_ratio_without_wall_times_on_either_side_is_none():
-    ours = scale.summarise_steps(scale.QUICK, [_row(10.0, 2.0, 12.0)], "cpu", True)
+    ours = scale.summarise_steps(QUICK, [_row(10.0, 2.0, 12.0)], True)
     old_trl = _trl(wall_s=None, optimizer_s=None)  # a TRL JSON written before trl_peer timed the wall
     r = scale.trl_over_ours(old_trl, ours)
     assert r["step_wall"] is None and r["optimizer"] is None and r["training_step"] == pytest.approx(1.2)
@@ -150,10 +155,10 @@ def test_trl_steady_mean_leaves_out_the_first_step():
 
 
 def test_each_timed_step_keeps_its_own_mfu_so_the_spread_behind_the_mean_is_in_the_record():
-    run = scale.ScaleRun("4b", "full", steps=4, profile_step=4)
+    run = scale.Work(size="4b", batch=8, image_size=1024, max_new_tokens=1536, profile_step=4)
     rows = [_row(50.0, 1.0, 60.0), _row(10.0, 1.0, 12.0, **{"batch/tokens": 32000.0, "batch/rows_per_step": 2.0}),
             _row(8.0, 1.0, 9.0, **{"batch/tokens": 16000.0, "batch/rows_per_step": 1.0}), _row(30.0, 1.0, 31.0)]
-    out = scale.summarise_steps(run, rows, "cuda", checkpointing=True, peak_tflops=989.0)
+    out = scale.summarise_steps(run, rows, checkpointing=True, peak_tflops=989.0)
     steps = out["timed_steps"]
     assert [t["step"] for t in steps] == [2, 3], "warm-up step 1 and profiled step 4 are not timed"
     assert [t["rows"] for t in steps] == [2.0, 1.0] and steps[0]["fwd_bwd_s"] == pytest.approx(2.5)
@@ -162,11 +167,11 @@ def test_each_timed_step_keeps_its_own_mfu_so_the_spread_behind_the_mean_is_in_t
         assert t["mfu"] == pytest.approx(flops["model"] / t["fwd_bwd_s"] / 1e12 / 989.0)
     assert min(t["mfu"] for t in steps) <= out["mfu"] <= max(t["mfu"] for t in steps)
     assert steps[0]["mfu"] != pytest.approx(steps[1]["mfu"])
-    assert scale.summarise_steps(scale.QUICK, rows[:2], "cpu", True)["timed_steps"][0]["mfu"] is None
-    unknown = scale.summarise_steps(run, rows, "cuda", checkpointing=True, peak_tflops=None)
+    assert scale.summarise_steps(QUICK, rows[:2], True)["timed_steps"][0]["mfu"] is None
+    unknown = scale.summarise_steps(run, rows, checkpointing=True, peak_tflops=None)
     assert unknown["mfu"] is None and unknown["timed_steps"][0]["mfu"] is None, \
         "a card without a known peak gets no MFU rather than the H100's"
-    half = scale.summarise_steps(run, rows, "cuda", checkpointing=True, peak_tflops=989.0 / 2)
+    half = scale.summarise_steps(run, rows, checkpointing=True, peak_tflops=989.0 / 2)
     assert half["mfu"] == pytest.approx(2 * out["mfu"]) and half["peak_tflops"] == 989.0 / 2
 
 
@@ -180,51 +185,26 @@ def test_the_mfu_peak_is_the_card_s_own():
     assert peak_bf16_tflops("NVIDIA L4") is None and peak_bf16_tflops("cpu") is None
 
 
-def test_trl_side_runs_with_liger_whatever_our_levers_unless_told_not_to(tmp_path):
-    """Issue 37: TRL with ``use_liger_kernel`` where it supports it — also beside our compiled or plain runs."""
-    from pathlib import Path
+def test_trl_side_runs_with_liger_on_the_variant_s_records_lengths_and_vllm_share():
+    from trainer.bench.runner import trl_peer_args, work_of
 
-    compiled = scale.with_levers(scale.selected("2b"), scale.lever_knobs({"RM_BENCH_SCALE_COMPILE": "1"}))[0]
-    for liger in (None, "1"):
-        args = scale.trl_peer_args(compiled, Path("m"), Path("d"), Path("o"), liger)
-        assert args[:2] == ["-m", "trainer.bench.trl_peer"] and args[-1] == "--liger"
-    assert "--liger" not in scale.trl_peer_args(compiled, Path("m"), Path("d"), Path("o"), "0")
-    lora = scale.selected("8b-lora64-sleep2-util0.35")[0]
-    args = scale.trl_peer_args(lora, Path("m"), Path("d"), Path("o"), None)
-    assert args[args.index("--lora-rank") + 1] == "64" and args[args.index("--vllm-util") + 1] == "0.35"
-    with pytest.raises(SystemExit, match="RM_BENCH_TRL_LIGER"):
-        scale.trl_peer_args(lora, Path("m"), Path("d"), Path("o"), "yes")
+    cfg = {"training": {"max_steps": 3, "per_device_train_batch_size": 8},
+           "tuner": {"train_type": "lora", "lora_rank": 64}, "data": {"synthetic": {"image_size": 1024}},
+           "custom": {"extra": {"rollout_matching": {"decoding": {"max_new_tokens": 1536},
+                                                     "vllm": {"gpu_memory_utilization": 0.35}}}}}
+    work = work_of("8b", cfg, 1)
+    assert (work.batch, work.lora_rank, work.max_new_tokens, work.image_size) == (8, 64, 1536, 1024)
+    args = trl_peer_args(cfg, work, Path("m"), Path("d"), Path("o"))
+    assert args[:2] == ["-m", "trainer.bench.trl_peer"] and args[-1] == "--liger"
+    assert [args[args.index(k) + 1] for k in ("--steps", "--batch", "--max-new-tokens", "--vllm-util", "--lora-rank")] \
+        == ["3", "8", "1536", "0.35", "64"]
+    full = work_of("2b", {**cfg, "tuner": None}, 1)
+    assert full.tuner == "full" and full.lora_rank == 0
 
 
-def test_a_second_run_of_one_name_on_one_machine_reads_only_its_own_steps(tmp_path, monkeypatch):
-    """Session 18 (H200 x4): two device calls ran ``8b-lora64-sleepkv-util0.35`` on one card; the trainer appended
-    the second run's rows to the first's ``metrics.jsonl`` and the record's means covered both runs' steps."""
-    import json
-    from types import SimpleNamespace
-
-    import trainer.config.schema as schema
-    import trainer.sft.run as sft_run
-
-    runs_made: list[float] = []
-
-    def fake_training(cfg):
-        out = Path(cfg["training"]["output_dir"])
-        out.mkdir(parents=True, exist_ok=True)
-        step_s = 10.0 * (len(runs_made) + 1)
-        runs_made.append(step_s)
-        with (out / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps({"phase": "setup"}) + "\n")
-            for _ in range(3):
-                f.write(json.dumps(_row(step_s, 1.0, step_s + 2.0)) + "\n")
-        return SimpleNamespace(metrics_path=out / "metrics.jsonl")
-
-    monkeypatch.setattr(scale, "save_random_vl_model", lambda path, size, device: (path, {}))
-    monkeypatch.setattr(scale, "stage2_config",
-                        lambda run, model_dir, out_dir, backend: {"training": {"output_dir": str(out_dir),
-                                                                               "gradient_checkpointing": True}})
-    monkeypatch.setattr(schema, "validate_config", lambda cfg: cfg)
-    monkeypatch.setattr(sft_run, "run_training", fake_training)
-    first = scale.run_one(scale.QUICK, tmp_path, "cpu")
-    second = scale.run_one(scale.QUICK, tmp_path, "cpu")
-    assert first["step_s"] == pytest.approx(10.0)
-    assert second["step_s"] == pytest.approx(20.0) and len(second["timed_steps"]) == 2, second["timed_steps"]
+def test_recompiles_after_first_step_is_the_last_logged_value_and_none_when_never_logged():
+    rows = [_row(10.0, 1.0, 12.0), _row(10.0, 1.0, 12.0, **{"compile/recompiles_after_first_step": 0.0}),
+            _row(10.0, 1.0, 12.0, **{"compile/recompiles_after_first_step": 3.0})]
+    assert scale.recompiles_after_first_step(rows) == 3.0, "cumulative and summed over the ranks by the trainer"
+    assert scale.recompiles_after_first_step(rows[:2]) == 0.0
+    assert scale.recompiles_after_first_step(rows[:1]) is None, "never logged: unknown, not 0"

@@ -18,7 +18,7 @@ import torch
 trl = pytest.importorskip("trl", reason="TRL is not installed: trl_peer runs TRL's GRPOTrainer")
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL without trl.trainer.grpo_trainer")
 
-from trainer.bench import scale, trl_peer  # noqa: E402
+from trainer.bench import models, trl_peer  # noqa: E402
 from trainer.data import synthetic  # noqa: E402
 
 STEPS = 2
@@ -27,7 +27,7 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def model_and_data(tmp_path_factory) -> tuple[Path, Path]:
     work = tmp_path_factory.mktemp("trl_peer")
-    model_dir, _ = scale.save_random_vl_model(work / "model", "tiny", "cpu")
+    model_dir, _ = models.save_random_vl_model(work / "model", "tiny", "cpu")
     # 32x32 images: 4 patches of 16 px, one visual token after the 2x2 merge
     data = synthetic.generate(work / "data", num_samples=4, seed=0, image_size=32)
     return model_dir, data

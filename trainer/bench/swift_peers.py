@@ -886,8 +886,7 @@ def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S
     direction only: ``swift rollout`` is checked at the small shape)."""
     import torch
 
-    from trainer.bench.async_vllm import CPU_SHAPE, GPU_SHAPE
-    from trainer.bench.vllm import save_random_model_dir
+    from trainer.bench.models import CPU_SHAPE, GPU_SHAPE, save_random_model_dir
 
     t_start = time.monotonic()
     deadline = t_start + budget_s
@@ -926,7 +925,7 @@ def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S
             model_dir = save_random_model_dir(work / "model", GPU_SHAPE if cuda else CPU_SHAPE,
                                               dtype=torch.bfloat16 if cuda else torch.float32)
         else:
-            from trainer.bench.scale import save_random_vl_model
+            from trainer.bench.models import save_random_vl_model
 
             model_dir, _ = save_random_vl_model(work / "model", size, "cuda" if cuda else "cpu")
         result["model"]["build_s"] = round(time.monotonic() - t0, 2)

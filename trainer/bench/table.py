@@ -1,0 +1,219 @@
+"""A benchmark table (``benchmarks/*.yaml``): one base trainer config and named variants, each a small override.
+
+    model: 2b                 # the random Qwen3-VL the variants train (trainer.bench.models): tiny | 2b | 4b | 8b
+    base:                     # a trainer config (``extends:`` a preset or values file as in any config file)
+      training: {max_steps: 3, records_per_step: 64}
+    fragments:                # named overrides a variant can extend with ``#name``
+      auto-compile: {training: {gradient_checkpointing_policy: auto, compile_decoder_layers: true}}
+    variants:
+      - name: colocate-1
+      - name: colocate-2
+        learner_gpus: 2       # torchrun ranks, on the GPUs after the servers'
+        baseline: colocate-1  # the variant its ratios are taken against (default: itself)
+        config: {training: {records_per_step: 128}}          # deep-merged over base
+      - name: colocate-1-auto-compile
+        extends: "#auto-compile"                              # a fragment of this table
+      - name: shipped
+        extends: ../values-colocate.yaml#learner.config      # merged before ``config``; ``#a.b`` picks a key path
+
+A variant's config is ``base``, then its ``extends`` in order, then its ``config`` (mappings merge, everything else
+replaces), then the keys the runner owns (``RUNNER_KEYS``). Every variant is validated by the training schema when
+the table loads, before anything runs; a problem is one line naming the table, the variant and the key.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.config.errors import ConfigError, ConfigErrors
+from trainer.config.loader import deep_merge, resolve_yaml
+from trainer.config.schema import TrainConfig, validate_config
+
+#: what the runner writes into every variant's config, whatever the table says
+RUNNER_KEYS = ("model.path", "training.output_dir", "data.synthetic.num_samples",
+               "custom.extra.rollout_matching.vllm.server.servers")
+
+
+class BenchTableError(ValueError):
+    """Problems of a table, one line each (``<table>: variant '<name>': <key>: <what to do>``)."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = lines
+        super().__init__("\n".join(lines))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Variant(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="the variant's name (--only picks it)")
+    model: Literal["tiny", "2b", "4b", "8b"] | None = Field(None, description="the random Qwen3-VL (default: the table's)")
+    learner_gpus: int = Field(1, ge=1, description="learner ranks (torchrun), each on a GPU of its own")
+    servers: int = Field(0, ge=0, description="`trainer serve` rollout servers, one GPU each, before the learner's")
+    baseline: str | None = Field(None, description="the variant this one's ratios are taken against")
+    trl: bool | None = Field(None, description="TRL's GRPOTrainer beside this variant (default: the table's trl)")
+    extends: str | list[str] = Field([], description="config files merged before `config` (`path#key.path`)")
+    config: dict[str, Any] = Field({}, description="trainer config keys deep-merged over the base")
+
+    @property
+    def gpus(self) -> int:
+        return self.learner_gpus + self.servers
+
+
+class ServerSettings(_Strict):
+    engine: Literal["vllm", "hf"] = "vllm"
+    gpu_memory_utilization: float = Field(0.85, gt=0, lt=1)
+    max_model_len: int = Field(4096, ge=256)
+
+
+class Table(_Strict):
+    model: Literal["tiny", "2b", "4b", "8b"]
+    base: dict[str, Any]
+    fragments: dict[str, dict[str, Any]] = Field({}, description="named config overrides (`extends: '#name'`)")
+    variants: list[Variant] = Field(min_length=1)
+    trl: bool = Field(False, description="TRL's GRPOTrainer beside each one-GPU colocate variant (trainer.bench.trl_peer)")
+    server: ServerSettings = ServerSettings()
+    timeout_s: float = Field(900.0, gt=0, description="the most one variant's server start and learner may take")
+    warmup_steps: int = Field(1, ge=1, description="optimizer steps left out of every mean")
+
+
+def read_ref(ref: str, relative_to: Path, fragments: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The mapping ``ref`` names: ``#name``, a fragment of the table; a YAML file relative to ``relative_to`` with its
+    ``extends`` resolved; or ``file#a.b``, the mapping at that key path inside it (a values file's
+    ``learner.config``)."""
+    path, _, keys = ref.partition("#")
+    if not path:
+        if keys not in (fragments or {}):
+            raise ConfigError("extends", f"{ref}: no fragment {keys!r} in this table; its fragments: "
+                                         f"{', '.join(fragments or {}) or 'none'}")
+        return copy.deepcopy((fragments or {})[keys])
+    data: Any = resolve_yaml(relative_to / path)
+    for key in filter(None, keys.split(".")):
+        if not isinstance(data, dict) or key not in data:
+            raise ConfigError("extends", f"{ref}: no key {key!r} there")
+        data = data[key]
+    if not isinstance(data, dict):
+        raise ConfigError("extends", f"{ref}: not a mapping")
+    return copy.deepcopy(data)
+
+
+def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for key in parents:
+        cfg = cfg.setdefault(key, {})
+    cfg[last] = value
+
+
+def records_per_step(training: dict[str, Any], learner_gpus: int) -> int:
+    """The records one optimizer step decodes and trains (``training.records_per_step``, else per-device batch x
+    gradient accumulation x ranks), from a config's ``training`` mapping."""
+    return int(training.get("records_per_step") or training.get("per_device_train_batch_size", 1)
+               * training.get("gradient_accumulation_steps", 1) * learner_gpus)
+
+
+def variant_config(table: Table, variant: Variant, where: Path, *, model_dir: str = "model",
+                   output_dir: str = "out", urls: list[str] | None = None) -> dict[str, Any]:
+    """``variant``'s trainer config as a plain mapping (not validated), the runner's keys filled in."""
+    refs = [variant.extends] if isinstance(variant.extends, str) else variant.extends
+    cfg = copy.deepcopy(table.base)
+    base_refs = cfg.pop("extends", [])
+    for ref in ([base_refs] if isinstance(base_refs, str) else base_refs):
+        cfg = deep_merge(read_ref(ref, where, table.fragments), cfg)
+    for ref in refs:
+        cfg = deep_merge(cfg, read_ref(ref, where, table.fragments))
+    cfg = deep_merge(cfg, variant.config)
+    _set(cfg, "model.path", model_dir)
+    _set(cfg, "training.output_dir", output_dir)
+    if variant.servers:
+        urls = urls or [f"http://127.0.0.1:{8000 + i}" for i in range(variant.servers)]
+        _set(cfg, "custom.extra.rollout_matching.vllm.server.servers", [{"base_url": u} for u in urls])
+    training = cfg.get("training", {})
+    if "synthetic" in cfg.get("data", {}):
+        records = records_per_step(training, variant.learner_gpus)
+        _set(cfg, "data.synthetic.num_samples", records * (int(training.get("max_steps", 1)) + 1))
+    return cfg
+
+
+def _placement_errors(variant: Variant, cfg: TrainConfig) -> list[str]:
+    rm = cfg.rollout_matching
+    server_mode = rm.rollout_backend == "vllm" and rm.vllm is not None and rm.vllm.mode == "server"
+    if variant.servers and not server_mode:
+        return ["servers: rollout servers need custom.extra.rollout_matching.vllm.mode: server (and rollout_backend: "
+                "vllm) in the variant's config"]
+    if server_mode and not variant.servers:
+        return ["custom.extra.rollout_matching.vllm.mode: server needs `servers: N` (N >= 1) on the variant"]
+    return []
+
+
+def _pydantic_lines(exc: pydantic.ValidationError, source: str, variants: list[Any]) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = list(err["loc"])
+        who = ""
+        if loc[:1] == ["variants"] and len(loc) > 1 and isinstance(loc[1], int):
+            raw = variants[loc[1]] if loc[1] < len(variants) else {}
+            name = raw.get("name") if isinstance(raw, dict) else None
+            who, loc = f"variant {name or '#' + str(loc[1] + 1)!r}: ", loc[2:]
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        what = "unknown key; known: " + ", ".join(Variant.model_fields if who else Table.model_fields) \
+            if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        lines.append(f"{source}: {who}{key}: {what}")
+    return lines
+
+
+def load_table(path: str | Path) -> Table:
+    """Read and check the table at ``path``: its own keys, unique names, known baselines, and every variant's config
+    through ``validate_config``. ``BenchTableError`` lists every problem found."""
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise BenchTableError([f"{source}: no such benchmark table (the shipped ones are in benchmarks/)"])
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise BenchTableError([f"{source}: not valid YAML: {exc}"]) from None
+    if not isinstance(raw, dict):
+        raise BenchTableError([f"{source}: top level must be a mapping with model, base and variants"])
+    try:
+        table = Table.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise BenchTableError(_pydantic_lines(exc, source, raw.get("variants") or [])) from None
+    names = [v.name for v in table.variants]
+    lines = [f"{source}: variant {n!r}: name: used twice; give each variant its own name"
+             for n in sorted({n for n in names if names.count(n) > 1})]
+    for v in table.variants:
+        where = f"{source}: variant {v.name!r}: "
+        if v.baseline is not None and v.baseline not in names:
+            lines.append(f"{where}baseline: {v.baseline!r} is not a variant of this table")
+        try:
+            cfg = validate_config(variant_config(table, v, path.parent), source=f"{source} variant {v.name}")
+        except ConfigError as exc:
+            lines.append(f"{where}{exc}")
+            continue
+        except ConfigErrors as exc:
+            lines.extend(f"{where}{e}" for e in exc.errors)
+            continue
+        lines.extend(where + line for line in _placement_errors(v, cfg))
+    if lines:
+        raise BenchTableError(lines)
+    return table
+
+
+def select(table: Table, only: str | None) -> list[Variant]:
+    """The variants ``only`` names (comma-separated, in that order), or every one in table order."""
+    if not only:
+        return list(table.variants)
+    wanted = list(dict.fromkeys(n.strip() for n in only.split(",") if n.strip()))
+    by_name = {v.name: v for v in table.variants}
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown:
+        raise BenchTableError([f"--only: no variant {', '.join(map(repr, unknown))} in this table; "
+                               f"its variants: {', '.join(by_name)}"])
+    return [by_name[n] for n in wanted]
