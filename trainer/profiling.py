@@ -8,7 +8,7 @@ push of the learner's weights into the rollout engine) and writes ``step<N>_<reg
 a GPU ``weight_sync`` region also records Python stacks and groups its host-to-device copies by the code that issued
 them (``host_to_device_sources``), and traces every aten operator that reads a host tensor into a device result with
 the Python frames that called it (``HostToDeviceTracer``, ``host_to_device_ops``): the profiler's stacks came back empty
-for the 8B sync's 146 pageable copies (session 17), so the tracer names them from the dispatcher instead; a copy it
+for the 8B sync's 146 pageable copies (H100, 2026-11-27), so the tracer names them from the dispatcher instead; a copy it
 does not see was not issued through aten (a driver-level ``cudaMemcpy``). A GPU ``train`` region records every
 operation that made the host wait for the device, by the Python frames that issued it (``HostSyncTracer``,
 ``host_syncs``: each wait drains the device's queue, so the launches after it are exposed), and writes the profiler's
@@ -17,7 +17,7 @@ table by host time as ``..._host.txt``.
 Every region also counts the host's side (``host_side``): ``launches``, the CUDA runtime and driver calls that each
 queue one kernel or graph (``LAUNCH_CALLS``), and ``host_self_s``, the profiled operators' and API calls' own CPU
 time. A region whose ``host_self_s`` nears its wall time while ``busy_fraction`` stays low is launch-bound: the host
-cannot queue the kernels as fast as the device runs them (session 22: ~3,700 launches a 4k row).
+cannot queue the kernels as fast as the device runs them (H100, 2026-11-27: ~3,700 launches a 4k row).
 
 Invariants: every profiled kernel lands in exactly one category, so the categories sum to the device-busy time;
 ``busy_fraction`` = device-busy seconds / wall seconds of the region (below 1: the device waited on the host).
@@ -143,7 +143,7 @@ def is_plumbing(frame: str, torch_dir: str | None = None) -> bool:
     """Whether a recorded frame (``path:line name`` or ``path(line): name``) is torch's own code or generic plumbing.
     Torch's frames are those under its package directory (``torch_dir``, default this process's): a substring test
     for ``/torch/`` also dropped every package of an environment installed under a folder named ``torch`` (the GPU
-    machines' ``/opt/torch/.venv``: transformers' and accelerate's frames vanished from session 21's profile)."""
+    machines' ``/opt/torch/.venv``: transformers' and accelerate's frames vanished from a 2026-11-27 profile)."""
     return frame.startswith(torch_dir or _torch_dir()) or any(m in frame for m in _PLUMBING)
 
 

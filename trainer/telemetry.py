@@ -118,7 +118,7 @@ class PhaseTimers:
 
     def settle(self) -> None:
         """Wait for the device to finish everything queued (on a GPU: one host wait, however many blocks were timed)
-        and add the event-timed phases' (``phase(device_time="events")``) device seconds to ``seconds``."""
+        and add the event-timed phases' (``phase(device_time="events")``) device time to ``seconds``."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         for name, begin, end in self._pending:

@@ -12,7 +12,7 @@ labels. Every variant runs the trainer's own ``forward_loss`` on the same micro-
 * ``packed-varlen/supervised+coord-only``: ``coord_gate_weight: 0``, coord rows over the 1000 coord columns only;
 * ``packed-mask/supervised``: the dense block-diagonal mask fallback (sdpa);
 * ``…/supervised+chunked``: supervised rows projected and reduced ``LOGIT_CHUNK_ROWS`` at a time
-  (``loss.logit_chunk_rows``, the default since session 11; the plain ``supervised`` variants hold every row's
+  (``loss.logit_chunk_rows``, the default; the plain ``supervised`` variants hold every row's
   logits), on the widest packed layout: the peak-memory difference is the point.
 
 Real tokens/s, ratios against ``padded/full`` and MFU (model FLOPs of a full causal-LM forward+backward over the

@@ -41,7 +41,7 @@ def records_dataset(jsonl: Path, instruction: str):
     return Dataset.from_list(rows)
 
 
-#: Qwen3-VL's vision special tokens: a random model samples them now and then (8B on an H200, session 18: one
+#: Qwen3-VL's vision special tokens: a random model samples them now and then (8B on an H200, 2026-11-27: one
 #: ``<|image_pad|>`` among 8 completions), and TRL's forward over prompt + completion then counts one image token
 #: more than the images have features ("Image features and image tokens do not match, tokens: 8193, features: 8192")
 VISION_SPECIAL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")

@@ -205,8 +205,8 @@ class TrainingConfig(Section):
         "optimizer step ends, as it is frozen once before training: what that step built for the whole run (the "
         "compiled decoder layers' Dynamo and Inductor caches, the optimizer's state, the engine's warm-up) then stays "
         "out of every later full collection, such as the one vLLM's level-1/2 sleep runs each step (8B LoRA on an "
-        "H100, session 28: one gen-2 collection a step, 0.13-0.21 s of gc pause, most of a 0.17-0.26 s sleep; frozen, "
-        "on an H200, session 29: gc pause 0.013-0.015 s, sleep 0.05-0.07 s). "
+        "H100, 2026-11-28: one gen-2 collection a step, 0.13-0.21 s of gc pause, most of a 0.17-0.26 s sleep; frozen, "
+        "on an H200, 2026-11-28: gc pause 0.013-0.015 s, sleep 0.05-0.07 s). "
         "Cyclic garbage made from objects alive at that moment is not collected until training ends (run_training "
         "unfreezes)")
     profile_trace: bool = Field(False, description="also write a gzipped Chrome trace per profiled step "

@@ -95,7 +95,7 @@ class VllmSyncConfig(Section):
     prewake: bool = Field(
         False, description="colocate, sleep mode: start waking the engine's weights on a thread when a sync begins, "
         "so that vLLM's per-allocation remapping overlaps the learner's finite check and LoRA merge; false (the "
-        "default) wakes them after the merge, one after the other. Measured at 8B LoRA on an H100 (session 15): the "
+        "default) wakes them after the merge, one after the other. Measured at 8B LoRA on an H100 (2026-11-26): the "
         "wake thread slowed the learner's check by about as much as it overlapped, sync 0.44 s on vs 0.31 s off")
     recorded_load: bool = Field(
         False, description="colocate: record vLLM's weight loader once (each copy from the update into a parameter "
@@ -108,7 +108,7 @@ class VllmSyncConfig(Section):
         "the engine's weights on the calling thread while they run (vLLM's wake is host work: one driver mapping per "
         "allocation), then read the check before any weight is written (a refused update changes no served weight); "
         "false (the default) runs merge, check and wake one after the other. Not with prewake (a wake on a thread). "
-        "Measured at 8B LoRA on an H100 (session 26): sync 0.168 / 0.184 s on against 0.168 / 0.154 s off, the "
+        "Measured at 8B LoRA on an H100 (2026-11-28): sync 0.168 / 0.184 s on against 0.168 / 0.154 s off, the "
         "wake's release of torch's cached blocks waiting for the queued work")
     merge_into_engine: bool = Field(
         False, description="colocate, sleep_level 2, with recorded_load (a LoRA learner's full sync): each LoRA "

@@ -2,8 +2,8 @@
 
 The twelve summary rewards (``trainer.grpo.rewards``) are gated on a parseable two-line summary, so a random-weight
 model, which never writes one, gets the same total for every completion: GRPO's advantages are then all 0 and the
-learner learns nothing (``docs/benchmarks/runs/h100x2-session12/swift_peers_4b``: reward -5.5, reward_std, loss
-and grad_norm 0 in every step). ``signal.length_distinct`` is a deterministic function of the completion and the
+learner learns nothing (Qwen3-VL-4B on 2 x H100, 2026-11-26: reward -5.5, reward_std, loss and grad_norm
+0 in every step). ``signal.length_distinct`` is a deterministic function of the completion and the
 row's ``summary_ref`` that still separates sampled completions:
 
 * half of it is how close the completion's length (characters, outer whitespace stripped) is to the reference

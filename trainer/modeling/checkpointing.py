@@ -46,13 +46,13 @@ off, selective every 4, 3, 2 layers, full (full also when nothing fits).
 
 An engine asleep at level 1 or 2 is charged nothing: vLLM unmaps its whole pool while the learner trains, and
 ``InProcessVllm`` hands torch's cached free blocks back to the driver before each wake, so the pool maps back into
-what the backward left cached. Sessions 15-25 charged it its whole share, after session 15's wake failures (2B,
+what the backward left cached. It was once charged its whole share, after wake failures on an H100 (2026-11-26, 2B,
 engine at 0.3: with the share counted as 2 GiB, ``auto`` chose selective every 4th layer, which trained and then could
-not map the KV cache back), which came before that cache release. Measured on an H100 with the release (session 26,
+not map the KV cache back), which came before that cache release. Measured on an H100 with the release (2026-11-28,
 sleep level 2, 16k-token rows, compiled layers without checkpointing; the driver's used memory, not torch's count,
 which keeps counting the unmapped pool): Qwen3-VL-8B LoRA r64 beside an engine at 0.35 (26 GiB) used 68.1 GiB at
 budget 0.6 (estimate: 47.0 activations + 18.9 resident + 1.7 loss = 67.6), 64.5 at 0.5 (60.5); 4B full beside 0.2
-(15 GiB) 64.7 at 0.4 (60.6); the engine woke in every step of each run. The session-15 estimate against its measured
+(15 GiB) 64.7 at 0.4 (60.6); the engine woke in every step of each run. The 2026-11-26 estimate against its measured
 backward peaks (eager layers, less the memory held between steps): off 55.1 GiB estimated / 46.7 measured (one 16k
 row), selective/4 43.8 / 34.6-42.9, selective/2 30.4 / 22.6-31.3 (the higher figure in each range: a step of two
 rows).
@@ -181,7 +181,7 @@ def _with_budget(label: str, budget: float | None) -> str:
 
 #: ``compile_activation_memory_budget: auto``: the budgets ``auto`` tries without checkpointing, largest first (0.3
 #: already recomputes the MLP's up projection; below it the MLP's matmuls go, and checkpointing is the better trade).
-#: At 8B LoRA on an H100, 16k rows: fwd + bwd 2.09 s at 0.6, 2.14 s at 0.5 (session 26), 2.27 s at 0.3 (session 25)
+#: At 8B LoRA on an H100, 16k rows: fwd + bwd 2.09 s at 0.6, 2.14 s at 0.5 (2026-11-28), 2.27 s at 0.3 (2026-11-27)
 AUTO_MEMORY_BUDGETS = (1.0, 0.6, 0.5, 0.4, 0.3)
 
 

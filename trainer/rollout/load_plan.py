@@ -150,7 +150,7 @@ class _CopyRecorder(TorchDispatchMode):
     """Writes down each ``copy_`` from a view of an input into a view of a parameter; anything else done with an
     input or to a parameter goes into ``refusals``. A module-level class holding its maps as attributes: a class
     defined inside ``record_load`` closing over them formed a reference cycle that kept the whole update alive until
-    Python's collector ran (session 18, 8B on an H200: 11.5 GiB more through the recording step)."""
+    Python's collector ran (8B on an H200, 2026-11-27: 11.5 GiB more through the recording step)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], parameters: list[torch.Tensor]):
         super().__init__()

@@ -455,7 +455,7 @@ class InProcessVllm:
         memory does not cover what the wake maps (``vllm_compat.sleeping_bytes`` + ``WAKE_HEADROOM_BYTES``; always
         when the allocator does not say): vLLM 0.26's wake maps its pool without doing so (0.32's empties the cache
         itself), so the blocks a learner's backward left cached in this process kept the engine from mapping its KV
-        cache back (session 15, H100); where the memory is free anyway the release is left to vLLM's next sleep
+        cache back (H100, 2026-11-26); where the memory is free anyway the release is left to vLLM's next sleep
         (0.26's cumem ``sleep`` empties the cache), outside the weight sync; the ``kv_cache`` sleep never empties it,
         so there this check is the only release. Timed as ``wake_cache_release``. Its allocator's
         out-of-memory (a ``RuntimeError`` from ``cumem_allocator.cpp``, not torch's error) is raised as

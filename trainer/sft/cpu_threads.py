@@ -3,7 +3,7 @@
 torchrun sets ``OMP_NUM_THREADS=1`` in every rank when it starts more than one and the variable is unset, so a
 multi-rank learner runs its host-side tensor work (the image processor's resize and normalize, the packed rows'
 pixel concatenation, ~0.8 GB a step at 64 records of 1024² images) on one thread, where a one-rank run uses every
-core (session 30, 2 × H200: the packing part of a colocate-2 rank's ``target`` phase 0.85 s against colocate-1's
+core (2 × H200, 2026-11-28: the packing part of a colocate-2 rank's ``target`` phase 0.85 s against colocate-1's
 0.3 s, the same 64 records per rank). ``auto`` gives each rank its share of the node's cores instead, as
 ``accelerate launch`` does.
 """
