@@ -120,10 +120,12 @@ def test_doc_train_eval_export_on_the_tiny_vl_model(tmp_path, capsys, monkeypatc
     tiny = {"extends": "mycoco.yaml",
             "model": {"path": None, "tiny": "vl", "torch_dtype": "float32"},
             "training": {"bf16": False, "max_steps": 2, "per_device_train_batch_size": 3, "eval_steps": 0,
-                         "packing": False, "disable_tqdm": True, "report_to": ["jsonl"], "learning_rate": 2e-3},
+                         "packing": False, "disable_tqdm": True, "report_to": ["jsonl"], "learning_rate": 2e-3,
+                         "compile_decoder_layers": False, "compile_activation_memory_budget": 1.0},
             "custom": {"extra": {"rollout_matching": {
-                "rollout_generate_batch_size": 3, "hf": {"compile": False, "cache_implementation": "dynamic"},
-                "decoding": {"max_new_tokens": 24}, "matching": {"mask_resolution": 64}}}}}
+                "rollout_backend": "hf", "rollout_generate_batch_size": 3, "hf": {"compile": False, "cache_implementation": "dynamic"},
+                "decoding": {"max_new_tokens": 24}, "matching": {"mask_resolution": 64},
+                "vllm": {"pixels_during_decode": False}}}}}
     (tmp_path / "configs" / "mycoco_tiny.yaml").write_text(yaml.safe_dump(tiny))
     ran = []
     for argv in doc_commands(data):
