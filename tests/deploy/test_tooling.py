@@ -4,6 +4,7 @@ when no Docker daemon can run (instead of letting the container suite skip unnot
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -41,6 +42,32 @@ def test_grpo_print_keeps_its_default_config():
     assert "launch server --engine swift --config configs/summary_1024.yaml --print-command" in proc.stdout
     proc = _make("-n", "grpo-print", "CONFIG=configs/summary_1024_attr_key_recall.yaml")
     assert "--config configs/summary_1024_attr_key_recall.yaml --print-command" in proc.stdout
+
+
+def _find_links(makefile: Path, tmp_path: Path) -> str:
+    """The --find-links `make setup`'s first install would pass (a dry run into a venv path that does not exist)."""
+    proc = _make("-n", "-B", "-f", str(makefile), f"VENV={tmp_path}/venv", f"{tmp_path}/venv/.core")
+    assert proc.returncode == 0, proc.stderr
+    (value,) = set(re.findall(r"--find-links (\S+)", proc.stdout))
+    return value
+
+
+def test_torch_find_links_falls_back_to_the_pytorch_cpu_index(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCH_FIND_LINKS", raising=False)
+    makefile = (REPO / "Makefile").read_text()
+    expected_here = "/opt/wheels" if Path("/opt/wheels").is_dir() else "https://download.pytorch.org/whl/cpu/torch/"
+    assert _find_links(REPO / "Makefile", tmp_path) == expected_here
+    elsewhere = tmp_path / "Makefile.elsewhere"  # the same Makefile on a machine without /opt/wheels
+    elsewhere.write_text(makefile.replace("/opt/wheels", str(tmp_path / "no-wheels-here")))
+    assert _find_links(elsewhere, tmp_path) == "https://download.pytorch.org/whl/cpu/torch/"
+
+
+@pytest.mark.parametrize(("base", "tag"), [("local", "0.1.0-cpu"), ("official", "0.1.0")])
+def test_cpu_and_gpu_images_get_different_tags(base, tag):
+    proc = _make("-n", "images", f"IMAGE_BASE={base}", "TORCH_WHEEL=/wheels/torch-2.13.0+cpu-x.whl")
+    assert proc.returncode == 0, proc.stderr
+    assert f'"learner rollout-matching/learner:{tag}"' in proc.stdout
+    assert f'"rollout-server rollout-matching/rollout-server:{tag}"' in proc.stdout
 
 
 def _fake_bin(tmp_path: Path, **scripts: str) -> Path:
