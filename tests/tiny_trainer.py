@@ -1,5 +1,5 @@
 """A stage-2 ``RolloutMatchingTrainer`` over a tiny text model with the HF rollout backend, on the CPU: the trainer
-that unit tests of the training loop drive (profiling, adapter casts, the heap freeze)."""
+that unit tests of the training loop drive (profiling, adapter casts, the heap freeze, the step's loss over ranks)."""
 
 from __future__ import annotations
 
@@ -21,17 +21,23 @@ from trainer.sft.trainer import RolloutMatchingTrainer, SampleDataset
 
 
 def tiny_stage2_trainer(tmp_path: Path, *, model=None, records: int = 2, max_steps: int = 1, bf16: bool = False,
-                        **trainer_kwargs: Any) -> RolloutMatchingTrainer:
-    """``records`` synthetic records (two per step), rollouts of 8 new tokens, logging every step, nothing saved;
-    ``model`` defaults to the tiny text model (seed 0); ``trainer_kwargs`` go to the trainer."""
+                        samples=None, per_device: int = 2, target_source: str = "rollout",
+                        trainer_class: type[RolloutMatchingTrainer] = RolloutMatchingTrainer,
+                        args: dict[str, Any] | None = None, **trainer_kwargs: Any) -> RolloutMatchingTrainer:
+    """``records`` synthetic records (``per_device`` per step; or the given ``samples``), rollouts of 8 new tokens
+    (none with ``target_source='ground_truth'``), logging every step, nothing saved; ``model`` defaults to the tiny
+    text model (seed 0); ``args`` override the ``TrainingArguments``, ``trainer_kwargs`` go to the trainer."""
     tok = tiny_tokenizer()
     model = model if model is not None else build_tiny_model("text", seed=0)[0]
-    samples = load_jsonl(generate(tmp_path / "data", records, seed=0, max_objects=2))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=max_steps, per_device_train_batch_size=2,
-                             learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[], bf16=bf16,
-                             remove_unused_columns=False, disable_tqdm=True, use_cpu=True)
-    engine = HFRolloutEngine(model, tok.pad_token_id, sorted(stop_token_ids(tok)), 2)
-    return RolloutMatchingTrainer(model=model, args=args, train_dataset=SampleDataset(samples),
-                                  pipeline=Stage2Pipeline(PromptEncoder(tok)), engine=engine,
-                                  decoding=DecodingParams(max_new_tokens=8), loss_weights=LossWeights(),
-                                  target_source="rollout", processing_class=tok, **trainer_kwargs)
+    if samples is None:
+        samples = load_jsonl(generate(tmp_path / "data", records, seed=0, max_objects=2))
+    arguments = TrainingArguments(**{
+        "output_dir": str(tmp_path / "out"), "max_steps": max_steps, "per_device_train_batch_size": per_device,
+        "learning_rate": 1e-5, "logging_steps": 1, "save_strategy": "no", "report_to": [], "bf16": bf16,
+        "remove_unused_columns": False, "disable_tqdm": True, "use_cpu": True, **(args or {})})
+    engine = (HFRolloutEngine(model, tok.pad_token_id, sorted(stop_token_ids(tok)), 2)
+              if target_source == "rollout" else None)
+    return trainer_class(model=model, args=arguments, train_dataset=SampleDataset(samples),
+                         pipeline=Stage2Pipeline(PromptEncoder(tok)), engine=engine,
+                         decoding=DecodingParams(max_new_tokens=8), loss_weights=LossWeights(),
+                         target_source=target_source, processing_class=tok, **trainer_kwargs)

@@ -23,9 +23,11 @@ def forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torc
 
     ``model`` may be a wrapper (DDP, DeepSpeed); ``unwrapped`` is the module that owns the LM head (default:
     ``model``). With ``supervised_logits`` the returned outputs carry zero-length logits, and ``logit_chunk_rows``
-    projects and reduces the supervised rows that many at a time (``trainer.losses.chunked_objective``). A batch
-    with ``loss_weight`` 0 (a rank's filler micro-batch, so every data-parallel rank makes the same number of backward
-    passes) returns a zero loss that still reaches every parameter the forward used.
+    projects and reduces the supervised rows that many at a time (``trainer.losses.chunked_objective``). The loss is
+    multiplied by the batch's ``loss_weight`` (the terms are not): the data-parallel world size for a row of a step
+    whose denominators count every rank's tokens, so the ranks' averaged gradients are the step's token mean; 0 for a
+    rank's filler micro-batch (so every data-parallel rank makes the same number of backward passes), which returns
+    a zero loss that still reaches every parameter the forward used.
     """
     loss, terms, outputs = _forward_loss(model, inputs, coord_ids, weights, supervised_logits, unwrapped,
                                          logit_chunk_rows)

@@ -5,9 +5,10 @@ rank's share arrives as HF's one micro-batch, ``gradient_accumulation_steps`` is
 batched engine call → strict parse → Hungarian match → one teacher-forced target per sample → the targets are packed
 into as many rows as they fill (``trainer.packing.step_rows``; the carry keeps less than one row) or split into padded
 micro-batches → one forward + backward per row, gradients accumulated, the loss of each divided by the step's totals
-so the step equals one row holding every segment → one optimizer step. Data-parallel ranks agree on the row count
-(the largest any rank needs); a rank with fewer rows runs zero-weight filler micro-batches so the collectives line
-up. The collator is the identity (the trainer needs the raw samples) and ``remove_unused_columns`` must be false.
+over every data-parallel rank (CE labels and coord slots, summed in one all-reduce) and multiplied by the world size
+(DDP and DeepSpeed average the ranks' gradients), so the step equals one row holding every rank's segments → one
+optimizer step. Data-parallel ranks agree on the row count (the largest any rank needs); a rank with fewer rows runs
+zero-weight filler micro-batches so the collectives line up. The collator is the identity (the trainer needs the raw samples) and ``remove_unused_columns`` must be false.
 Works with plain models, peft adapters, DDP and DeepSpeed.
 """
 
@@ -42,7 +43,7 @@ from trainer.modeling.vision_metadata import deepstack_owner, deepstack_position
 from trainer.packing.batching import pad_targets
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.packed_batch import pack_targets
-from trainer.packing.step_rows import chunk_rows, step_denominators
+from trainer.packing.step_rows import StepDenominators, chunk_rows, step_denominators
 from trainer.packing.varlen_attention import (
     VARLEN_KERNELS,
     choose_packed_attention,
@@ -206,6 +207,11 @@ class RolloutMatchingTrainer(Trainer):
         #: ``compile/new_graphs``: graphs Dynamo compiled since the previous logged step (a rise after the first
         #: steps is a recompile), counted from what was compiled before training
         self._graphs_logged = compiled_graphs()
+        #: ``compile/recompiles_after_first_step``: graphs Dynamo compiled after this process's first optimizer step
+        #: (counted from the start of its second ``training_step``), summed over the ranks; 0 when no pack layout
+        #: recompiles the layers
+        self._graphs_after_first_step: int | None = None
+        self._steps_run = 0
         self.counters = Counters()
         self._loss_terms: list[LossTerms] = []  # per optimizer step; read to the host when logged
         self._max_staleness = 0
@@ -428,6 +434,22 @@ class RolloutMatchingTrainer(Trainer):
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
             return int(count.item())
 
+    def _step_totals(self, ce: int, coord: int) -> tuple[StepDenominators, float]:
+        """The step's CE label and coord slot counts over every data-parallel rank (this rank's ``ce`` and ``coord``
+        summed in one all-reduce, before any backward) and the weight of this rank's rows: the data-parallel world
+        size, since DDP and DeepSpeed average the ranks' gradients (HF's ``average_tokens_across_devices``). The
+        step's gradient is then that of one row holding every rank's segments. Without torch.distributed: this rank's
+        counts and 1. Timed in ``time/rows_agree_s``."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return step_denominators([ce], [coord]), 1.0
+        with self.timers.phase("rows_agree"):
+            counts = torch.tensor([ce, coord], device=self.args.device, dtype=torch.long)
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+            ce, coord = counts.tolist()
+        return step_denominators([ce], [coord]), float(dist.get_world_size())
+
     def _build_batch(self, samples: list[Sample]) -> list[dict[str, Any]]:
         """Rollout → targets → packed rows (or padded micro-batches), each with the step's loss denominators; what an
         E-step caches."""
@@ -449,14 +471,15 @@ class RolloutMatchingTrainer(Trainer):
                 self.counters.add({"rows": len(batches), "tokens_real": stats.tokens, "tokens_padded": stats.capacity,
                                    "packed_segments": stats.segments, "packing_carried": stats.carried,
                                    "packing_steps": 1})
-            den = step_denominators([int(b["ce_labels"].numel()) for b in batches],
-                                    [int(b["coord_targets"].numel()) for b in batches])
+            den, weight = self._step_totals(sum(int(b["ce_labels"].numel()) for b in batches),
+                                            sum(int(b["coord_targets"].numel()) for b in batches))
             for group, batch in zip(groups, batches):
                 batch["sample_ids"] = [t.sample_id for t in group]
                 batch["rollout_steps"] = [t.stats.get("rollout_step", -1) for t in group]
                 batch["decode_steps"] = [t.stats.get("decode_step", t.stats.get("rollout_step", -1)) for t in group]
                 batch["loss_ce_denominator"] = den.ce
                 batch["loss_coord_denominator"] = den.coord
+                batch["loss_weight"] = weight
             fillers = [{**batches[-1], "loss_weight": 0.0, "sample_ids": [], "rollout_steps": [], "decode_steps": []}
                        for _ in range(rows - len(batches))]
             if fillers:
@@ -638,6 +661,9 @@ class RolloutMatchingTrainer(Trainer):
         """One optimizer step's forward + backward passes: ``inputs`` is this rank's records of the step (HF's one
         micro-batch); the rows they fill are accumulated, gradients synchronised on the last."""
         start = time.perf_counter()
+        self._steps_run += 1
+        if self._steps_run == 2:
+            self._graphs_after_first_step = compiled_graphs()
         before = dict(self.timers.seconds)
         terms_before = len(self._loss_terms)
         total = None
@@ -739,11 +765,29 @@ class RolloutMatchingTrainer(Trainer):
             del self._loss_terms[first:]
             self._loss_terms.append({k: sum(p.get(k, 0.0) for p in parts) for k in parts[0]})
 
+    def _sum_over_ranks(self, values: Sequence[Any]) -> list[float]:
+        """``values`` (numbers, 0-d tensors) summed over the data-parallel ranks in one all-reduce (every rank logs the
+        same keys at the same steps); as they are without torch.distributed."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [float(v) for v in values]
+        summed = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.args.device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        return summed.tolist()
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """HF's log record, with the step's loss terms (``loss/*``: the means over every rank's tokens, as ``loss``
+        is; ``tokens/*``: every rank's counts), ``compile/recompiles_after_first_step`` (every rank's) and this rank's
+        timers, peaks, rollout and batch counts."""
         if "loss" in logs and self._loss_terms:
             n = len(self._loss_terms)
-            for key in self._loss_terms[0]:
-                value = float(sum(t[key] for t in self._loss_terms))
+            keys = sorted(self._loss_terms[0])
+            graphs = compiled_graphs()
+            first = self._graphs_after_first_step
+            sums = self._sum_over_ranks([sum(t[key] for t in self._loss_terms) for key in keys]
+                                        + [graphs, 0 if first is None else graphs - first])
+            for key, value in zip(keys, sums):
                 logs[key] = value if key.startswith("tokens/") else value / n
             self._loss_terms.clear()
             for name, sec in self.timers.pop().items():
@@ -785,6 +829,8 @@ class RolloutMatchingTrainer(Trainer):
             if graphs or self._graphs_logged:
                 logs["compile/new_graphs"] = float(graphs - self._graphs_logged)
                 self._graphs_logged = graphs
+            if sums[-2]:
+                logs["compile/recompiles_after_first_step"] = sums[-1]
             logs.update(gpu_memory_snapshot(self.timers))
             logs.update(self.gc_clock.pop())
         super().log(logs, start_time)
