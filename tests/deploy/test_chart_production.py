@@ -340,7 +340,7 @@ def test_servers_are_supervised_to_stop_when_the_learner_ends(values_file):
     servers = workload(docs, "rollout-server")
     largs = args_of(learner)
     assert largs[:2] == ["supervise", "learner"] and largs[largs.index("--") + 1:][:2] == ["launch", "learner"]
-    assert "--final-on-failure" in largs  # learner.backoffLimit 0: a failure is final
+    assert "--final-on-failure" not in largs  # learner.backoffLimit 2: a failed pod is restarted and resumes
     assert flag(largs, "--expect-watchers") == str(len(servers))
     control = flag(largs, "--control-port")
     for s in servers:
@@ -350,10 +350,13 @@ def test_servers_are_supervised_to_stop_when_the_learner_ends(values_file):
         assert s["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
 
 
-def test_a_learner_with_retries_left_is_not_final_on_failure():
-    _, docs = render_docs("presets/3v1-2b-full.values.yaml", {"learner": {"backoffLimit": 2}})
+def test_a_learner_without_retries_is_final_on_failure():
+    _, docs = render_docs("presets/3v1-2b-full.values.yaml", {"learner": {"backoffLimit": 0}})
     (learner,) = workload(docs, "learner")
-    assert "--final-on-failure" not in args_of(learner) and learner["spec"]["backoffLimit"] == 2
+    assert "--final-on-failure" in args_of(learner) and learner["spec"]["backoffLimit"] == 0
+    _, docs = render_docs("presets/3v1-2b-full.values.yaml")
+    (learner,) = workload(docs, "learner")
+    assert learner["spec"]["backoffLimit"] == 2 and flag(args_of(learner), "--resume") == "auto"
 
 
 @pytest.mark.parametrize(("values_file", "option"), [("presets/6v2-2b-full.values.yaml", "no-lifecycle"), ("presets/colocate-4-2b-full.values.yaml", "defaults")])
