@@ -253,8 +253,8 @@ def chart_values() -> list[tuple[str, str, Any, str]]:
 def chart_values_reference() -> str:
     lines = ["# Chart values reference", "", GENERATED_NOTE.strip(), "",
              "Every value of the Helm chart `charts/rollout-matching`, from its `values.schema.json` (Helm validates "
-             "values against it at install and render); defaults from its `values.yaml`. The topology files at the "
-             "repository root (`values-6v2.yaml`, `values-3v1.yaml`, `values-colocate.yaml`) set a subset of these; "
+             "values against it at install and render); defaults from its `values.yaml`. The presets "
+             "(`presets/*.values.yaml`, one per node layout) set a subset of these; "
              "see the [deployment guide](../guides/deployment.md).", "",
              "| value | type | default | description |", "|---|---|---|---|"]
     for path, kind, default, desc in chart_values():
@@ -318,13 +318,18 @@ def generated_pages() -> dict[str, str]:
             "reference/chart-values.md": chart_values_reference(), "changelog.md": changelog_page()}
 
 
+def pages_for(docs_dir: Path) -> dict[str, str]:
+    """Every page the hook adds to ``docs_dir``: the generated ones, and a stand-in for each page owned elsewhere
+    that does not exist (an existing page is never replaced)."""
+    pages = generated_pages()
+    pages.update({uri: placeholder(title) for uri, title in OWNED_ELSEWHERE.items() if not (docs_dir / uri).is_file()})
+    return pages
+
+
 def on_files(files, config):  # noqa: ANN001 (MkDocs hook signature)
     from mkdocs.structure.files import File
 
-    docs_dir = Path(config["docs_dir"])
-    pages = generated_pages()
-    pages.update({uri: placeholder(title) for uri, title in OWNED_ELSEWHERE.items() if not (docs_dir / uri).is_file()})
-    for uri, content in pages.items():
+    for uri, content in pages_for(Path(config["docs_dir"])).items():
         existing = files.get_file_from_path(uri)
         if existing is not None:
             files.remove(existing)
