@@ -195,7 +195,7 @@ def cli_reference() -> str:
                  "Every subcommand of `python -m trainer` (also installed as `rollout-matching`), with the help "
                  "its parser prints (`python -m trainer COMMAND --help`).", ""]
         for words, parser in cli_commands():
-            depth = words.count(" ") - 2
+            depth = words.count(" ") - 3
             lines += [f"{'#' * min(2 + depth, 4)} `{words}`", "", "```text", parser.format_help().rstrip(), "```", ""]
         return "\n".join(lines)
     finally:
