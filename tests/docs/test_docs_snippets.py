@@ -95,13 +95,15 @@ def shell_lines(text: str) -> list[str]:
 def trainer_argv(line: str) -> list[str] | None:
     """The arguments after ``python -m trainer`` / ``torchrun … -m trainer`` on ``line`` (None: not such a line).
     Shell arithmetic ``$((…))`` stands for a number and ``$VAR`` for a value: both become ``1``."""
+    if not re.search(r"-m\s+trainer(\s|$)", line):
+        return None
     line = re.sub(r"\$\(\([^)]*\)\)", "1", line)
     line = re.sub(r"\$\{?[A-Za-z_]\w*\}?", "1", line)
     words = shlex.split(line, comments=True)
     for i in range(len(words) - 1):
         if words[i] == "-m" and words[i + 1] == "trainer":
             runner = words[i - 1] if i else ""
-            if runner.endswith(("python", "python3")) or runner.startswith("--") or "torchrun" in words[:i]:
+            if runner.endswith(("python", "python3")) or "torchrun" in words[:i]:
                 rest = words[i + 2:]
                 for j, w in enumerate(rest):
                     if w in ("&", "&&", ";", "|", "||"):
