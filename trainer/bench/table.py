@@ -152,19 +152,13 @@ def _placement_errors(variant: Variant, cfg: TrainConfig) -> list[str]:
     return []
 
 
-def _pydantic_lines(exc: pydantic.ValidationError, source: str, variants: list[Any]) -> list[str]:
+def _pydantic_lines(exc: pydantic.ValidationError, prefix: str, known: Any) -> list[str]:
     lines = []
     for err in exc.errors():
-        loc = list(err["loc"])
-        who = ""
-        if loc[:1] == ["variants"] and len(loc) > 1 and isinstance(loc[1], int):
-            raw = variants[loc[1]] if loc[1] < len(variants) else {}
-            name = raw.get("name") if isinstance(raw, dict) else None
-            who, loc = f"variant {name or '#' + str(loc[1] + 1)!r}: ", loc[2:]
-        key = ".".join(str(p) for p in loc) or "(top level)"
-        what = "unknown key; known: " + ", ".join(Variant.model_fields if who else Table.model_fields) \
-            if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-        lines.append(f"{source}: {who}{key}: {what}")
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        what = ("unknown key; known: " + ", ".join(known)) if err["type"] == "extra_forbidden" else \
+            err["msg"].removeprefix("Value error, ")
+        lines.append(f"{prefix}{key}: {what}")
     return lines
 
 
@@ -181,13 +175,25 @@ def load_table(path: str | Path) -> Table:
         raise BenchTableError([f"{source}: not valid YAML: {exc}"]) from None
     if not isinstance(raw, dict):
         raise BenchTableError([f"{source}: top level must be a mapping with model, base and variants"])
+    raw_variants = raw.get("variants")
+    if not isinstance(raw_variants, list) or not raw_variants:
+        raise BenchTableError([f"{source}: variants: a list of at least one variant (name, and what it changes)"])
+    lines: list[str] = []
     try:
-        table = Table.model_validate(raw)
+        table = Table.model_validate({**raw, "variants": [{"name": "placeholder"}]})
     except pydantic.ValidationError as exc:
-        raise BenchTableError(_pydantic_lines(exc, source, raw.get("variants") or [])) from None
+        raise BenchTableError(_pydantic_lines(exc, f"{source}: ", Table.model_fields)) from None
+    variants = []
+    for i, rv in enumerate(raw_variants):
+        name = rv.get("name") if isinstance(rv, dict) else None
+        try:
+            variants.append(Variant.model_validate(rv))
+        except pydantic.ValidationError as exc:
+            lines += _pydantic_lines(exc, f"{source}: variant {name or '#' + str(i + 1)!r}: ", Variant.model_fields)
+    table = table.model_copy(update={"variants": variants})
     names = [v.name for v in table.variants]
-    lines = [f"{source}: variant {n!r}: name: used twice; give each variant its own name"
-             for n in sorted({n for n in names if names.count(n) > 1})]
+    lines += [f"{source}: variant {n!r}: name: used twice; give each variant its own name"
+              for n in sorted({n for n in names if names.count(n) > 1})]
     for v in table.variants:
         where = f"{source}: variant {v.name!r}: "
         if v.baseline is not None and v.baseline not in names:
