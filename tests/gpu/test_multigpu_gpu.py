@@ -5,26 +5,50 @@ A: a step's records decoded in one call and trained as every row they fill, on s
 each sample once). B: colocate under torchrun at 1, 2 and 4 ranks, vLLM TP 1 per rank and a TP group, sleep levels
 1 and 2, full and LoRA. D: a vLLM server stalled, then SIGKILLed, in the middle of an NCCL broadcast: the push ends
 within ``vllm.sync.broadcast_timeout_s`` naming it, and the restarted server gets the current weights. Every case runs
-through the product's own entry points (``trainer serve``, ``torch.distributed.run -m trainer train``) via
-``trainer.bench.layouts``."""
+through the product's own entry points (``trainer serve``, ``torch.distributed.run -m trainer train``) via the
+benchmark runner (``trainer.bench.runner.run_variant``) on a tiny table built here."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from trainer.bench.layouts import QUICK_WORK, Layout, run_layout, save_model
+from trainer.bench.runner import run_variant, save_model
+from trainer.bench.table import ServerSettings, Table, Variant
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs: run on a multi-GPU device machine")]
 
 GPUS = torch.cuda.device_count()
-TINY = replace(QUICK_WORK, records_per_step=16, steps=3, max_new_tokens=64, packing_length=2048, timeout_s=240.0,
-               colocate_util=0.2, server_util=0.3)
+REPO = Path(__file__).resolve().parents[2]
+#: the tiny Qwen3-VL, 16 records a step, 3 steps, 64 new tokens, 2k rows, vLLM colocate at 0.2 of each GPU
+BASE = {
+    "model": {"torch_dtype": "bfloat16"},
+    "data": {"synthetic": {"seed": 0, "min_objects": 1, "max_objects": 3, "image_size": 64}},
+    "training": {"max_steps": 3, "records_per_step": 16, "learning_rate": 1e-5, "logging_steps": 1, "seed": 0,
+                 "disable_tqdm": True, "report_to": ["jsonl"], "save_steps": 0, "bf16": True, "packing": True,
+                 "packing_length": 2048, "packing_buffer": 64, "gradient_checkpointing_policy": "full"},
+    "custom": {"extra": {"rollout_matching": {
+        "rollout_backend": "vllm", "rollout_generate_batch_size": 16,
+        "decoding": {"max_new_tokens": 64, "temperature": 0.0},
+        "vllm": {"mode": "colocate", "max_model_len": 4096, "sleep_level": 2, "tensor_parallel_size": 1,
+                 "gpu_memory_utilization": 0.2}}}},
+}
+SERVER_ASYNC = {"custom": {"extra": {"rollout_matching": {"vllm": {
+    "mode": "server", "sync": {"mode": "full"}, "max_model_len": None, "sleep_level": 0,
+    "server": {"timeout_s": 300, "infer_timeout_s": 900, "async_rollouts": {"enabled": True, "max_staleness_steps": 1}}}}}}}
+
+
+def _run(name: str, model_dir: Path, tmp_path: Path, learner_gpus: int = 1, servers: int = 0, **config) -> dict:
+    """One variant of a one-variant table through the benchmark runner."""
+    variant = Variant(name=name, learner_gpus=learner_gpus, servers=servers, config=config)
+    table = Table(model="tiny", base=BASE, variants=[variant], timeout_s=240.0,
+                  server=ServerSettings(gpu_memory_utilization=0.3))
+    return run_variant(table, variant, REPO / "benchmarks", model_dir, tmp_path, cuda=True)
 
 
 def _need(n: int) -> None:
@@ -34,7 +58,7 @@ def _need(n: int) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_model(TINY, tmp_path_factory.mktemp("model"), cuda=True)
+    return save_model("tiny", tmp_path_factory.mktemp("model"), cuda=True)
 
 
 def _ok(rec: dict) -> dict:
@@ -47,8 +71,8 @@ def _ok(rec: dict) -> dict:
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_a_step_trains_every_row_on_every_rank(model_dir, tmp_path, ranks):
     _need(ranks)
-    work = replace(TINY, packing_length=512)  # a step's 16 records fill several 512-token rows
-    rec = _ok(run_layout(Layout(f"colocate-{ranks}", ranks), work, model_dir, tmp_path, cuda=True))
+    # a step's 16 records fill several 512-token rows
+    rec = _ok(_run(f"colocate-{ranks}", model_dir, tmp_path, ranks, training={"packing_length": 512}))
     assert rec["means"]["batch/rows_per_step"] > 1
     assert rec["means"]["rollout/samples"] == 16 / ranks, "each rank decoded its share of the step at once"
 
@@ -58,21 +82,21 @@ def test_a_step_trains_every_row_on_every_rank(model_dir, tmp_path, ranks):
 ])
 def test_colocate_under_torchrun(model_dir, tmp_path, ranks, tp, sleep, tuner):
     _need(ranks)
-    work = replace(TINY, sleep_level=sleep, tuner=tuner)
-    _ok(run_layout(Layout(f"colocate-{ranks}-tp{tp}", ranks, tp=tp), work, model_dir, tmp_path, cuda=True))
+    config = {"custom": {"extra": {"rollout_matching": {"vllm": {"sleep_level": sleep, "tensor_parallel_size": tp}}}}}
+    if tuner != "full":
+        config["tuner"] = {"train_type": tuner, "lora_rank": 16, "lora_alpha": 32}
+    _ok(_run(f"colocate-{ranks}-tp{tp}", model_dir, tmp_path, ranks, **config))
 
 
 def test_server_layout_on_two_gpus(model_dir, tmp_path):
     _need(2)
-    rec = _ok(run_layout(Layout("1v1-async", 1, servers=1, async_rollouts=True), TINY, model_dir, tmp_path,
-                         cuda=True))
+    rec = _ok(_run("1v1-async", model_dir, tmp_path, 1, 1, **SERVER_ASYNC))
     assert rec["means"]["rollout/staleness_mean"] <= 1
 
 
 def test_server_layout_with_two_learner_ranks(model_dir, tmp_path):
     _need(4)
-    rec = _ok(run_layout(Layout("2v2-async", 2, servers=2, async_rollouts=True), TINY, model_dir, tmp_path,
-                         cuda=True))
+    rec = _ok(_run("2v2-async", model_dir, tmp_path, 2, 2, **SERVER_ASYNC))
     assert rec["means"]["rollout/staleness_mean"] <= 1
 
 
@@ -85,7 +109,8 @@ def test_vllm_server_killed_mid_broadcast(model_dir, tmp_path):
     import httpx
     from transformers import AutoModelForImageTextToText
 
-    from trainer.bench.layouts import _popen, _stop
+    from trainer.bench.processes import stop_group
+    from trainer.bench.runner import _popen
     from trainer.launch.health import wait_until_healthy
     from trainer.launch.ports import listen_port, listen_ports
     from trainer.rollout.server_client import ServerEndpoint
@@ -154,4 +179,4 @@ def test_vllm_server_killed_mid_broadcast(model_dir, tmp_path):
         transport.close()
     finally:
         for p in procs:
-            _stop(p)
+            stop_group(p, grace_s=30.0)

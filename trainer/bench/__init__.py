@@ -115,6 +115,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--requests", default=None, help="comma-separated records per decode (default 32)")
     v.add_argument("--new-tokens", type=int, default=None, help="greedy new tokens per record (default 1024)")
     v.add_argument("--pixel-threads", default="",
-                   help="also decode beside the training-pixel thread: comma-separated default | N threads | process")
+                   help="also decode beside the training-pixel thread: comma-separated default | N threads")
     v.add_argument("--no-plain", action="store_true", help="leave plain vLLM out")
     v.set_defaults(action=_vllm_images)

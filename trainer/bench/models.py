@@ -18,8 +18,7 @@ import torch
 
 from trainer.modeling.shapes import QWEN3_0_6B
 
-__all__ = ["QWEN3_0_6B", "TINY", "device_name", "peak_bf16_tflops", "random_qwen3", "save_random_model_dir",
-           "save_random_vl_model", "sync"]
+__all__ = ["QWEN3_0_6B", "TINY", "peak_bf16_tflops", "random_qwen3", "save_random_model_dir", "save_random_vl_model"]
 
 TINY = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=64)
@@ -99,18 +98,6 @@ def random_qwen3(shape: dict[str, int] | None = None, *, device: str | torch.dev
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
-
-
-def sync(device: str | torch.device) -> None:
-    """Wait for ``device``'s queued work (a no-op off CUDA), so wall-clock timings cover it."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def device_name(device: str | torch.device) -> str:
-    device = torch.device(device)
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def save_random_model_dir(out: Path, shape: dict[str, int] | None = None, dtype=torch.bfloat16) -> Path:

@@ -1,7 +1,7 @@
 """ms-swift peers on one GPU (issue 28 item 3): our code against the real ms-swift processes, both directions.
 
-``python -m trainer.bench.swift_peers --out DIR [--only rollout|rlhf]`` (or ``python -m trainer bench --only
-swift-peers --out DIR``) writes ``DIR/swift_peers.json`` and keeps every subprocess's full log in ``DIR/logs/``:
+``python -m trainer.bench.swift_peers --out DIR [--only rollout|rlhf] [--size text|4b]`` writes
+``DIR/swift_peers.json`` and keeps every subprocess's full log in ``DIR/logs/``:
 
 * ``rollout``: the real ``swift rollout`` (built by our launcher, ``trainer.launch.commands.swift_rollout_command``)
   on a small random-weight Qwen3 text model, driven by OUR client (``ServerRolloutEngine``, in a subprocess of its
@@ -59,7 +59,6 @@ BATCH = 8
 NEW_TOKENS = 64
 SUMMARY_CONFIG = "configs/summary_1024_attr_key_recall.yaml"
 REPO = Path(__file__).resolve().parents[2]
-RLHF_SIZE_ENV = "RM_BENCH_SWIFT_SIZE"  # the rlhf direction's model: text (default) | 4b
 GRPO_TEMPERATURE = 1.0  # > 0: a prompt's num_generations completions must differ, or their rewards cannot
 SIGNAL_REWARD = "signal.length_distinct"  # trainer/grpo/signal_reward.py (module docstring there)
 SIGNAL_REWARD_WEIGHT = 1.0
@@ -893,7 +892,7 @@ def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S
     out = Path(out_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     if size not in RLHF_SHAPES:
-        raise ValueError(f"{RLHF_SIZE_ENV}/--size must be one of {sorted(RLHF_SHAPES)}, got {size!r}")
+        raise ValueError(f"--size must be one of {sorted(RLHF_SHAPES)}, got {size!r}")
     shape = RLHF_SHAPES[size]
     if size != "text":
         only = "rlhf"
@@ -954,11 +953,11 @@ def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.bench.swift_peers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="docs/benchmarks/swift_peers")
+    p.add_argument("--out", default="runs/swift_peers")
     p.add_argument("--only", choices=("rollout", "rlhf"), default=None)
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="deadline for the whole run (default %(default)s)")
-    p.add_argument("--size", choices=sorted(RLHF_SHAPES), default=os.environ.get(RLHF_SIZE_ENV, "text"),
-                   help="the rlhf direction's model (4b: issue 30 item 6; rlhf only); env " + RLHF_SIZE_ENV)
+    p.add_argument("--size", choices=sorted(RLHF_SHAPES), default="text",
+                   help="the rlhf direction's model (4b: Qwen3-VL-4B with images, rlhf direction only)")
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: the client subprocess of 'rollout'
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)

@@ -1,4 +1,4 @@
-"""The peer of ``bench --only scale``: TRL's ``GRPOTrainer`` with vLLM colocate on the same random Qwen3-VL model,
+"""The peer of a benchmark table's ``trl: true`` variants (``benchmarks/scale.yaml``): TRL's ``GRPOTrainer`` with vLLM colocate on the same random Qwen3-VL model,
 records (images), batch and generation length, in its own process (``python -m trainer.bench.trl_peer``).
 
 TRL is what a user would pick instead of this project. Its step is timed the way ours is: whole ``training_step``
@@ -7,7 +7,7 @@ seconds (generation, weight sync, forward, backward: ``step_s``), with TRL's own
 ``training_step``, so it is timed apart as ours is (``optimizer_s``: the end of ``training_step`` to the callback's
 ``on_step_end``: clipping, ``optimizer.step()``, the scheduler, ``zero_grad``), and so is the wall time from one
 optimizer step's end to the next (``step_wall_s``, the first from ``on_train_begin``: everything, the number the
-scale bench compares with our ``time/step_wall_s``). Same work as ours: ``batch`` completions of
+runner compares with our ``time/step_wall_s``). Same work as ours: ``batch`` completions of
 exactly ``max_new_tokens`` (random weights never stop), one optimizer step per batch, bf16, gradient checkpointing,
 no KL term (``beta=0``: stage 2 has no reference model), vLLM sleep mode on. The reward is a constant: it does not
 change the time of anything but the advantage arithmetic. Qwen3-VL's vision special tokens are kept out of TRL's
@@ -128,7 +128,7 @@ def liger_decoder(unwrapped_model):
 
 
 def steady_mean(xs: list[float]) -> float:
-    """Mean without the first step (CUDA-graph capture, compilation, first allocations), as the scale bench takes ours;
+    """Mean without the first step (CUDA-graph capture, compilation, first allocations), as the runner takes ours;
     a single step is its own mean."""
     xs = xs[1:] if len(xs) > 1 else xs
     return sum(xs) / len(xs) if xs else 0.0
@@ -249,7 +249,7 @@ def run(model_dir: Path, data: Path, out: Path, *, steps: int, batch: int, max_n
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model_dir", type=Path)
-    ap.add_argument("data", type=Path, help="a JSONL of detection records (the synthetic set of the scale bench)")
+    ap.add_argument("data", type=Path, help="a JSONL of detection records (the synthetic set our side trained on)")
     ap.add_argument("out", type=Path)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)

@@ -17,13 +17,12 @@ Each side runs every workload ``repeats`` times after a warm-up call; the median
 
 ``--pixel-threads`` (e.g. ``default,1``): our side also decodes each workload while a thread makes the
 training pixels of the same records, as stage 2 does with ``vllm.pixels_during_decode``; ``default`` leaves that
-thread torch's intra-op threads, a number caps them there (``torch.set_num_threads`` on that thread only),
-``process`` makes them in a child process instead (its own interpreter; the tensors come back through shared memory).
+thread torch's intra-op threads, a number caps them there (``torch.set_num_threads`` on that thread only).
 ``pixel_thread_slowdown``: the decode's tokens/s alone over with the thread; ``pixel_thread_s``: the thread's own
 seconds. ``--no-plain`` leaves plain vLLM out (no ``engine_over_raw_vllm``).
 
 GPU only: vLLM's Qwen3-VL imports torchvision, which the CPU environment cannot have (locks/overrides.txt); the
-prompt building and the pixel thread and process are tested on the CPU with the tiny Qwen3-VL.
+prompt building and the pixel thread are tested on the CPU with the tiny Qwen3-VL.
 """
 
 from __future__ import annotations
@@ -134,56 +133,6 @@ def pixels_on_a_thread(work: PixelWork, torch_threads: int | None):
     return join
 
 
-#: ``--pixel-threads`` setting: the pixels made in a child process of their own (no interpreter shared with
-#: the engine's loop), handed back through shared memory
-IN_A_PROCESS = "process"
-_CHILD_CODECS: dict[str, Any] = {}
-
-
-def _pixels_in_child(model_dir: str, samples: list, bare: list) -> list:
-    """In the child: the codec for ``model_dir`` (built once), then ``with_pixels``."""
-    from transformers import AutoTokenizer
-
-    from trainer.modeling.loading import load_image_processor
-    from trainer.modeling.prompts import PromptEncoder
-    from trainer.rollout.codec import RolloutCodec
-
-    if model_dir not in _CHILD_CODECS:
-        _CHILD_CODECS[model_dir] = RolloutCodec(PromptEncoder(AutoTokenizer.from_pretrained(model_dir),
-                                                              load_image_processor(Path(model_dir))))
-    return _CHILD_CODECS[model_dir].with_pixels(samples, bare)
-
-
-def pixel_process(work: PixelWork):
-    """A one-process pool (spawned; torch's pickler: tensors come back through shared memory) with ``work``'s codec
-    already built, so the timed calls see no start-up."""
-    import concurrent.futures
-
-    import torch.multiprocessing as tmp
-
-    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=tmp.get_context("spawn"))
-    pool.submit(_pixels_in_child, str(work.model_dir), work.samples[:1],
-                work.codec.requests(work.samples[:1], pixels=False)[0]).result()
-    return pool
-
-
-def pixels_in_a_process(work: PixelWork, pool) -> Any:
-    """Start making ``work``'s training pixels in ``pool`` (``pixel_process``). Returns a callable that waits for
-    them and gives the seconds from the start to the pixels in this process (the child's work and the hand-back)."""
-    bare, _ = work.codec.requests(work.samples, pixels=False)
-    t0 = time.perf_counter()
-    future = pool.submit(_pixels_in_child, str(work.model_dir), work.samples, bare)
-
-    def join() -> float:
-        made = future.result()
-        if len(made) != len(work.samples) or any("pixel_values" not in r.mm_inputs for r in made
-                                                  if r.images):
-            raise RuntimeError("the pixel process gave back requests without their pixel values")
-        return time.perf_counter() - t0
-
-    return join
-
-
 def plain_prompts(requests, image_token_id: int) -> list[dict[str, Any]]:
     """JSON form of the plain side's prompts: one placeholder per image (vLLM expands it), the image files."""
     from trainer.rollout.vllm_compat import collapse_image_placeholders
@@ -222,11 +171,10 @@ def _plain_main(spec_path: str, out: str) -> None:
 
 
 def ours(model_dir: Path, requests: dict[str, list], w: ImageWorkload, dtype: str,
-         pixel_work: dict[str, PixelWork] | None = None, pixel_threads: tuple[int | str | None, ...] = ()
+         pixel_work: dict[str, PixelWork] | None = None, pixel_threads: tuple[int | None, ...] = ()
          ) -> dict[str, Any]:
     """Our engine (``VllmColocateEngine``, sleep level 0) on the same requests; for each of ``pixel_threads`` also
-    while a thread (``pixels_on_a_thread``) or a child process (``IN_A_PROCESS``: ``pixels_in_a_process``) makes
-    ``pixel_work``'s pixels: ``with_pixel_thread[setting][n]``."""
+    while a thread (``pixels_on_a_thread``) makes ``pixel_work``'s pixels: ``with_pixel_thread[setting][n]``."""
     from trainer.rollout.types import DecodingParams
     from trainer.rollout.vllm_colocate import VllmColocateEngine
 
@@ -235,7 +183,6 @@ def ours(model_dir: Path, requests: dict[str, list], w: ImageWorkload, dtype: st
                                 engine_kwargs=dict(ENGINE_KWARGS))
     params = DecodingParams(max_new_tokens=w.new_tokens)
     res: dict[str, Any] = {}
-    pool = None
     try:
         if not engine.vllm.multimodal:
             raise RuntimeError(f"vLLM did not load {model_dir} as a multimodal model")
@@ -250,13 +197,9 @@ def ours(model_dir: Path, requests: dict[str, list], w: ImageWorkload, dtype: st
             for setting in pixel_threads:
                 pixel_s: list[float] = []
 
-                if setting == IN_A_PROCESS and pool is None:
-                    pool = pixel_process(pixel_work[n])
-
-                def with_thread(reqs=reqs, work=pixel_work[n], setting=setting, pixel_s=pixel_s, pool=pool):
+                def with_thread(reqs=reqs, work=pixel_work[n], setting=setting, pixel_s=pixel_s):
                     engine.reset_prefix_cache()
-                    join = (pixels_in_a_process(work, pool) if setting == IN_A_PROCESS
-                            else pixels_on_a_thread(work, setting))
+                    join = pixels_on_a_thread(work, setting)
                     toks = sum(len(r.response_token_ids) for r in engine.generate(reqs, params))
                     pixel_s.append(join())
                     return toks
@@ -265,8 +208,6 @@ def ours(model_dir: Path, requests: dict[str, list], w: ImageWorkload, dtype: st
                 res.setdefault("with_pixel_thread", {}).setdefault(_setting_name(setting), {})[n] = {
                     **runs, "pixel_thread_s": pixel_s}
     finally:
-        if pool is not None:
-            pool.shutdown()
         engine.close()
     return res
 
@@ -284,29 +225,21 @@ def timed_runs(n: int, once, repeats: int) -> dict[str, Any]:
             "seconds": runs[0][1] / median}
 
 
-def _setting_name(setting: int | str | None) -> str:
-    if setting is None:
-        return "default"
-    return setting if isinstance(setting, str) else f"{setting}-threads"
+def _setting_name(setting: int | None) -> str:
+    return "default" if setting is None else f"{setting}-threads"
 
 
-def parse_pixel_threads(spec: str) -> tuple[int | str | None, ...]:
-    """``--pixel-threads``: comma-separated ``default``, a positive thread count, or ``process``."""
-    out: list[int | str | None] = []
+def parse_pixel_threads(spec: str) -> tuple[int | None, ...]:
+    """``--pixel-threads``: comma-separated ``default`` (torch's intra-op threads) or a positive thread count."""
+    out: list[int | None] = []
     for item in filter(None, (x.strip() for x in spec.split(","))):
-        if item == "default":
-            out.append(None)
-        elif item == IN_A_PROCESS:
-            out.append(IN_A_PROCESS)
-        elif item.isdigit() and int(item) > 0:
-            out.append(int(item))
-        else:
-            raise SystemExit(f"--pixel-threads: {item!r} is neither 'default', 'process' nor a positive "
-                             "thread count")
+        if item != "default" and not (item.isdigit() and int(item) > 0):
+            raise SystemExit(f"--pixel-threads: {item!r} is neither 'default' nor a positive thread count")
+        out.append(None if item == "default" else int(item))
     return tuple(out)
 
 
-def images_engine_bench(work: Path, w: ImageWorkload, pixel_threads: tuple[int | str | None, ...] = (),
+def images_engine_bench(work: Path, w: ImageWorkload, pixel_threads: tuple[int | None, ...] = (),
                         plain_side: bool = True) -> dict[str, Any]:
     """Plain vLLM first (a child process, so its memory is gone before ours starts; unless not ``plain_side``), then
     ours in this process, on the same prompts and image files (and ``pixel_threads``, see ``ours``)."""
