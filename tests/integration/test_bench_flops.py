@@ -4,8 +4,6 @@ shapes of ``trainer.bench.models``) and the weight sync's breakdown. The runner'
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from trainer.bench import measure as scale

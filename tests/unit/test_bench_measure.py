@@ -12,7 +12,6 @@ from trainer.bench import measure as scale
 from trainer.bench import trl_peer
 from trainer.telemetry import StepClock, step_clock_callback
 
-
 QUICK = scale.Work(size="tiny", batch=2, image_size=64, max_new_tokens=8)
 
 

@@ -184,6 +184,6 @@ def test_the_cli_prints_a_bad_table_s_problems_without_a_traceback(tmp_path, cap
     path = _table(tmp_path, BASE + "variants: [{name: a, config: {training: {bogus: 1}}}]\n")
     assert main(["bench", "run", str(path)]) == 2
     out = capsys.readouterr()
-    assert f"variant 'a': training.bogus: unknown key" in out.out and "Traceback" not in out.out + out.err
+    assert "variant 'a': training.bogus: unknown key" in out.out and "Traceback" not in out.out + out.err
     assert main(["bench", "run", str(tmp_path / "none.yaml")]) == 2
     assert "no such benchmark table" in capsys.readouterr().out
