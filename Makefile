@@ -16,7 +16,7 @@ help:
 	@echo "make docs   - build the docs site (mkdocs.yml, --strict: a warning or a broken link fails) into build/site"
 	@echo "make lock   - regenerate locks/cpu-test.txt and locks/gpu-runtime.txt (uv; mk/lock.mk)"
 	@echo "make lint   - ruff"
-	@echo "make bench  - benchmarks (GPU machine), JSON + PNG under docs/benchmarks/"
+	@echo "make bench  - the CPU benchmark table end to end (benchmarks/cpu.yaml); GPU tables: python -m trainer bench run benchmarks/<table>.yaml"
 
 # The dependency set is locks/cpu-test.txt (made by `make lock`, mk/lock.mk): installed with uv (from PyPI, pinned),
 # which resolves the package's dependencies with the lock as constraints and locks/overrides.txt applied.

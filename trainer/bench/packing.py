@@ -17,7 +17,7 @@ labels. Every variant runs the trainer's own ``forward_loss`` on the same micro-
 
 Real tokens/s, ratios against ``padded/full`` and MFU (model FLOPs of a full causal-LM forward+backward over the
 real tokens, recompute not counted, over ``peak_tflops``: by default the card's own dense BF16 peak,
-``models.peak_bf16_tflops``) go to ``docs/benchmarks/packing.json`` + ``packing.png``.
+``models.peak_bf16_tflops``) go to ``<out>/packing.json`` + ``packing.png`` (``python -m trainer bench packing``).
 """
 
 from __future__ import annotations
