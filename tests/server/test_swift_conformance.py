@@ -76,7 +76,7 @@ def test_our_buckets_decode_with_swift_bucket():
 
 def test_our_infer_answer_has_every_field_of_swift_rollout(swift_protocol, scripted_server, http, tmp_path):
     """The real ``swift rollout`` (ms-swift 4.6, on the H200) answers the multi-turn fields, ``prompt_logprobs`` and
-    ``images_size`` too (docs/benchmarks/runs/h200-session7/swift_peers): our server answers the same keys, and
+    ``images_size`` too (H200, 2026-11-25): our server answers the same keys, and
     ``images_size`` is each image's (width, height)."""
     import dataclasses
 

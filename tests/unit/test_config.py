@@ -133,7 +133,7 @@ def test_logit_chunks_are_on_by_default_and_off_with_full_logits_unless_asked_fo
 
 def test_lora_with_full_sync_needs_no_lora_kernels_in_vllm():
     """A LoRA learner with ``sync.mode: full`` (the default) syncs merged weights: vLLM needs no ``enable_lora``
-    (its LoRA kernels slowed the 8B stage-2 rollouts on the H100, docs/benchmarks/README.md)."""
+    (its LoRA kernels slowed the 8B stage-2 rollouts on the H100, docs/benchmarks/index.md)."""
     for mode in ("full", "auto"):
         cfg = validate_config(merged(**{"tuner": {"train_type": "lora"}, "custom": {"extra": {"rollout_matching": {
             "rollout_backend": "vllm", "vllm": {"max_model_len": 4096, "sync": {"mode": mode}}}}}}))
