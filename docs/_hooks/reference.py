@@ -267,8 +267,8 @@ def chart_values_reference() -> str:
 
 def changelog_page() -> str:
     path = REPO / "CHANGELOG.md"
-    if path.is_file():
-        return path.read_text()
+    if path.is_file():  # its links are relative to the repository root; the page sits at the docs root
+        return path.read_text().replace("](docs/", "](")
     return "# Changelog\n\nThe dated history of the project lives in `CHANGELOG.md` at the repository root.\n"
 
 
