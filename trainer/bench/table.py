@@ -14,7 +14,7 @@
       - name: colocate-1-auto-compile
         extends: "#auto-compile"                              # a fragment of this table
       - name: shipped
-        extends: ../values-colocate.yaml#learner.config      # merged before ``config``; ``#a.b`` picks a key path
+        extends: ../presets/colocate-4-2b-full.values.yaml#learner.config  # merged before ``config``; ``#a.b``: a key path
 
 A variant's config is ``base``, then its ``extends`` in order, then its ``config`` (mappings merge, everything else
 replaces), then the keys the runner owns (``RUNNER_KEYS``). Every variant is validated by the training schema when
