@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHORT = {  # configs/demo_from_stock.yaml, a few steps of each stage
     "data": {"synthetic": {"num_samples": 16, "eval_num_samples": 4}},
     "training": {"max_steps": 2, "eval_steps": 0, "per_device_train_batch_size": 4, "disable_tqdm": True,
-                 "report_to": ["jsonl"]},
+                 "report_to": ["jsonl"], "save_steps": 6},
     "stage1": {"steps": 6, "logging_steps": 3, "batch_size": 8},
     "custom": {"extra": {"rollout_matching": {"rollout_generate_batch_size": 4, "decoding": {"max_new_tokens": 48}}}},
 }
@@ -47,6 +47,7 @@ def test_stock_prepare_stage1_stage2_eval_via_the_cli(tmp_path):
     assert [r["step"] for r in stage1] == [3, 6]
     assert all(r["learning_rate"] == 3e-3 and r["speed/steps_per_s"] > 0 for r in stage1), stage1
     assert len([r for r in rows if r.get("phase") == "stage2" and "loss" in r]) == 2
+    assert (run / "stage1" / "checkpoint-6" / "config.json").is_file(), "the guide evaluates stage-1 checkpoints"
     evals = [r for r in rows if r.get("phase") == "eval"]
     assert [r["step"] for r in evals] == [0, 2], "held-out eval after stage 1 and after stage 2"
     printed = cli(tmp_path, "eval", "--config", str(config), "--checkpoint", "latest")
