@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -42,7 +43,8 @@ def _command(config: Path, *extra: str) -> tuple[list[str], dict[str, str]]:
 def start(config: Path, *extra: str) -> subprocess.Popen:
     """A learner running in the background (its output kept for the failure message)."""
     cmd, env = _command(config, *extra)
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(log, "w") as out:  # a file, not a pipe: nobody reads a run's output while it trains
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def finish(proc: subprocess.Popen) -> None:
@@ -102,3 +104,96 @@ def test_killed_and_resumed_run_trains_the_same_sequence(tmp_path, packing, buff
     assert max(row[2] for row in expected) == 6
     assert any(row[3] < row[2] for row in expected), "carried or replayed targets exercise the checkpointed buffers"
     assert ledger(killed) == expected
+
+
+# --- the chart's learner command, killed and started again ------------------------------------------------------
+
+def chart_learner_args(config: Path) -> list[str]:
+    """The learner container's arguments as the chart renders them for a preset (one rank), config path swapped."""
+    import helm_python as helm
+
+    values = yaml.safe_load((REPO / "presets" / "colocate-4-2b-full.values.yaml").read_text())
+    values["learner"].update(nprocPerNode=1, gpus=[0])
+    values["storage"] = {"output": {"hostPath": "/data/runs"}}
+    with helm.Chart.load(str(REPO / "charts" / "rollout-matching")) as chart:
+        rendered = chart.render(values, name="stage2", namespace="ml", is_install=True)
+    (learner,) = [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text)
+                  if d and d["kind"] == "Job" and d["metadata"]["name"].endswith("-learner")]
+    args = [str(a) for a in learner["spec"]["template"]["spec"]["containers"][0]["args"]]
+    assert args[args.index("--resume") + 1] == "auto", "the chart's learner resumes by itself"
+    return [str(config) if a == "/etc/rollout-matching/train.yaml" else a for a in args]
+
+
+def write_epoch_config(tmp_path: Path, name: str) -> Path:
+    """7 steps of 4 records over 28 samples: one epoch, so every sample id is trained at most once."""
+    path = write_config(tmp_path, name, packing=True, buffer=False)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["data"]["synthetic"]["num_samples"] = 28
+    cfg["training"]["num_train_epochs"] = 1
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def launch(args: list[str], log: Path, stop_after_checkpoint: int | None = None) -> subprocess.Popen:
+    """``python -m trainer <args>``, its output in ``log``; with ``stop_after_checkpoint`` the command it would exec
+    runs with ``stop_after_checkpoint.py`` in place of ``-m trainer`` (the rank stops itself once checkpoint N is
+    complete)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "trainer", *args]
+    if stop_after_checkpoint is not None:
+        printed = subprocess.run([*cmd, "--print-command"], env=env, capture_output=True, text=True, timeout=600)
+        assert printed.returncode == 0, printed.stderr
+        words = shlex.split(printed.stdout.strip())
+        assignments = words[:words.index(sys.executable)]
+        cmd = words[len(assignments):]
+        env.update(a.split("=", 1) for a in assignments)
+        i = cmd.index("trainer") - 1
+        assert cmd[i:i + 3] == ["-m", "trainer", "train"], cmd
+        cmd[i:i + 2] = [str(REPO / "tests" / "integration" / "stop_after_checkpoint.py"), str(stop_after_checkpoint)]
+    with open(log, "w") as out:  # a file, not a pipe: nobody reads a run's output while it trains
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """``pid`` and its descendants (torchrun starts its workers in sessions of their own) with their states."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        table[int(stat.parent.name)] = (fields[0], int(fields[1]))
+    tree, frontier = {}, [pid]
+    while frontier:
+        p = frontier.pop()
+        if p in table:
+            tree[p] = table[p][0]
+            frontier += [c for c, (_, parent) in table.items() if parent == p]
+    return tree
+
+
+@pytest.mark.slow
+def test_the_chart_learner_command_started_again_after_a_kill_loses_and_repeats_no_sample(tmp_path):
+    straight, killed = write_epoch_config(tmp_path, "straight"), write_epoch_config(tmp_path, "killed")
+    logs = {name: tmp_path / f"{name}.log" for name in ("straight", "first", "again")}
+    uninterrupted = launch(chart_learner_args(straight), logs["straight"])
+    first = launch(chart_learner_args(killed), logs["first"], stop_after_checkpoint=3)
+    target = tmp_path / "killed" / "stage2" / "checkpoint-3" / "rank0-rollout_state.pt"
+    deadline = time.monotonic() + 900  # bounds a hang only
+    while not (target.exists() and "T" in process_tree(first.pid).values()):
+        assert first.poll() is None, logs["first"].read_text()[-4000:]
+        assert time.monotonic() < deadline, f"{target} never appeared or the learner never stopped (waited 900 s)"
+        time.sleep(0.02)
+    for pid in process_tree(first.pid):  # the pod dies: torchrun and its rank
+        os.kill(pid, signal.SIGKILL)
+    first.wait()
+    assert not (tmp_path / "killed" / "stage2" / "checkpoint-6").exists()
+    again = launch(chart_learner_args(killed), logs["again"])  # the Job's next pod: the same command
+    assert again.wait(timeout=900) == 0, logs["again"].read_text()[-4000:]
+    assert f"resume auto: {tmp_path / 'killed' / 'stage2' / 'checkpoint-3'}" in logs["again"].read_text()
+    assert uninterrupted.wait(timeout=900) == 0, logs["straight"].read_text()[-4000:]
+    expected, resumed = ledger(straight), ledger(killed)
+    assert max(row[2] for row in expected) == 6 and len({row[1] for row in expected}) == len(expected)
+    assert resumed == expected
+    assert sorted(row[1] for row in resumed) == sorted(row[1] for row in expected), "no sample lost"
+    assert len({row[1] for row in resumed}) == len(resumed), "no sample trained twice"
