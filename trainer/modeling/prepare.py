@@ -17,9 +17,11 @@ Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -172,12 +174,6 @@ def _copy_aux_files(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def _finish(tmp: Path, out: Path) -> None:
-    if out.exists():
-        out.rmdir()  # empty (checked by _check_out)
-    os.replace(tmp, out)
-
-
 def _check_out(src: Path, out: Path, init: str) -> dict | None:
     """None: write ``out``. A dict: ``out`` already holds this preparation (its record). Refuses anything else."""
     if out.resolve() == src.resolve():
@@ -229,11 +225,10 @@ def prepare_checkpoint(source: str | Path, out: str | Path, init: str = "number"
         result = PrepareResult(str(src.resolve()), str(dst), config.model_type, None, 0,
                                int(tok.convert_tokens_to_ids(all_coord_tokens()[0])), text_rows, text_rows,
                                bool(getattr(config, "tie_word_embeddings", False)), True, True)
-        tmp = _tmp_dir(dst)
-        shutil.copytree(src, tmp, dirs_exist_ok=True)
         previous = (json.loads((src / RECORD).read_text(encoding="utf-8")) if (src / RECORD).is_file() else None)
-        _write_record(tmp, result, previous)
-        _finish(tmp, dst)
+        with _staged(dst) as tmp:
+            shutil.copytree(src, tmp, dirs_exist_ok=True)
+            _write_record(tmp, result, previous)
         return result
     model = _load_model(src, config)
     stock_tokens, stock_rows = len(tok), _rows(model)
@@ -248,21 +243,29 @@ def prepare_checkpoint(source: str | Path, out: str | Path, init: str = "number"
     _init_rows(model, coord_ids, spellings, stock_tokens, range(stock_rows, needed), init)
     result = PrepareResult(str(src.resolve()), str(dst), config.model_type, init, len(coord_ids), coord_ids[0],
                            stock_rows, _rows(model), is_tied(model), False, True)
-    tmp = _tmp_dir(dst)
-    _copy_aux_files(src, tmp)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    _write_record(tmp, result)
-    _finish(tmp, dst)
+    with _staged(dst) as tmp:
+        _copy_aux_files(src, tmp)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        _write_record(tmp, result)
     return result
 
 
-def _tmp_dir(dst: Path) -> Path:
+@contextlib.contextmanager
+def _staged(dst: Path) -> Iterator[Path]:
+    """A hidden sibling of ``dst`` to write into, renamed to ``dst`` when the block succeeds, removed when it fails."""
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    return tmp
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dst.exists():
+        dst.rmdir()  # empty (checked by _check_out)
+    os.replace(tmp, dst)
 
 
 def _write_record(directory: Path, result: PrepareResult, previous: dict | None = None) -> None:
