@@ -213,3 +213,14 @@ def test_demo_config_keeps_its_explicit_stage1_values():
 
     demo = validate_config(yaml.safe_load((Path(__file__).parents[2] / "configs" / "demo.yaml").read_text()))
     assert demo.stage1.learning_rate == 3e-3
+
+
+def test_the_trainer_loads_the_prepared_vl_checkpoint(prepared_vl, tmp_path):
+    from trainer.config.schema import ModelConfig
+    from trainer.modeling.coord_vocab import build_parse_vocab
+    from trainer.modeling.loading import load_model
+
+    loaded = load_model(ModelConfig(path=str(prepared_vl)), tmp_path)
+    assert loaded.multimodal and loaded.model_type == "qwen3_vl" and loaded.image_token_id is not None
+    vocab = build_parse_vocab(loaded.tokenizer)
+    assert vocab.coord_bin_by_id[800] == 0 and vocab.coord_bin_by_id[1799] == 999
