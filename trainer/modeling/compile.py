@@ -9,7 +9,7 @@ its own decoding step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -56,14 +56,16 @@ def traceable_dora_weights() -> bool:
     return True
 
 
-def compile_decoder_layers(model: torch.nn.Module, activation_memory_budget: float = 1.0) -> int:
+def compile_decoder_layers(model: torch.nn.Module, activation_memory_budget: float = 1.0,
+                           backend: str | Callable = "inductor") -> int:
     """Compile every decoder layer in place with dynamic shapes (peft DoRA made traceable first:
     ``traceable_dora_weights``); returns how many were compiled.
 
     ``activation_memory_budget`` (``training.compile_activation_memory_budget``, in (0, 1]): set process-wide as
     ``torch._functorch.config.activation_memory_budget`` before anything compiles, so the min-cut partitioner of each
     layer keeps at most that share of its default saved activations and recomputes the rest in the backward (it
-    recomputes the cheapest ops first: the attention block before the MLP's matmuls)."""
+    recomputes the cheapest ops first: the attention block before the MLP's matmuls). ``backend``: torch.compile's
+    (tests count compiles with a counting one)."""
     if not 0.0 < activation_memory_budget <= 1.0:
         raise ValueError(f"training.compile_activation_memory_budget {activation_memory_budget!r}: a fraction in (0, 1]")
     layers = decoder_layers(model)
@@ -72,7 +74,7 @@ def compile_decoder_layers(model: torch.nn.Module, activation_memory_budget: flo
 
     functorch_config.activation_memory_budget = float(activation_memory_budget)
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, backend=backend)
     return len(layers)
 
 

@@ -67,7 +67,10 @@ def pack_targets(targets: Sequence[TrainTarget], attn_implementation: str, model
     offsets = [sum(lengths[:i]) for i in range(len(lengths))]
     ids = torch.tensor([[tok for t in targets for tok in t.input_ids]])
     batch: dict[str, torch.Tensor] = {"input_ids": ids, **multimodal_inputs(targets)}
-    if "pixel_values" in batch:
+    # a multimodal model's rows have one layout with or without images (mRoPE ids, the side channel), so what its
+    # compiled decoder layers receive never changes with the pack
+    multimodal = "pixel_values" in batch or (model is not None and image_token_id is not None)
+    if multimodal:
         if model is None or image_token_id is None:
             raise ValueError("packing a multimodal batch needs the model (for mRoPE) and the image token id")
         batch["position_ids"] = mrope_position_ids(model, targets, image_token_id)
@@ -76,7 +79,7 @@ def pack_targets(targets: Sequence[TrainTarget], attn_implementation: str, model
         batch["image_positions"] = image_positions(images)
     else:
         batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
-    if attn_implementation in VARLEN_KERNELS.values() and "pixel_values" in batch:
+    if attn_implementation in VARLEN_KERNELS.values() and multimodal:
         batch["packed_cu_seq_lens"] = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()],
                                                    dtype=torch.int32)
         batch["packed_max_length"] = max(lengths)
