@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
