@@ -43,8 +43,7 @@ def _command(config: Path, *extra: str) -> tuple[list[str], dict[str, str]]:
 def start(config: Path, *extra: str) -> subprocess.Popen:
     """A learner running in the background (its output kept for the failure message)."""
     cmd, env = _command(config, *extra)
-    with open(log, "w") as out:  # a file, not a pipe: nobody reads a run's output while it trains
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(proc: subprocess.Popen) -> None:
