@@ -254,10 +254,10 @@ def test_nccl_block_reaches_every_pod_and_each_variable_is_documented():
     for name, _, pod in _gpu_pods(docs):
         env = _env(pod)
         assert {k: env[k] for k in defaults} == {k: str(v) for k, v in defaults.items()}, name
-    guide = (REPO / "docs" / "DEPLOYMENT.md").read_text()
+    guide = (REPO / "docs" / "guides" / "deployment.md").read_text()
     section = guide[guide.index("### NCCL"):]
     for key in defaults:
-        assert re.search(rf"`{key}`[^\n]*\|[^\n]*\|", section), f"{key} has no row (what it is for, when to change) in docs/DEPLOYMENT.md"
+        assert re.search(rf"`{key}`[^\n]*\|[^\n]*\|", section), f"{key} has no row (what it is for, when to change) in docs/guides/deployment.md"
 
 
 def test_nccl_values_override_the_defaults():
