@@ -88,3 +88,31 @@ def test_fifty_pack_layouts_compile_the_layers_once():
     assert frames[-1] == frames[0], f"recompiled at rows {[i for i in range(1, 50) if frames[i] > frames[i - 1]]}"
     assert counters["stats"]["unique_graphs"] == 1, "the two layers share one graph, compiled once"
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_the_trainer_logs_the_graphs_compiled_after_its_first_step(tmp_path, monkeypatch):
+    """``compile/recompiles_after_first_step``: graphs compiled from the second step on, summed since (what the benches
+    report); ``compile/new_graphs``: those since the previous record. Dynamo's count is faked: 3 graphs compiled in
+    the first step, 2 more at the end of the second."""
+    from transformers import TrainerCallback
+
+    from tests.tiny_trainer import tiny_stage2_trainer
+
+    graphs = {"n": 0}
+    monkeypatch.setattr("trainer.sft.trainer.compiled_graphs", lambda: graphs["n"])
+
+    class Compiles(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 0:
+                graphs["n"] = 3
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                graphs["n"] = 5
+
+    trainer = tiny_stage2_trainer(tmp_path, records=6, max_steps=3, target_source="ground_truth",
+                                  callbacks=[Compiles()])
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert [r["compile/new_graphs"] for r in rows] == [3.0, 2.0, 0.0]
+    assert [r["compile/recompiles_after_first_step"] for r in rows] == [0.0, 2.0, 2.0]
