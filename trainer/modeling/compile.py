@@ -5,6 +5,10 @@ activation kernels and cuts Python dispatch (measured in ``docs/benchmarks``). L
 (``nn.Module.compile``), so checkpointing wrappers, peft adapters inside the layers and the packed attention
 interface keep working. Rollouts with the HF backend run eagerly (``eager_rollouts``) unless that backend compiles
 its own decoding step.
+
+No pack layout recompiles a layer after the first step (``compile/recompiles_after_first_step``): row lengths are
+dynamic, segment counts unbacked (``trainer.packing.varlen_attention.unguarded_segment_counts``), and a multimodal
+model's rows reach the layers in one form with or without images (``trainer.packing.packed_batch.pack_targets``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ micro-batches → one forward + backward per row, gradients accumulated, the los
 over every data-parallel rank (CE labels and coord slots, summed in one all-reduce) and multiplied by the world size
 (DDP and DeepSpeed average the ranks' gradients), so the step equals one row holding every rank's segments → one
 optimizer step. Data-parallel ranks agree on the row count (the largest any rank needs); a rank with fewer rows runs
-zero-weight filler micro-batches so the collectives line up. The collator is the identity (the trainer needs the raw samples) and ``remove_unused_columns`` must be false.
-Works with plain models, peft adapters, DDP and DeepSpeed.
+zero-weight filler micro-batches so the collectives line up. The collator is the identity (the trainer needs the raw
+samples) and ``remove_unused_columns`` must be false. Works with plain models, peft adapters, DDP and DeepSpeed.
 """
 
 from __future__ import annotations
