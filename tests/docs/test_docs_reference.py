@@ -95,3 +95,6 @@ def test_stand_ins_only_for_missing_pages(tmp_path):
     assert "guides/presets.md" not in pages, "an existing page is never replaced"
     assert pages["guides/prepare-checkpoint.md"].startswith("# Prepare a checkpoint")
     assert {"reference/config.md", "reference/cli.md", "reference/chart-values.md", "changelog.md"} <= set(pages)
+    stubbed = hook.pages_for(REPO / "docs")
+    assert stubbed["reference/config.md"].startswith("# Config reference\n\n<!-- generated"), \
+        "the generated page replaces the stub in the repository"
