@@ -124,11 +124,12 @@ def chart_learner_args(config: Path) -> list[str]:
 
 
 def write_epoch_config(tmp_path: Path, name: str) -> Path:
-    """7 steps of 4 records over 28 samples: one epoch, so every sample id is trained at most once."""
+    """4 steps of 4 records over 16 samples, a checkpoint every 2: one epoch, so every sample id is trained at most
+    once."""
     path = write_config(tmp_path, name, packing=True, buffer=False)
     cfg = yaml.safe_load(path.read_text())
-    cfg["data"]["synthetic"]["num_samples"] = 28
-    cfg["training"]["num_train_epochs"] = 1
+    cfg["data"]["synthetic"]["num_samples"] = 16
+    cfg["training"].update(num_train_epochs=1, max_steps=4, save_steps=2)
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -176,8 +177,8 @@ def test_the_chart_learner_command_started_again_after_a_kill_loses_and_repeats_
     straight, killed = write_epoch_config(tmp_path, "straight"), write_epoch_config(tmp_path, "killed")
     logs = {name: tmp_path / f"{name}.log" for name in ("straight", "first", "again")}
     uninterrupted = launch(chart_learner_args(straight), logs["straight"])
-    first = launch(chart_learner_args(killed), logs["first"], stop_after_checkpoint=3)
-    target = tmp_path / "killed" / "stage2" / "checkpoint-3" / "rank0-rollout_state.pt"
+    first = launch(chart_learner_args(killed), logs["first"], stop_after_checkpoint=2)
+    target = tmp_path / "killed" / "stage2" / "checkpoint-2" / "rank0-rollout_state.pt"
     deadline = time.monotonic() + 900  # bounds a hang only
     while not (target.exists() and "T" in process_tree(first.pid).values()):
         assert first.poll() is None, logs["first"].read_text()[-4000:]
@@ -186,13 +187,13 @@ def test_the_chart_learner_command_started_again_after_a_kill_loses_and_repeats_
     for pid in process_tree(first.pid):  # the pod dies: torchrun and its rank
         os.kill(pid, signal.SIGKILL)
     first.wait()
-    assert not (tmp_path / "killed" / "stage2" / "checkpoint-6").exists()
+    assert not (tmp_path / "killed" / "stage2" / "checkpoint-4").exists()
     again = launch(chart_learner_args(killed), logs["again"])  # the Job's next pod: the same command
     assert again.wait(timeout=900) == 0, logs["again"].read_text()[-4000:]
-    assert f"resume auto: {tmp_path / 'killed' / 'stage2' / 'checkpoint-3'}" in logs["again"].read_text()
+    assert f"resume auto: {tmp_path / 'killed' / 'stage2' / 'checkpoint-2'}" in logs["again"].read_text()
     assert uninterrupted.wait(timeout=900) == 0, logs["straight"].read_text()[-4000:]
     expected, resumed = ledger(straight), ledger(killed)
-    assert max(row[2] for row in expected) == 6 and len({row[1] for row in expected}) == len(expected)
+    assert max(row[2] for row in expected) == 3 and len({row[1] for row in expected}) == len(expected)
     assert resumed == expected
     assert sorted(row[1] for row in resumed) == sorted(row[1] for row in expected), "no sample lost"
     assert len({row[1] for row in resumed}) == len(resumed), "no sample trained twice"
