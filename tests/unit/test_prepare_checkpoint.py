@@ -224,3 +224,12 @@ def test_the_trainer_loads_the_prepared_vl_checkpoint(prepared_vl, tmp_path):
     assert loaded.multimodal and loaded.model_type == "qwen3_vl" and loaded.image_token_id is not None
     vocab = build_parse_vocab(loaded.tokenizer)
     assert vocab.coord_bin_by_id[800] == 0 and vocab.coord_bin_by_id[1799] == 999
+
+
+def test_stage1_auto_rate_counts_partitioned_parameters_at_full_size():
+    from trainer.sft.run import parameter_count
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False))
+    assert parameter_count(model) == 4 * 3 + 3 + 3 * 2
+    model[1].weight.ds_numel = 8_000_000_000  # a ZeRO-3 partitioned tensor holds an empty shard on this rank
+    assert Stage1Config().resolved_learning_rate(parameter_count(model), "full") == 1e-5

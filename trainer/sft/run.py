@@ -51,6 +51,17 @@ class RunSummary:
     metrics_path: str
 
 
+def parameter_count(model: torch.nn.Module) -> int:
+    """The model's parameters, each tied tensor once and a ZeRO-3 partitioned one at its full size (``ds_numel``)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += int(getattr(p, "ds_numel", p.numel()))
+    return total
+
+
 class StepRateCallback(TrainerCallback):
     """Adds ``speed/steps_per_s`` and ``speed/records_per_s`` (this rank's records) to each log row: optimizer steps
     since the previous row over the wall-clock time since it (the first row: since training began), everything
@@ -282,7 +293,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
         stage2_callbacks.append(periodic_eval(cfg, pipeline, engine, weight_sync, model, decoding, metrics_path))
     if cfg.stage1.steps > 0 and not resume_from_checkpoint:
         s1 = cfg.stage1
-        lr = s1.resolved_learning_rate(loaded.model.num_parameters(), cfg.tuner.train_type)
+        lr = s1.resolved_learning_rate(parameter_count(loaded.model), cfg.tuner.train_type)
         log.info("stage 1: %d steps at learning rate %g (stage1.learning_rate: %s)", s1.steps, lr, s1.learning_rate)
         warm = RolloutMatchingTrainer(
             model=model, args=training_arguments(cfg, out / "stage1", max_steps=s1.steps, learning_rate=lr,
