@@ -185,7 +185,13 @@ def run(args: argparse.Namespace) -> int:
     if metrics.exists():
         metrics.unlink()
     start = time.time()
-    run_training(cfg)
+    from trainer.modeling.loading import CheckpointNotPrepared
+
+    try:
+        run_training(cfg)
+    except CheckpointNotPrepared as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     report = summarise(metrics, time.time() - start)
     plot_losses(metrics, out / "losses.png")
     text = report.markdown() + f"\nPlot: {out / 'losses.png'}\nMetrics: {metrics}\n"

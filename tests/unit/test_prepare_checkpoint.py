@@ -178,10 +178,15 @@ def _stock_config(tmp_path: Path, model_dir: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.parametrize("command", ["train", "eval", "demo"])
 def test_train_and_eval_on_a_stock_checkpoint_say_to_prepare_it(stock_vl, tmp_path, capsys, command):
     config = _stock_config(tmp_path, stock_vl)
-    assert main([command, "--config", str(config)]) == 2
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    try:
+        assert main([command, "--config", str(config)]) == 2
+    finally:  # demo pins both for its process
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
     err = capsys.readouterr().err
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
