@@ -238,3 +238,18 @@ def test_stage1_auto_rate_counts_partitioned_parameters_at_full_size():
     assert parameter_count(model) == 4 * 3 + 3 + 3 * 2
     model[1].weight.ds_numel = 8_000_000_000  # a ZeRO-3 partitioned tensor holds an empty shard on this rank
     assert Stage1Config().resolved_learning_rate(parameter_count(model), "full") == 1e-5
+
+
+def test_an_adapter_refuses_coord_rows_it_could_never_tell_apart(stock_untied, tmp_path):
+    from trainer.config.schema import ModelConfig, TunerConfig
+    from trainer.modeling.loading import CheckpointNotPrepared, check_adapter_can_learn_coords, load_model
+
+    prepare_checkpoint(stock_untied, tmp_path / "mean", init="mean")
+    prepare_checkpoint(stock_untied, tmp_path / "number")
+    mean = load_model(ModelConfig(path=str(tmp_path / "mean")), tmp_path)
+    with pytest.raises(CheckpointNotPrepared, match=r"share one input embedding row .* prepare with --init number"):
+        check_adapter_can_learn_coords(mean, TunerConfig(train_type="lora"))
+    check_adapter_can_learn_coords(mean, TunerConfig(train_type="full"))
+    check_adapter_can_learn_coords(mean, TunerConfig(train_type="lora", target_modules=["q_proj", "lm_head"]))
+    check_adapter_can_learn_coords(load_model(ModelConfig(path=str(tmp_path / "number")), tmp_path),
+                                   TunerConfig(train_type="dora"))

@@ -98,6 +98,26 @@ def load_model(cfg: ModelConfig, output_dir: str | Path) -> LoadedModel:
     return LoadedModel(model, tokenizer, image_processor, model_dir, hf_cfg.model_type)
 
 
+def check_adapter_can_learn_coords(loaded: LoadedModel, tuner: TunerConfig) -> None:
+    """A LoRA/DoRA adapter leaves the embedding and LM-head rows frozen (unless ``target_modules`` names
+    ``embed_tokens`` or ``lm_head``), so the coord rows keep their prepared values: ``CheckpointNotPrepared`` when they
+    are all one vector (``model prepare --init mean``), which no adapter could ever
+    tell apart."""
+    explicit = tuner.target_modules if isinstance(tuner.target_modules, list) else []
+    if tuner.train_type == "full" or any(m in ("embed_tokens", "lm_head") for m in explicit):
+        return
+    ids = torch.tensor(coord_token_ids(loaded.tokenizer))
+    for name, layer in (("input", loaded.model.get_input_embeddings()), ("LM-head", loaded.model.get_output_embeddings())):
+        if layer is None:
+            continue
+        rows = layer.weight[ids]
+        if torch.equal(rows, rows[:1].expand_as(rows)):
+            raise CheckpointNotPrepared(
+                f"model.path {loaded.model_dir}: the 1000 coord tokens share one {name} embedding row (prepared with "
+                f"--init mean) and tuner.train_type {tuner.train_type} trains no embedding rows, so the model could "
+                "never tell coordinates apart; prepare with --init number or set tuner.train_type: full")
+
+
 def apply_tuner(model: PreTrainedModel, tuner: TunerConfig, multimodal: bool) -> PreTrainedModel:
     """Full fine-tuning (optionally freezing the ViT/aligner) or a peft LoRA/DoRA adapter."""
     if tuner.train_type == "full":

@@ -24,7 +24,7 @@ from trainer.memory.oom import memory_settings
 from trainer.modeling.checkpointing import training_arguments_kwargs
 from trainer.modeling.compile import compile_decoder_layers
 from trainer.modeling.levers import apply_model_levers
-from trainer.modeling.loading import LoadedModel, apply_tuner, load_model
+from trainer.modeling.loading import LoadedModel, apply_tuner, check_adapter_can_learn_coords, load_model
 from trainer.modeling.prompts import PromptEncoder
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.varlen_attention import choose_packed_attention
@@ -253,6 +253,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     samples = load_samples(cfg)
     with node_writes_first():  # the embedded tiny model is saved under output_dir once per node
         loaded = load_model(cfg.model, out)
+    check_adapter_can_learn_coords(loaded, cfg.tuner)
     model = apply_tuner(loaded.model, cfg.tuner, loaded.multimodal)
     # Liger kernels, the checkpointing policy that runs (auto resolved) and the packed rows' attention, recorded as
     # metrics.jsonl's setup row
