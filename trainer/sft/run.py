@@ -176,7 +176,7 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
     if step_records:
         per_device = records_per_rank(records_per_step, batch_size, accumulation, data_parallel_world_size())
         accumulation = 1
-    return TrainingArguments(
+    args = TrainingArguments(
         output_dir=str(output_dir),
         max_steps=max_steps,
         num_train_epochs=t.num_train_epochs,
@@ -202,6 +202,19 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         deepspeed=deepspeed_config.resolve(t.deepspeed),
         use_cpu=not torch.cuda.is_available(),
     )
+    return one_process_one_gpu(args)
+
+
+def one_process_one_gpu(args: TrainingArguments) -> TrainingArguments:
+    """A plain (non-torchrun) run on a machine with several visible GPUs trains on the first one: HF would wrap the
+    model in ``nn.DataParallel``, whose replicas neither share a colocated engine nor expose their parameters (Qwen3-VL's
+    vision tower then fails on ``self.visual.dtype``). Ranks come from ``launch learner`` / torchrun."""
+    if data_parallel_world_size() == 1 and args.n_gpu > 1:
+        log.warning("%d GPUs are visible but this is one process: training on cuda:0 only. To train on all of them "
+                    "run `python -m trainer launch learner --config ... --gpus 0,1,...` (torchrun, one rank per GPU)",
+                    args.n_gpu)
+        args._n_gpu = 1
+    return args
 
 
 def build_pipeline(cfg: TrainConfig, loaded: LoadedModel) -> Stage2Pipeline:
