@@ -96,8 +96,8 @@ def test_server_topologies_ship_async_rollouts_beside_the_written_server_list(va
 
 @pytest.mark.parametrize("values_file", TOPOLOGY_FILES)
 def test_shipped_topologies_size_checkpointing_and_compile_the_learner(values_file):
-    """Every topology we ship runs the learner measured fastest in ``bench --only layouts``: checkpointing sized from
-    the GPU's memory (no OOM where it does not fit, no recompute where it does) and compiled decoder layers."""
+    """Every topology we ship runs the learner measured fastest in ``benchmarks/layouts.yaml``: checkpointing sized
+    from the GPU's memory (no OOM where it does not fit, no recompute where it does) and compiled decoder layers."""
     _, docs = render_docs(values_file)
     cfg = validate_config(train_yaml(docs), source=values_file)
     assert cfg.training.checkpointing_policy == "auto"
@@ -106,7 +106,8 @@ def test_shipped_topologies_size_checkpointing_and_compile_the_learner(values_fi
 
 def test_the_colocate_topology_ships_the_engine_levers_it_ran_with():
     """``presets/colocate-4-2b-full.values.yaml``'s engine: level-2 sleep, the training pixels made during the decode and the recorded
-    load (bench --only layouts ``colocate-2-r128-pixels-auto-compile-recload`` on 2 x H200, session 29)."""
+    load (``python -m trainer bench run benchmarks/layouts.yaml --only colocate-2-r128-pixels-auto-compile-recload``
+    on 2 x H200, 2026-11-28)."""
     _, docs = render_docs("presets/colocate-4-2b-full.values.yaml")
     v = validate_config(train_yaml(docs), source="presets/colocate-4-2b-full.values.yaml").rollout_matching.vllm
     assert v.mode == "colocate" and v.sleep_level == 2 and v.pixels_during_decode and v.sync.recorded_load

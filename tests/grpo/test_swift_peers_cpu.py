@@ -302,7 +302,7 @@ def test_template_ids_plugin_points_swift_qwen_vl_templates_at_the_tokenizer(tmp
             "from swift.template.templates.qwen import Qwen2VLTemplate, Qwen3VLTemplate; "
             "print(Qwen3VLTemplate.image_token_id, Qwen3VLTemplate.video_token_id, Qwen2VLTemplate.image_token_id)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=sp.REPO, env={**os.environ, "RM_BENCH_TOKENIZER_DIR": str(tmp_path)})
+                         cwd=sp.REPO, env={**os.environ, "RM_SWIFT_TOKENIZER_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
     image, video = tok.convert_tokens_to_ids("<|image_pad|>"), tok.convert_tokens_to_ids("<|video_pad|>")
     assert out.stdout.split()[-3:] == [str(image), str(video), str(image)]

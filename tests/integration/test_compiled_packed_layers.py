@@ -21,7 +21,8 @@ from trainer.telemetry import read_jsonl
 def test_compiled_layers_compile_once_across_pack_layouts(tmp_path, monkeypatch, kind, policy, tuner):
     """``selective``: compile and selective checkpointing together (issue 37's next 4B lever: 1.29x and 1.21x apart on
     an H200, session 18), the recomputed and the kept layers both compiled once. ``auto`` + DoRA: the learner
-    ``values-3v1.yaml`` / ``values-6v2.yaml`` ship (the policy sized from the memory, here the host's: off)."""
+    ``presets/3v1-2b-full.values.yaml`` / ``presets/6v2-2b-full.values.yaml`` ship (the policy sized from the memory,
+    here the host's: off)."""
     from torch._dynamo.utils import counters
 
     from trainer.packing.varlen_attention import register_varlen_attention

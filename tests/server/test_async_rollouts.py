@@ -1,9 +1,9 @@
 """``vllm.server.async_rollouts`` (issue 13): real stage-2 training of the tiny model against in-process scripted
 rollout servers that take a set time per ``/infer/`` call. The next micro-batch is decoded while this one trains:
-decodes start while the learner trains (how much idle time that saves is measured by ``bench --only async``, not
-asserted here), the ledger (order, steps) is the one of a run without overlap, every sample is trained exactly
-once, staleness is bounded, a SIGKILL mid-overlap resumes exactly, and a stalled server during an overlapped decode
-is retried and quarantined as without overlap."""
+decodes start while the learner trains (how much idle time that saves is measured by ``python -m trainer bench run
+benchmarks/layouts.yaml --only 1v1-sync,1v1-async``, not asserted here), the ledger (order, steps) is the one of a
+run without overlap, every sample is trained exactly once, staleness is bounded, a SIGKILL mid-overlap resumes
+exactly, and a stalled server during an overlapped decode is retried and quarantined as without overlap."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_overlap_cuts_learner_idle_and_keeps_the_ledger(assets):
         parts = {p: m[f"time/sync_{p}_s"] for p in ("learner_check", "wait_decodes", "collect", "push")}
         assert parts["collect"] > 0 and parts["push"] > 0, parts
         assert sum(parts.values()) <= m["time/weight_sync_s"], (parts, m["time/weight_sync_s"])
-    # the events, not their durations (how much idle time overlap saves is the benchmark's: bench --only async):
+    # the events, not their durations (the idle time overlap saves: benchmarks/layouts.yaml's 1v1-sync / 1v1-async):
     # without overlap every decode runs while the learner waits for it; with it, the prefetched decodes (5, one
     # per step after the first) are posted before the step trains, and start while it does
     assert plain == 0, f"{plain} decode(s) started while the learner was not waiting, without async_rollouts"

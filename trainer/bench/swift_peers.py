@@ -796,7 +796,7 @@ def run_rlhf(out: Path, work: Path, model_dir: Path, deadline: float, result: di
         env["MASTER_PORT"] = str(free_port())
         if shape.images:  # the embedded tokenizer's image ids for ms-swift's Qwen-VL template (module docstring)
             argv_rlhf = with_template_ids_plugin(argv_rlhf)
-            env["RM_BENCH_TOKENIZER_DIR"] = str(model_dir)
+            env["RM_SWIFT_TOKENIZER_DIR"] = str(model_dir)
         (out / "logs/peers_grpo.yaml").write_text(cfg.read_text())
         r["learner"] = {"env": env, "temperature": GRPO_TEMPERATURE,
                         "added_reward": {"name": SIGNAL_REWARD, "weight": SIGNAL_REWARD_WEIGHT,

@@ -222,7 +222,7 @@ class TrainingConfig(Section):
             raise ValueError("use_liger_kernel and compile_decoder_layers do not combine: torch.compile cannot trace "
                              "Liger's Triton RMSNorm (Dynamo AssertionError at the decoder layer's input_layernorm, "
                              "H100, liger-kernel 0.8.5, torch 2.11); set one of them false (measured: Liger 1.35x on "
-                             "the forward + backward at 4B full, compile 1.32x at 8B LoRA; docs/benchmarks/README.md)")
+                             "the forward + backward at 4B full, compile 1.32x at 8B LoRA; docs/guides/levers.md)")
         return self
 
     @model_validator(mode="after")
