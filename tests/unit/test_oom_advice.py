@@ -124,7 +124,8 @@ def test_settings_are_read_from_the_config():
         rm.rollout_backend, rm.vllm.mode, rm.vllm.gpu_memory_utilization, rm.vllm.sleep_level,
         rm.decoding.max_new_tokens)
     warm = memory_settings(cfg, stage1=True)
-    assert (warm.packing, warm.batch_size, warm.batch_key) == (False, cfg.stage1.batch_size, "stage1.batch_size")
+    assert (warm.packing, warm.batch_size, warm.batch_key) == (
+        cfg.training.packing, cfg.stage1.batch_size, "stage1.batch_size"), "the warm-up packs as stage 2 does"
 
 
 def test_a_wake_that_runs_out_points_at_the_learner_s_checkpointing_first():

@@ -71,10 +71,9 @@ def checkpointing_label(t) -> str:
 
 def memory_settings(cfg, stage1: bool = False) -> MemorySettings:
     """``MemorySettings`` of a validated ``TrainConfig``'s stage 2 (``stage1``: of its teacher-forced warm-up, which
-    neither packs nor decodes)."""
+    packs as stage 2 does and never decodes)."""
     if stage1:
-        return replace(memory_settings(cfg), packing=False, batch_size=cfg.stage1.batch_size,
-                       batch_key="stage1.batch_size")
+        return replace(memory_settings(cfg), batch_size=cfg.stage1.batch_size, batch_key="stage1.batch_size")
     t = cfg.training
     rm = cfg.custom.extra.rollout_matching
     if rm is None:

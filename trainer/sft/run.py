@@ -217,6 +217,14 @@ def one_process_one_gpu(args: TrainingArguments) -> TrainingArguments:
     return args
 
 
+def stage1_packing(cfg: TrainConfig) -> PackingBuffer | None:
+    """The warm-up packs its ground-truth targets into ``training.packing_length`` rows as stage 2 packs its
+    rollouts (``training.packing``), so the rows the checkpointing policy was sized for are the rows it trains: a
+    padded micro-batch of ``stage1.batch_size`` long targets is several rows' tokens in one forward."""
+    t = cfg.training
+    return PackingBuffer(t.packing_length, t.packing_buffer, t.packing_min_fill_ratio) if t.packing else None
+
+
 def build_pipeline(cfg: TrainConfig, loaded: LoadedModel) -> Stage2Pipeline:
     rm = cfg.rollout_matching
     weights = getattr(torch, cfg.model.torch_dtype, None)  # the base weights' dtype (a LoRA adapter's may differ)
@@ -315,7 +323,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
                                                  logging_steps=s1.logging_steps, step_records=True,
                                                  bf16=s1.resolved_bf16(cfg.training.bf16, cfg.model.torch_dtype)),
             engine=None, target_source="ground_truth", callbacks=[StepRateCallback(s1.batch_size), *stage1_callbacks],
-            micro_batch_rows=s1.batch_size, memory_settings=memory_settings(cfg, stage1=True), **common)
+            micro_batch_rows=s1.batch_size, packing=stage1_packing(cfg), packed_attn_implementation=packed_attn,
+            memory_settings=memory_settings(cfg, stage1=True), **common)
         warm.train()
     t = cfg.training
     packing = PackingBuffer(t.packing_length, t.packing_buffer, t.packing_min_fill_ratio) if t.packing else None
