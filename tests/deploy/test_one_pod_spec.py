@@ -24,8 +24,7 @@ def test_chart_pods_and_render_job_pods_agree(tmp_path, monkeypatch):
     """presets/3v1-2b-full.values.yaml installed with Helm vs `render-job` of the training config those pods mount: the same Jobs."""
     values = load_values("presets/3v1-2b-full.values.yaml")
     config = _chart_config(values)
-    config["deploy"] = {"node_gpus": 4, "server": {"gpu_memory_utilization": 0.6}, "output_host_path": "/data/runs",
-                        "learner": {"backoff_limit": 2}}  # the chart's learner.backoffLimit
+    config["deploy"] = {"node_gpus": 4, "server": {"gpu_memory_utilization": 0.6}, "output_host_path": "/data/runs"}
     path = tmp_path / "stage2-3v1.yaml"
     path.write_text(yaml.safe_dump(config))
     monkeypatch.chdir(REPO)

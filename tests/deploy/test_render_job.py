@@ -374,3 +374,60 @@ def test_summary_1024_is_six_gpu_swift_server_and_two_gpu_learner():
 
 def server_url(server):
     return f"http://{flag(args_of(server), '--host')}:{flag(args_of(server), '--port')}"
+
+
+#: the shipped configs meant for `make job CONFIG=…`: the summary GRPO configs (summary_base.yaml is their base)
+MAKE_JOB_CONFIGS = [c for c in CONFIGS if c.startswith("configs/summary_") and not c.endswith("_base.yaml")]
+
+
+def test_every_shipped_config_the_docs_pass_to_make_job_is_checked():
+    import re
+
+    pages = [*sorted((REPO / "docs").rglob("*.md")), REPO / "mk" / "deploy.mk"]
+    named = {m for page in pages for m in re.findall(r"make job CONFIG=(configs/[\w.-]+\.yaml)", page.read_text())}
+    shipped = {c for c in named if (REPO / c).is_file()}
+    assert "configs/summary_1024.yaml" in shipped
+    assert shipped <= set(MAKE_JOB_CONFIGS), sorted(shipped - set(MAKE_JOB_CONFIGS))
+
+
+@pytest.mark.parametrize("config", MAKE_JOB_CONFIGS)
+def test_make_job_renders_a_shipped_config_as_it_is(config, monkeypatch, capsys):
+    """What ``DRY_RUN=1 make job CONFIG=<config>`` runs (``render-job --config <config>``, from the repository
+    root), with no output volume added by the test: the config names its own."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("DRY_RUN", "1")
+    assert main(["render-job", "--config", config]) == 0, capsys.readouterr().err
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert_valid_kubernetes(docs)
+    (learner,) = workload(docs, "learner")
+    (output,) = [v for v in pod_spec(learner)["volumes"] if v["name"] == "output"]
+    assert output["hostPath"]["path"] == "/data/runs"
+
+
+def _learner_job(workload_kind, tmp_path, deploy=""):
+    """The learner Job of a stage-2 config with one rollout server, or of configs/summary_1024.yaml."""
+    if workload_kind == "stage2":
+        path = _stage2_server_config(tmp_path, [8000], deploy)
+    else:
+        path = _write(tmp_path, "grpo.yaml", f"extends: {(REPO / 'configs/summary_1024.yaml').as_posix()}\n{deploy}\n")
+    (learner,) = workload(build_manifests(str(path))[0], "learner")
+    return learner
+
+
+@pytest.mark.parametrize(("kind", "resumes"), [("stage2", True), ("grpo", False)])
+def test_render_job_retries_a_failed_learner_as_the_chart_does(kind, resumes, tmp_path, monkeypatch):
+    """The learner Job's ``backoffLimit`` is the chart's ``learner.backoffLimit`` (2) for both workloads; a stage-2
+    retry resumes (``--resume auto``), a GRPO one starts over (the chart does the same). With retries left the
+    learner's supervisor does not take a failure as final (the servers wait for the retry); ``backoff_limit: 0``
+    makes it final."""
+    from trainer.deploy.render import chart_defaults
+
+    monkeypatch.chdir(REPO)
+    assert chart_defaults()["learner"]["backoffLimit"] == DeployConfig().learner.backoff_limit == 2
+    learner = _learner_job(kind, tmp_path)
+    args = args_of(learner)
+    assert learner["spec"]["backoffLimit"] == 2
+    assert args[:2] == ["supervise", "learner"] and "--final-on-failure" not in args
+    assert (flag(args, "--resume") == "auto") if resumes else ("--resume" not in args)
+    final = _learner_job(kind, tmp_path, "deploy: {learner: {backoff_limit: 0}}")
+    assert final["spec"]["backoffLimit"] == 0 and "--final-on-failure" in args_of(final)

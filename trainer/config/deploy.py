@@ -109,7 +109,9 @@ class LearnerDeploy(Section):
     nproc_per_node: int | None = Field(None, ge=1)
     health_timeout_s: float = Field(900.0, gt=0)
     resources: ResourcesConfig = Field(default_factory=lambda: ResourcesConfig(cpu="8", memory="64Gi", shm_size="32Gi"))
-    backoff_limit: int = Field(0, ge=0)
+    backoff_limit: int = Field(2, ge=0, description="restarts of a failed learner pod, as the chart's "
+                               "learner.backoffLimit: a stage-2 learner resumes from its newest complete checkpoint "
+                               "(--resume auto), a GRPO one starts over; 0: a failure is final and the servers stop")
     active_deadline_s: int | None = Field(None, ge=1)
     extra_args: list[str] = Field(default_factory=list)
 
