@@ -185,11 +185,11 @@ def run(args: argparse.Namespace) -> int:
     if metrics.exists():
         metrics.unlink()
     start = time.time()
-    from trainer.modeling.loading import CheckpointNotPrepared
+    from trainer.modeling.loading import ModelPathError
 
     try:
         run_training(cfg)
-    except CheckpointNotPrepared as exc:
+    except ModelPathError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report = summarise(metrics, time.time() - start)

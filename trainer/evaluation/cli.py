@@ -12,14 +12,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from trainer.config.cli import load_or_report
     from trainer.evaluation.run import EvalSetupError, evaluate_config, write_eval
-    from trainer.modeling.loading import CheckpointNotPrepared
+    from trainer.modeling.loading import ModelPathError
 
     cfg = load_or_report(args.config)
     if cfg is None:
         return 2
     try:
         result, title = evaluate_config(cfg, args.checkpoint, args.split)
-    except (EvalSetupError, CheckpointNotPrepared) as exc:
+    except (EvalSetupError, ModelPathError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     name = "base" if args.checkpoint is None else Path(title).name

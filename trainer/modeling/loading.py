@@ -39,8 +39,16 @@ class LoadedModel:
         return getattr(self.model.config, "image_token_id", None)
 
 
-class CheckpointNotPrepared(ValueError):
+class ModelPathError(ValueError):
+    """``model.path`` cannot be loaded as it is (a user error); the message names the key and what to do."""
+
+
+class CheckpointNotPrepared(ModelPathError):
     """``model.path`` is a stock checkpoint (its tokenizer lacks the coord tokens); the message says how to prepare it."""
+
+
+class NotAModelDirectory(ModelPathError, FileNotFoundError):
+    """``model.path`` is not a local model directory (no ``config.json`` in it)."""
 
 
 def resolve_model_dir(cfg: ModelConfig, output_dir: str | Path) -> Path:
@@ -48,7 +56,10 @@ def resolve_model_dir(cfg: ModelConfig, output_dir: str | Path) -> Path:
     if cfg.path is not None:
         p = Path(cfg.path)
         if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"model.path {p} is not a model directory (no config.json); point it at a local checkpoint")
+            what = "does not exist" if not p.exists() else "is not a model directory (no config.json in it)"
+            raise NotAModelDirectory(
+                f"model.path {p} {what}: set it to a local Hugging Face checkpoint directory (`python -m trainer model "
+                "prepare --from <checkpoint> --out <dir>` writes one with the coord tokens), or use model.tiny")
         return p
     return save_tiny_model(Path(output_dir) / f"tiny-model-{cfg.tiny}", cfg.tiny, cfg.tiny_seed)
 

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.training.output_dir = args.output_dir
     if args.max_steps is not None:
         cfg.training.max_steps = args.max_steps
-    from trainer.modeling.loading import CheckpointNotPrepared
+    from trainer.modeling.loading import ModelPathError
     from trainer.sft.run import run_training
     from trainer.sync.update_check import NonFiniteWeightsError
 
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     except NonFiniteWeightsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    except CheckpointNotPrepared as exc:
+    except ModelPathError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"done: {summary.stage2_steps} stage-2 steps, outputs in {summary.output_dir}")
