@@ -18,7 +18,7 @@ class AsyncRolloutsConfig(Section):
     """``async_rollouts`` (stage-2 server mode): while the learner trains optimizer step i, the servers already decode
     the whole batch of step i+1 (a background request; weight pushes wait for it). ``max_staleness_steps``: the most
     optimizer steps a sample's decode weights may lag the step that trains on it (1 = one step off-policy; 0 = no
-    decode ahead: a step's records are decoded together on its own weights). See the stage-2 runbook."""
+    decode ahead: a step's records are decoded together on its own weights). See docs/concepts/stage2.md."""
 
     enabled: bool = False
     max_staleness_steps: int = Field(1, ge=0)
