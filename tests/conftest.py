@@ -24,7 +24,7 @@ settings.load_profile("rollout-matching")
 
 
 #: handlers a test must not leave behind: a process forked later (a multiprocessing worker) inherits them, and a
-#: handler that does not exit keeps that worker alive through its pool's SIGTERM (a CI run hung on it in session 26)
+#: handler that does not exit keeps that worker alive through its pool's SIGTERM (a CI run hung on it on 2026-11-28)
 GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 

@@ -16,9 +16,10 @@ from tests.docs.docs_helpers import REPO
 PROCESS_WORDS = re.compile(
     r"\bsessions?[\s_-]*\d+|\bdevice\s+budget|\bdevice\s+seconds|gpu-bundle|\bstash|\.\./shared", re.IGNORECASE)
 #: the product's tracked files (git pathspecs): README, docs, package, configs, chart, presets and values files, job
-#: specs, images, make files; CHANGELOG.md may carry dates, never run numbers
+#: specs, images, make files, benchmark tables, tests and CI (this file excepted: it spells the words out);
+#: CHANGELOG.md may carry dates, never run numbers
 PRODUCT = ["README.md", "CHANGELOG.md", "docs", "trainer", "configs", "charts", "presets", "jobs", "images", "mk",
-           "Makefile", "mkdocs.yml", "*values*.yaml"]
+           "Makefile", "mkdocs.yml", "*values*.yaml", "benchmarks", "tests", ".ci", ":!tests/docs/test_docs_site.py"]
 BINARY = (".png", ".jpg", ".jpeg", ".gif", ".gz", ".whl", ".pt", ".safetensors", ".bin", ".ico")
 
 

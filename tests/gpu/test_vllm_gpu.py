@@ -34,7 +34,7 @@ from trainer.launch.ports import listen_port as _free_port  # below the ephemera
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                                 reason="needs a CUDA GPU and vLLM (tools/gpu-bundle)")]
+                                 reason="needs a CUDA GPU and vLLM (pip install 'rollout-matching[vllm]')")]
 
 DT = torch.bfloat16
 LOGIT_TOL = 0.125

@@ -311,8 +311,8 @@ def test_template_ids_plugin_points_swift_qwen_vl_templates_at_the_tokenizer(tmp
 
 # -- a learning signal at random weights (issue 36 item E) ---------------------------------------------------------
 
-SESSION12 = Path(__file__).parent / "fixtures/swift_4b_no_signal"
-# ms-swift's console lines, as in SESSION12/swift_rlhf.log (progress bar, then the step's dict; trimmed keys)
+NO_SIGNAL_RUN = Path(__file__).parent / "fixtures/swift_4b_no_signal"
+# ms-swift's console lines, as in NO_SIGNAL_RUN/swift_rlhf.log (progress bar, then the step's dict; trimmed keys)
 SWIFT_LOG = (
     "\rTrain:   0%|          | 0/3 [00:00<?, ?it/s]\rTrain:  33%|###3      | 1/3 [00:18<00:36, 18.40s/it]"
     "                                                    {'loss': '0', 'grad_norm': '0', 'learning_rate': '1e-05', "
@@ -409,11 +409,11 @@ def test_swift_log_lines_give_per_step_metrics_and_a_learning_signal():
     assert "frac_reward_zero_std 1" in sp.learning_signal(flat_groups)["reason"]
 
 
-@pytest.mark.skipif(not (SESSION12 / "swift_rlhf.log").is_file(), reason="session-12 run logs not present")
-def test_the_session12_4b_run_is_flagged_as_learning_nothing():
-    text = (SESSION12 / "swift_rlhf.log").read_text(errors="replace")
+@pytest.mark.skipif(not (NO_SIGNAL_RUN / "swift_rlhf.log").is_file(), reason="the 4B no-signal run's logs are not present")
+def test_the_4b_no_signal_run_is_flagged_as_learning_nothing():
+    text = (NO_SIGNAL_RUN / "swift_rlhf.log").read_text(errors="replace")
     steps = sp.step_metrics(sp.log_records(text))
-    jsonl = [json.loads(x) for x in (SESSION12 / "grpo_logging.jsonl").read_text().splitlines() if x.strip()]
+    jsonl = [json.loads(x) for x in (NO_SIGNAL_RUN / "grpo_logging.jsonl").read_text().splitlines() if x.strip()]
     assert steps == sp.step_metrics(jsonl)  # the console log and logging.jsonl agree
     assert [s["step"] for s in steps] == [1, 2, 3] and all(s["reward"] == -5.5 for s in steps)
     sig = sp.learning_signal(steps)

@@ -22,7 +22,7 @@ def test_flops_count_grows_with_size_and_the_published_shapes_have_their_sizes()
 def test_the_lm_head_counts_its_logit_rows_trained_or_frozen():
     """The head's matmuls over the rows the objective projects: 6 per head parameter and row when it trains (full),
     4 when frozen (LoRA); the chunked objective's recompute of each projection is in ``hardware`` only; without
-    rows the count is the blocks' alone (``model_blocks``, every record before session 26)."""
+    rows the count is the blocks' alone (``model_blocks``, every record before 2026-11-28)."""
     t, rows = 20_000, 12_000
     head_params = models.VOCAB * models.QWEN3_VL_TEXT["8b"]["hidden_size"]
     plain = scale.fwd_bwd_flops("8b", t, 8, 4096)

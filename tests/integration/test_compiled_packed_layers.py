@@ -1,7 +1,7 @@
 """``training.compile_decoder_layers`` on the real stage-2 step with packed rows and the varlen attention (the path a
 GPU takes): a new pack layout every step must not recompile the layers, and the attention (``packed_varlen_kernel:
 op``) must not break a compiled layer's graph. On the H100 the compiled 2B Qwen3-VL recompiled at every step (forward
-6.4-6.7 s against 0.30 s eager, session 9). The op runs its CPU kernel, the per-segment reference its CUDA flash
+6.4-6.7 s against 0.30 s eager, 2026-11-24). The op runs its CPU kernel, the per-segment reference its CUDA flash
 kernels are held to on the GPU; everything else (LoRA, gradient checkpointing, the packing buffer, the side channel of
 multimodal packs) is the product's own."""
 
@@ -20,7 +20,7 @@ from trainer.telemetry import read_jsonl
                                                       ("vl", "selective", "lora"), ("vl", "auto", "dora")])
 def test_compiled_layers_compile_once_across_pack_layouts(tmp_path, monkeypatch, kind, policy, tuner):
     """``selective``: compile and selective checkpointing together (issue 37's next 4B lever: 1.29x and 1.21x apart on
-    an H200, session 18), the recomputed and the kept layers both compiled once. ``auto`` + DoRA: the learner
+    an H200, 2026-11-27), the recomputed and the kept layers both compiled once. ``auto`` + DoRA: the learner
     ``presets/3v1-2b-full.values.yaml`` / ``presets/6v2-2b-full.values.yaml`` ship (the policy sized from the memory,
     here the host's: off)."""
     from torch._dynamo.utils import counters

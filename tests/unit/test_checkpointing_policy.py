@@ -176,9 +176,9 @@ def test_the_budget_subtracts_headroom_weights_engine_and_loss():
     p = plan(80.0, resident_gib=20.0, engine_bytes=5 * GIB, loss_bytes=3 * GIB)
     assert p.budget_bytes / GIB == pytest.approx(80 * 0.9 - 20 - 5 - 3)
     # an 80 GB H100, Qwen3-VL-2B full fine-tune at 16k packed tokens (~13.6 GiB weights + gradients + AdamW, 1024
-    # logit rows) beside a colocated engine at 0.3 (session 15's run): every 2nd layer is checkpointed. Charging the
+    # logit rows) beside a colocated engine at 0.3 (the 2026-11-26 run): every 2nd layer is checkpointed. Charging the
     # sleeping engine 2 GiB chose every 4th, which then could not wake the engine's KV cache on the H100 (before the cache
-    # release before each wake; since session 26 a level-1/2 engine is charged nothing: memory_plan).
+    # release before each wake; since 2026-11-28 a level-1/2 engine is charged nothing: memory_plan).
     h100 = plan(79.2, resident_gib=13.6, engine_bytes=0.3 * 79.2 * GIB, loss_bytes=1.74 * GIB)
     assert (ck.choose_checkpointing(h100).policy, ck.choose_checkpointing(h100).every_n_layers) == ("selective", 2)
     asleep_as_2gib = plan(79.2, resident_gib=13.6, engine_bytes=2 * GIB, loss_bytes=1.74 * GIB)

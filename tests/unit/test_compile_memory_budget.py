@@ -164,11 +164,11 @@ EIGHT_B = ck.TextShape(36, 4096, 4096, 1024, 12288, 151936)
     (FOUR_B, 30.75, {"off@0.6": (73.0,), "off@0.4": (64.7,)}),  # 4B full beside an engine at 0.2
 ])
 def test_the_compiled_estimate_and_the_measured_device_use_at_level_2(shape, resident_gib, measured):
-    """Sessions 26-27 on an H100 (79.19 GiB; sleep level 2, 16k rows, no checkpointing): the driver's used memory of
-    each run against resident + loss + the compiled estimate. The residents are the runs' own (session 27's records:
+    """The runs of 2026-11-28 on an H100 (79.19 GiB; sleep level 2, 16k rows, no checkpointing): the driver's used memory of
+    each run against resident + loss + the compiled estimate. The residents are the runs' own (the 2026-11-28 records:
     ``checkpointing_budget_gib`` 50.59 at 8B, 38.78 at 4B). Each measured run fitted with the engine charged nothing
     (asleep, its pool unmapped); the estimate is never above the measurement and at most the 10 % headroom ``auto``
-    keeps (7.9 GiB) below it (4B: 3.3-6.5 GiB below), so what ``auto`` chooses fits. Session 27's ``auto`` chose 0.6
+    keeps (7.9 GiB) below it (4B: 3.3-6.5 GiB below), so what ``auto`` chooses fits. The 2026-11-28 ``auto`` chose 0.6
     at both sizes, as here."""
     device = 79.19
     plan = ck.MemoryPlan(shape, 16384, 2, device * ck.GIB, resident_gib * ck.GIB, 0.0, 1.74 * ck.GIB,

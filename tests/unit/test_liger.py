@@ -120,7 +120,7 @@ def test_other_model_types_are_refused_with_the_key(fake_liger):
 
 
 def test_liger_with_compiled_decoder_layers_is_refused_naming_both_keys():
-    """Measured on an H100 (session 17): Dynamo cannot trace Liger's RMSNorm inside a compiled decoder layer; the
+    """Measured on an H100 (2026-11-27): Dynamo cannot trace Liger's RMSNorm inside a compiled decoder layer; the
     config says so at load instead of failing at the first forward after minutes of set-up."""
     import pytest
 

@@ -132,7 +132,7 @@ def test_names_of_one_tensor_a_tied_lm_head_record_and_replay_while_they_stay_ti
 
 @pytest.mark.parametrize("refused", [False, True])
 def test_the_recorded_update_is_freed_when_the_caller_drops_it_without_a_collection(refused):
-    """Session 18 (8B, H200): the step that recorded the load held 11.5 GiB more through its decode and training than
+    """2026-11-27 (8B, H200): the step that recorded the load held 11.5 GiB more through its decode and training than
     every later step — the update, kept alive by the recorder's reference cycle until Python's collector ran."""
     import gc
     import weakref

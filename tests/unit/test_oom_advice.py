@@ -129,7 +129,7 @@ def test_settings_are_read_from_the_config():
 
 
 def test_a_wake_that_runs_out_points_at_the_learner_s_checkpointing_first():
-    """Session 15 on the H100: 2B full with checkpointing off or selective every 4th layer trained, then the sleeping
+    """2026-11-26 on the H100: 2B full with checkpointing off or selective every 4th layer trained, then the sleeping
     engine could not map its KV cache back; full and every 2nd layer ran."""
     every4 = replace(EIGHT_B_LORA, tuner="full", checkpointing="selective/4", gpu_memory_utilization=0.3)
     for phase in ("wake", "sync_wake"):

@@ -59,7 +59,7 @@ def test_summary_categories_sum_to_busy_time_and_rank_the_top_kernels():
 
 
 def test_host_side_counts_kernel_launches_and_the_host_s_own_time():
-    """Session 22's launch-bound 4k row, as the host table listed it: runtime and driver launches count, a copy or
+    """The 2026-11-27 launch-bound 4k row, as the host table listed it: runtime and driver launches count, a copy or
     a synchronize does not; the host's time is every event's self time."""
     events = [("cudaLaunchKernel", 16499, 0.183), ("cuLaunchKernelEx", 6976, 0.087), ("cuLaunchKernel", 6336, 0.077),
               ("cudaMemcpyAsync", 424, 0.011), ("cudaStreamSynchronize", 2, 0.001), ("aten::mm", 6152, 0.274)]
@@ -92,7 +92,7 @@ TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 def test_only_torch_s_own_package_is_plumbing():
     """The GPU machines install everything under /opt/torch/.venv: a ``/torch/`` substring test dropped transformers'
-    and accelerate's frames as if they were torch's (session 21's first profile named none of the model's waits)."""
+    and accelerate's frames as if they were torch's (the 2026-11-27 first profile named none of the model's waits)."""
     hf = "/opt/torch/.venv/lib/python3.12/site-packages/transformers/trainer.py:4020 training_step"
     assert not is_plumbing(hf) and not is_plumbing(hf, torch_dir="/opt/torch/.venv/lib/python3.12/site-packages/torch/")
     assert is_plumbing("/opt/torch/.venv/lib/python3.12/site-packages/torch/_tensor.py:1100 tolist",

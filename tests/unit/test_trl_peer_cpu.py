@@ -100,7 +100,7 @@ def test_trl_liger_loss_path_gets_mm_token_type_ids(model_and_data, tmp_path, mo
 
 
 def test_vision_special_tokens_are_kept_out_of_trl_s_completions(model_and_data):
-    """Session 18 (8B, H200): TRL's random-model completions held one ``<|image_pad|>``, and its forward over prompt +
+    """2026-11-27 (8B, H200): TRL's random-model completions held one ``<|image_pad|>``, and its forward over prompt +
     completion refused the step (8193 image tokens, 8192 features). The peer bans the vision tokens in sampling."""
     model_dir, _ = model_and_data
     tok = trl_peer.processor_for(model_dir).tokenizer

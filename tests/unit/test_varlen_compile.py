@@ -2,7 +2,7 @@
 
 ``op`` (``trainer.packing.varlen_kernel``): one custom op that Dynamo traces as a single call, so a compiled layer
 has no graph break (each compiled decoder layer ran as 4 Dynamo regions before, ~0.57 ms of host time a region call
-on the H100, session 22), and a new segment layout (new ``max_len`` and segment count every step) does not
+on the H100, 2026-11-27), and a new segment layout (new ``max_len`` and segment count every step) does not
 recompile. On the H100 the compiled 2B Qwen3-VL once recompiled at every step (forward 6.4-6.7 s vs 0.30 s eager).
 Its CPU kernel is the per-segment reference; the GPU tests hold the flash kernels to it.
 

@@ -71,7 +71,7 @@ class _LLM:
 
 class _WorkerWrapper:
     """What vLLM's ``collective_rpc`` hands a callable: ``WorkerWrapperBase``, which reads through to its worker
-    (``__getattr__``) but keeps attributes set on it to itself (session 17, H100: the pinned-buffer change set
+    (``__getattr__``) but keeps attributes set on it to itself (2026-11-27, H100: the pinned-buffer change set
     ``_sleep_saved_buffers`` on the wrapper, so vLLM still restored every buffer with a pageable copy)."""
 
     def __init__(self, worker):
@@ -171,7 +171,7 @@ CUMEM_OOM = "CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:16
 
 @pytest.mark.parametrize("background", [False, True])
 def test_an_allocator_out_of_memory_at_the_wake_is_torch_s_out_of_memory_error_in_the_wake_phase(background):
-    """What vLLM 0.26 raised on the H100 (session 15) when a 2B full fine-tune without checkpointing left too little
+    """What vLLM 0.26 raised on the H100 (2026-11-26) when a 2B full fine-tune without checkpointing left too little
     for the KV cache: a RuntimeError from its allocator, which the step's out-of-memory handling did not catch."""
     from trainer.telemetry import PhaseTimers
 
