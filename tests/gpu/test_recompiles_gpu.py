@@ -87,3 +87,41 @@ def test_fifty_pack_layouts_compile_the_inductor_layers_once_on_a_gpu():
     print(f"GPU_RECOMPILES_RESULT layers: unique graphs after each layout {graphs}")
     assert graphs[0] == 1 and graphs[-1] == 1, graphs
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_a_short_row_after_long_ones_compiles_no_inductor_layer_again_on_a_gpu():
+    """A rank's last row in a step where it ran out of segments is short (on 2 x H200, Qwen3-VL-2B: fill 0.34 of
+    8192 tokens, beside a filler row); the layers first compiled on full rows recompiled there, on Triton's mix-order
+    reduction guard (taken for rows of at least 4096 tokens and 5 Mi elements: 40960 tokens at the tiny model's width
+    128). ``trainer.modeling.compile.LENGTH_AGNOSTIC_INDUCTOR`` keeps it off the row length: one graph for a 45056-token
+    row, then rows of 1000 and 300 tokens."""
+    from torch._dynamo.utils import counters
+
+    import tests.unit.test_compile_recompiles as layouts
+    from trainer.modeling.compile import compile_decoder_layers
+    from trainer.modeling.fixtures import build_tiny_model
+    from trainer.packing.packed_batch import pack_targets
+    from trainer.packing.varlen_attention import packed_attention, register_varlen_attention
+    from trainer.sft.forward import LOSS_KEYS
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, _ = build_tiny_model("vl", seed=0)
+    model = model.to("cuda", torch.bfloat16).train()
+    assert model.config.get_text_config().hidden_size == 128
+    impl = register_varlen_attention("op")
+    compile_decoder_layers(model)
+    rng = random.Random(0)
+    graphs = []
+    for i, layout in enumerate([[(4096, 1)] + [(4096, 0)] * 10, [(1000, 1)], [(300, 1)]]):
+        targets = [layouts._target(rng, model.config, n, images, f"r{i}s{j}") for j, (n, images) in enumerate(layout)]
+        batch = pack_targets(targets, impl, model, model.config.image_token_id)
+        inputs = {k: (v.to("cuda", torch.bfloat16) if torch.is_floating_point(v) else v.to("cuda"))
+                  if isinstance(v, torch.Tensor) else v
+                  for k, v in batch.items() if k not in LOSS_KEYS}
+        with packed_attention(model, impl, batch["packed_cu_seq_lens"].cuda(), batch["packed_max_length"]):
+            logits = model(**inputs, use_cache=False).logits
+            logits.float().square().mean().backward()
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+    print(f"GPU_RECOMPILES_RESULT long then short rows: unique graphs after each row {graphs}")
+    assert graphs == [1, 1, 1], graphs

@@ -7,16 +7,42 @@ interface keep working. Rollouts with the HF backend run eagerly (``eager_rollou
 its own decoding step.
 
 No pack layout recompiles a layer after the first step (``compile/recompiles_after_first_step``): row lengths are
-dynamic, segment counts unbacked (``trainer.packing.varlen_attention.unguarded_segment_counts``), and a multimodal
-model's rows reach the layers in one form with or without images (``trainer.packing.packed_batch.pack_targets``).
+dynamic, segment counts unbacked (``trainer.packing.varlen_attention.unguarded_segment_counts``), a multimodal
+model's rows reach the layers in one form with or without images (``trainer.packing.packed_batch.pack_targets``), and
+Inductor makes no kernel choice that guards on the row length (``LENGTH_AGNOSTIC_INDUCTOR``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 import torch
+
+#: Inductor options (``torch._inductor.config`` names) under which no kernel choice guards on the row length. Triton's
+#: mix-order reduction (the norms' weight gradients fused with their row reductions) is taken only for rows of at
+#: least 4096 tokens (and 2x the hidden size, and 5 Mi elements) unless non-strict: a layer first compiled on a full
+#: 8192-token row then recompiles at the first row under 4096 tokens (a rank's last row of a step in which it ran out
+#: of segments, the step it also trains filler rows; seen on 2 x H200, Qwen3-VL-2B). Non-strict keeps the fusion for
+#: every length.
+LENGTH_AGNOSTIC_INDUCTOR = {"triton.mix_order_reduction_non_strict_mode": True}
+
+
+def length_agnostic_options(known: Collection[str] | None = None) -> dict[str, bool]:
+    """``LENGTH_AGNOSTIC_INDUCTOR``, less what ``known`` (Inductor's option names; default: this torch's) lacks. An
+    Inductor with the mix-order reduction but no non-strict switch gets the reduction turned off instead."""
+    if known is None:
+        from torch._inductor import config as inductor_config
+
+        known = inductor_config.get_config_copy()
+    options: dict[str, bool] = {}
+    for name, value in LENGTH_AGNOSTIC_INDUCTOR.items():
+        fallback = name.replace("_non_strict_mode", "")
+        if name in known:
+            options[name] = value
+        elif fallback != name and fallback in known:
+            options[fallback] = False
+    return options
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -69,7 +95,7 @@ def compile_decoder_layers(model: torch.nn.Module, activation_memory_budget: flo
     ``torch._functorch.config.activation_memory_budget`` before anything compiles, so the min-cut partitioner of each
     layer keeps at most that share of its default saved activations and recomputes the rest in the backward (it
     recomputes the cheapest ops first: the attention block before the MLP's matmuls). ``backend``: torch.compile's
-    (tests count compiles with a counting one)."""
+    (tests count compiles with a counting one); Inductor gets ``length_agnostic_options``."""
     if not 0.0 < activation_memory_budget <= 1.0:
         raise ValueError(f"training.compile_activation_memory_budget {activation_memory_budget!r}: a fraction in (0, 1]")
     layers = decoder_layers(model)
@@ -77,8 +103,9 @@ def compile_decoder_layers(model: torch.nn.Module, activation_memory_budget: flo
     import torch._functorch.config as functorch_config
 
     functorch_config.activation_memory_budget = float(activation_memory_budget)
+    options = {"options": length_agnostic_options()} if backend == "inductor" else {}
     for layer in layers:
-        layer.compile(dynamic=True, backend=backend)
+        layer.compile(dynamic=True, backend=backend, **options)
     return len(layers)
 
 
