@@ -23,8 +23,8 @@ import torch
 #: mix-order reduction (the norms' weight gradients fused with their row reductions) is taken only for rows of at
 #: least 4096 tokens (and 2x the hidden size, and 5 Mi elements) unless non-strict: a layer first compiled on a full
 #: 8192-token row then recompiles at the first row under 4096 tokens (a rank's last row of a step in which it ran out
-#: of segments, the step it also trains filler rows; seen on 2 x H200, Qwen3-VL-2B). Non-strict keeps the fusion for
-#: every length.
+#: of segments, the step it also trains filler rows; 2026-11-28, 2 x H200, torch 2.11, random Qwen3-VL-2B: ``python -m
+#: trainer bench run benchmarks/layouts.yaml --only colocate-2-shipped``). Non-strict keeps the fusion at every length.
 LENGTH_AGNOSTIC_INDUCTOR = {"triton.mix_order_reduction_non_strict_mode": True}
 
 
