@@ -111,7 +111,7 @@ def test_demo_is_deterministic_and_reports_before_and_after(tmp_path):
             torch.set_num_threads(threads)
             torch.use_deterministic_algorithms(deterministic)
         rows = read_jsonl(out / "metrics.jsonl")
-        keep = [{k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "gc/", "eval/seconds"))
+        keep = [{k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "gc/", "eval/seconds", "speed/"))
                  and "_per_second" not in k and k not in ("train_runtime",)} for r in rows]
         report = (out / "REPORT.md").read_text()
         return keep, report[report.index("## Held-out evaluation"):report.index("Plot:")]
