@@ -11,15 +11,16 @@ import pytest
 
 from tests.docs.docs_helpers import REPO
 
-#: what the product must never say: run numbers ("session 12", "sessions 15-25", "h200-session7"), the workspace's
-#: words for GPU time and its tooling, stashes, and paths into the workspace beside the repository
-PROCESS_WORDS = re.compile(
-    r"\bsessions?[\s_-]*\d+|\bdevice\s+budget|\bdevice\s+seconds|gpu-bundle|\bstash|\.\./shared", re.IGNORECASE)
+#: what names the workspace instead of the product: numbered runs, the words for lent GPU time and its tooling, and
+#: paths out of the repository. Each term is spelled in pieces, so that this file never says what it forbids.
+_RUN, _TOOL, _AWAY = "s" + "ession", "gpu-" + "bundle", "../" + "shared"
+_TERMS = (rf"\b{_RUN}s?[\s_-]*\d+", r"\bdevice\s+bud" + "get", r"\bdevice\s+sec" + "onds", re.escape(_TOOL),
+          r"\bst" + "ash", re.escape(_AWAY))
+PROCESS_WORDS = re.compile("|".join(_TERMS), re.IGNORECASE)
 #: the product's tracked files (git pathspecs): README, docs, package, configs, chart, presets and values files, job
-#: specs, images, make files, benchmark tables, tests and CI (this file excepted: it spells the words out);
-#: CHANGELOG.md may carry dates, never run numbers
+#: specs, images, make files, benchmark tables, tests and CI; CHANGELOG.md may carry dates, never run numbers
 PRODUCT = ["README.md", "CHANGELOG.md", "docs", "trainer", "configs", "charts", "presets", "jobs", "images", "mk",
-           "Makefile", "mkdocs.yml", "*values*.yaml", "benchmarks", "tests", ".ci", ":!tests/docs/test_docs_site.py"]
+           "Makefile", "mkdocs.yml", "*values*.yaml", "benchmarks", "tests", ".ci"]
 BINARY = (".png", ".jpg", ".jpeg", ".gif", ".gz", ".whl", ".pt", ".safetensors", ".bin", ".ico")
 
 
@@ -44,9 +45,9 @@ def test_the_product_never_says_session_numbers_or_workspace_words():
     assert not hits, "say what was measured (date, GPU, command), not which run measured it:\n" + "\n".join(hits)
 
 
-@pytest.mark.parametrize("line", ["measured in session 12", "Sessions 15-25 charged", "runs/h200-session7/x",
-                                  "the device budget", "see ../shared/specs", "tools/gpu-bundle", "git stash pop",
-                                  "device seconds"])
+@pytest.mark.parametrize("line", [f"measured in {_RUN} 12", f"{_RUN.title()}s 15-25 charged", f"runs/h200-{_RUN}7/x",
+                                  "the device " + "budget", f"see {_AWAY}/specs", f"tools/{_TOOL}", "git st" + "ash pop",
+                                  "device " + "seconds"])
 def test_process_words_are_caught(line, tmp_path):
     assert PROCESS_WORDS.search(line)
 
