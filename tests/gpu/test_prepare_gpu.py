@@ -12,7 +12,6 @@ the measured values as JSON lines).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import pytest
 import torch
 import yaml
 
+from tests.gpu.gpu_results import record
 from trainer.data.output_format import all_coord_tokens
 
 pytestmark = [pytest.mark.gpu,
@@ -36,14 +36,6 @@ TEXT = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_a
                              "mrope_interleaved": True})
 VISION = dict(depth=2, hidden_size=256, intermediate_size=1024, num_heads=4, patch_size=16, spatial_merge_size=2,
               temporal_patch_size=2, out_hidden_size=1024, num_position_embeddings=2304, deepstack_visual_indexes=[1])
-
-
-def record(name: str, **values) -> None:
-    print(f"RESULT {name} {json.dumps(values)}")
-    path = os.environ.get("RM_GPU_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": name, **values}) + "\n")
 
 
 def save_stock_vl(out: Path) -> Path:

@@ -30,6 +30,7 @@ import httpx
 import pytest
 import torch
 
+from tests.gpu.gpu_results import record
 from trainer.launch.ports import listen_port as _free_port  # below the ephemeral range
 
 pytestmark = [pytest.mark.gpu,
@@ -39,14 +40,6 @@ pytestmark = [pytest.mark.gpu,
 DT = torch.bfloat16
 LOGIT_TOL = 0.125
 EAGER = {"enforce_eager": True}
-
-
-def record(name: str, **values) -> None:
-    print(f"RESULT {name} {json.dumps(values)}")
-    path = os.environ.get("RM_GPU_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": name, **values}) + "\n")
 
 
 @pytest.fixture(scope="module")
