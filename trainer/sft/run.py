@@ -52,14 +52,9 @@ class RunSummary:
 
 
 def parameter_count(model: torch.nn.Module) -> int:
-    """The model's parameters, each tied tensor once and a ZeRO-3 partitioned one at its full size (``ds_numel``)."""
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += int(getattr(p, "ds_numel", p.numel()))
-    return total
+    """The model's parameters, each tied tensor once (``parameters()`` yields it once) and a ZeRO-3 partitioned one at
+    its full size (``ds_numel``)."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
 
 
 class StepRateCallback(TrainerCallback):

@@ -825,7 +825,6 @@ class RolloutMatchingTrainer(Trainer):
                 steps = c.get("packing_steps") or c.get("padded_steps") or 1.0
                 logs["batch/rows_per_step"] = c["rows"] / steps
                 logs["batch/filler_rows"] = c.get("filler_rows", 0.0)
-            graphs = compiled_graphs()
             if graphs or self._graphs_logged:
                 logs["compile/new_graphs"] = float(graphs - self._graphs_logged)
                 self._graphs_logged = graphs
