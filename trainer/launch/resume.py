@@ -11,15 +11,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-#: where ``trainer.sft.run.run_training`` puts the stage-2 trainer's output under ``training.output_dir``
-STAGE2_DIR = "stage2"
+from trainer.sft.checkpoint_files import STAGE2_DIR, rollout_state_name
+
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-_ROLLOUT_STATE = "rank{}-rollout_state.pt"
 
 
 def complete(folder: Path, ranks: int) -> bool:
     """Every rank's rollout state is in ``folder`` (written last by each rank: the checkpoint is whole)."""
-    return all((folder / _ROLLOUT_STATE.format(rank)).is_file() for rank in range(ranks))
+    return all((folder / rollout_state_name(rank)).is_file() for rank in range(ranks))
 
 
 def latest_checkpoint(output_dir: str | Path, ranks: int) -> Path | None:

@@ -31,6 +31,7 @@ from trainer.packing.varlen_attention import choose_packed_attention
 from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
 from trainer.sft import deepspeed_config
+from trainer.sft.checkpoint_files import STAGE2_DIR
 from trainer.sft.cpu_threads import apply_cpu_threads
 from trainer.sft.heap import freeze_setup_objects, install_first_step_freeze
 from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
@@ -325,7 +326,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     packing = PackingBuffer(t.packing_length, t.packing_buffer, t.packing_min_fill_ratio) if t.packing else None
     try:
         trainer = RolloutMatchingTrainer(
-            model=model, args=training_arguments(cfg, out / "stage2", max_steps=cfg.training.max_steps,
+            model=model, args=training_arguments(cfg, out / STAGE2_DIR, max_steps=cfg.training.max_steps,
                                                  learning_rate=cfg.training.learning_rate,
                                                  batch_size=cfg.training.per_device_train_batch_size,
                                                  report_to=report, step_records=True,

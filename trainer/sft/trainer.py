@@ -53,6 +53,7 @@ from trainer.packing.varlen_attention import (
 from trainer.profiling import profile_region
 from trainer.rollout.base import RolloutEngine
 from trainer.rollout.types import DecodingParams
+from trainer.sft.checkpoint_files import rollout_state_name
 from trainer.sft.forward import forward_loss
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.sync.update_check import NonFiniteWeightsError, check_learner_weights
@@ -66,7 +67,6 @@ from trainer.telemetry import (
     install_step_clock,
 )
 
-ROLLOUT_STATE = "rollout_state.pt"
 #: the disjoint phases of ``training_step`` (``time/<phase>_s``); they sum to ``time/step_s``. ``backward`` is what the
 #: step spent outside the others (the backward pass and HF's bookkeeping). Sub-phases, also logged: ``generate`` and
 #: ``encode`` (the chat template and the image processor on the learner's CPU, inside ``rollout``), ``parse`` /
@@ -574,7 +574,7 @@ class RolloutMatchingTrainer(Trainer):
         check_learner_weights(self.accelerator.unwrap_model(self.model), self.state.global_step)
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        path = os.path.join(folder, f"rank{self.args.process_index}-{ROLLOUT_STATE}")
+        path = os.path.join(folder, rollout_state_name(self.args.process_index))
         torch.save(self.rollout_state(), path + ".tmp")
         os.replace(path + ".tmp", path)
 
@@ -586,10 +586,10 @@ class RolloutMatchingTrainer(Trainer):
                         and d.rsplit("-", 1)[1].isdigit()), reverse=True) if os.path.isdir(root) else []
         for step in steps:
             folder = os.path.join(root, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-            if os.path.isfile(os.path.join(folder, f"rank{self.args.process_index}-{ROLLOUT_STATE}")):
+            if os.path.isfile(os.path.join(folder, rollout_state_name(self.args.process_index))):
                 return folder
-            logger.warning("skipping %s: incomplete (no rank%d-%s; the run was stopped while saving it)", folder,
-                           self.args.process_index, ROLLOUT_STATE)
+            logger.warning("skipping %s: incomplete (no %s; the run was stopped while saving it)", folder,
+                           rollout_state_name(self.args.process_index))
         return None
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
@@ -600,7 +600,7 @@ class RolloutMatchingTrainer(Trainer):
             if resume_from_checkpoint is None:
                 raise FileNotFoundError(f"no complete checkpoint-* folder in {self.args.output_dir} to resume from")
         if resume_from_checkpoint:
-            path = os.path.join(resume_from_checkpoint, f"rank{self.args.process_index}-{ROLLOUT_STATE}")
+            path = os.path.join(resume_from_checkpoint, rollout_state_name(self.args.process_index))
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} is missing: this checkpoint cannot be resumed exactly "
                                         "(it was not written by RolloutMatchingTrainer)")
