@@ -106,3 +106,68 @@ def test_the_physical_cores_are_counted_among_the_allowed_cpus_only(tmp_path, mo
     monkeypatch.setattr("psutil.cpu_count", lambda logical=True: 16)
     assert cpu_threads.usable_physical_cores(tmp_path / "absent") == 8, \
         "no topology: the host's physical cores, at most the allowed CPUs"
+
+
+def _fake_topology(root, layout):
+    """``layout``: {logical cpu: (package, core)} written as sysfs topology files under ``root``."""
+    for cpu, (package, core) in layout.items():
+        topo = root / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{package}\n")
+        (topo / "core_id").write_text(f"{core}\n")
+    return root
+
+
+def test_each_local_rank_gets_its_own_block_of_whole_cores(tmp_path):
+    from trainer.sft.cpu_threads import choose_cpu_affinity, physical_core_groups
+
+    # two sockets of 4 cores, hyper-threaded: cpu c and c+8 are siblings
+    layout = {c: (c // 4, c % 4) for c in range(8)} | {c + 8: (c // 4, c % 4) for c in range(8)}
+    sysfs = _fake_topology(tmp_path, layout)
+    groups = physical_core_groups(range(16), sysfs)
+    assert groups[0] == (0, 8) and groups[4] == (4, 12) and len(groups) == 8
+    blocks = [choose_cpu_affinity("auto", r, 2, range(16), sysfs).cpus for r in range(2)]
+    assert blocks == [(0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15)], "a socket each, siblings kept"
+    four = [set(choose_cpu_affinity("auto", r, 4, range(16), sysfs).cpus) for r in range(4)]
+    assert set().union(*four) == set(range(16)) and sum(map(len, four)) == 16, "every CPU once"
+    # a container's cpuset that holds only some CPUs: only those are shared out
+    inside = choose_cpu_affinity("auto", 1, 2, [2, 3, 10, 11, 4, 12], sysfs)
+    assert inside.cpus == (3, 4, 11, 12) or set(inside.cpus) <= {2, 3, 4, 10, 11, 12}
+    assert not set(inside.cpus) & set(choose_cpu_affinity("auto", 0, 2, [2, 3, 10, 11, 4, 12], sysfs).cpus)
+
+
+def test_fewer_cores_than_ranks_share_round_robin_and_off_or_one_rank_is_not_bound(tmp_path):
+    from trainer.sft.cpu_threads import CpuAffinity, choose_cpu_affinity
+
+    sysfs = _fake_topology(tmp_path, {0: (0, 0), 1: (0, 1)})
+    assert [choose_cpu_affinity("auto", r, 4, [0, 1], sysfs).cpus for r in range(4)] == [(0,), (1,), (0,), (1,)]
+    assert choose_cpu_affinity("off", 0, 4, [0, 1], sysfs).cpus == ()
+    assert choose_cpu_affinity("auto", 0, 1, [0, 1], sysfs).cpus == ()
+    no_sysfs = choose_cpu_affinity("auto", 1, 2, [0, 1, 2, 3], tmp_path / "absent")
+    assert no_sysfs.cpus == (2, 3), "without the topology each logical CPU counts as a core"
+    assert CpuAffinity((0, 1, 2, 5, 7, 8), "x").cpu_list == "0-2,5,7-8"
+    assert CpuAffinity((), "x").cpu_list is None
+
+
+def test_a_bound_rank_and_the_threads_it_starts_run_only_on_its_block(tmp_path):
+    """The real binding, in a child process that plays local rank 1 of 2 on this host's CPUs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    allowed = sorted(os.sched_getaffinity(0))
+    code = ("import json, os, threading\n"
+            "from trainer.sft.cpu_threads import apply_cpu_affinity\n"
+            "a = apply_cpu_affinity('auto')\n"
+            "seen = []\n"
+            "t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))\n"
+            "t.start(); t.join()\n"
+            "print(json.dumps({'cpus': list(a.cpus), 'main': sorted(os.sched_getaffinity(0)), 'thread': seen[0]}))\n")
+    env = dict(os.environ, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+    out = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                    check=True).stdout.strip().splitlines()[-1])
+    assert out["cpus"] and out["main"] == out["thread"] == out["cpus"]
+    assert set(out["cpus"]) <= set(allowed)
+    if len(allowed) > 1:
+        assert set(out["cpus"]) != set(allowed), "rank 1 of 2 holds only part of the CPUs"

@@ -1,4 +1,5 @@
-"""How many intra-op CPU threads each learner rank's torch uses (``training.cpu_threads_per_rank``).
+"""Each learner rank's share of the host's CPUs: how many intra-op threads its torch uses
+(``training.cpu_threads_per_rank``) and which cores it runs on (``training.cpu_affinity``).
 
 torchrun sets ``OMP_NUM_THREADS=1`` in every rank when it starts more than one and the variable is unset, so a
 multi-rank learner runs its host-side tensor work (the image processor's resize and normalize, the packed rows'
@@ -6,6 +7,12 @@ pixel concatenation, ~0.8 GB a step at 64 records of 1024² images) on one threa
 core (2 × H200, 2026-11-28: the packing part of a colocate-2 rank's ``target`` phase 0.85 s against colocate-1's
 0.3 s, the same 64 records per rank). ``auto`` gives each rank its share of the node's cores instead, as
 ``accelerate launch`` does.
+
+Several ranks on one host also share its cores with each rank's in-process vLLM engine, whose scheduler and
+detokenizer run on one Python thread per step. ``cpu_affinity: auto`` binds each local rank (every thread of it,
+and everything it starts later) to its own contiguous block of whole physical cores, so one rank's image
+processing or packing never runs on the cores the other rank's engine is decoding on. Blocks follow the order of
+the cores' ``(package, core_id)``, which on the usual 8-GPU node also follows the GPUs' NUMA nodes.
 """
 
 from __future__ import annotations
@@ -54,6 +61,98 @@ def choose_cpu_threads(setting: int | str, local_world_size: int, cores: int, om
     return CpuThreads(share, f"{cores} cores / {ranks} ranks")
 
 
+SYSFS_CPU = Path("/sys/devices/system/cpu")
+
+
+@dataclass(frozen=True)
+class CpuAffinity:
+    """``cpus``: the logical CPUs a rank is bound to (empty: not bound); ``reason``: why."""
+
+    cpus: tuple[int, ...]
+    reason: str
+
+    @property
+    def cpu_list(self) -> str | None:
+        """``cpus`` as a ``taskset``-style list (``0-7,16-23``), or None when not bound."""
+        if not self.cpus:
+            return None
+        runs, start = [], self.cpus[0]
+        for prev, cpu in zip(self.cpus, self.cpus[1:] + (None,)):
+            if cpu != prev + 1:
+                runs.append(f"{start}-{prev}" if prev != start else str(start))
+                start = cpu
+        return ",".join(runs)
+
+
+def physical_core_groups(cpus: Iterable[int], sysfs_cpu: Path = SYSFS_CPU) -> list[tuple[int, ...]] | None:
+    """The logical ``cpus`` grouped by physical core (hyper-thread siblings together), the groups ordered by
+    ``(physical_package_id, core_id)``; None when a CPU's topology cannot be read."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for cpu in sorted(cpus):
+        topology = sysfs_cpu / f"cpu{cpu}" / "topology"
+        try:
+            key = (int(topology.joinpath("physical_package_id").read_text()),
+                   int(topology.joinpath("core_id").read_text()))
+        except (OSError, ValueError):
+            return None
+        groups.setdefault(key, []).append(cpu)
+    return [tuple(groups[k]) for k in sorted(groups)] or None
+
+
+def rank_cpu_block(cores: list[tuple[int, ...]], local_rank: int, local_world_size: int) -> tuple[int, ...]:
+    """Local rank ``local_rank``'s contiguous block of whole ``cores`` (from ``physical_core_groups``): the blocks
+    of all ranks cover every core once, their sizes differ by at most one core; with fewer cores than ranks, ranks
+    share cores round-robin (never an empty block)."""
+    if not cores:
+        raise ValueError("no cores to share")
+    ranks = max(1, local_world_size)
+    if len(cores) < ranks:
+        block = [cores[local_rank % len(cores)]]
+    else:
+        block = cores[local_rank * len(cores) // ranks:(local_rank + 1) * len(cores) // ranks]
+    return tuple(sorted(cpu for core in block for cpu in core))
+
+
+def choose_cpu_affinity(setting: str, local_rank: int, local_world_size: int, allowed: Iterable[int],
+                        sysfs_cpu: Path = SYSFS_CPU) -> CpuAffinity:
+    """The CPUs this rank binds to. ``off``, or one local rank: not bound. ``auto``: ``rank_cpu_block`` of the
+    physical cores among ``allowed`` (the process's affinity, a container's cpuset); without the topology in
+    sysfs, each logical CPU counts as a core."""
+    if setting == "off":
+        return CpuAffinity((), "training.cpu_affinity: off")
+    if local_world_size <= 1:
+        return CpuAffinity((), "one local rank: the OS schedules its threads")
+    allowed = sorted(allowed)
+    cores = physical_core_groups(allowed, sysfs_cpu) or [(cpu,) for cpu in allowed]
+    block = rank_cpu_block(cores, local_rank, local_world_size)
+    return CpuAffinity(block, f"local rank {local_rank} of {local_world_size}: {len(cores)} physical cores in "
+                              f"contiguous blocks")
+
+
+def bind_process(cpus: Iterable[int]) -> None:
+    """Bind every thread this process has now (``/proc/self/task``), and so every one it starts later, to ``cpus``."""
+    cpus = set(cpus)
+    os.sched_setaffinity(0, cpus)
+    for task in Path("/proc/self/task").iterdir() if Path("/proc/self/task").is_dir() else ():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            pass
+
+
+def apply_cpu_affinity(setting: str) -> CpuAffinity:
+    """Choose this rank's CPUs (``choose_cpu_affinity``; ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` from torchrun) and
+    bind the process to them; call it before the model, the engine or torch's thread pool start."""
+    if not hasattr(os, "sched_setaffinity"):
+        return CpuAffinity((), "this platform has no sched_setaffinity")
+    choice = choose_cpu_affinity(setting, int(os.environ.get("LOCAL_RANK", "0")),
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")), os.sched_getaffinity(0))
+    if choice.cpus:
+        bind_process(choice.cpus)
+        log.info("cpu affinity: %s (%s)", choice.cpu_list, choice.reason)
+    return choice
+
+
 def cgroup_cpu_limit(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
     """The CPUs a cgroup-v2 quota allows (a Kubernetes container's ``resources.limits.cpu``: ``quota period`` in
     ``cpu.max``, rounded down, at least 1), or None without one (``max``, no file, cgroup v1)."""
@@ -66,21 +165,10 @@ def cgroup_cpu_limit(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | No
     return max(1, int(quota) // int(period))
 
 
-SYSFS_CPU = Path("/sys/devices/system/cpu")
-
-
 def physical_cores_of(cpus: Iterable[int], sysfs_cpu: Path = SYSFS_CPU) -> int | None:
-    """Distinct physical cores among the logical ``cpus``: ``(physical_package_id, core_id)`` pairs read from each
-    CPU's ``topology`` folder under ``sysfs_cpu``; None when a CPU's topology cannot be read (no sysfs)."""
-    cores = set()
-    for cpu in cpus:
-        topology = sysfs_cpu / f"cpu{cpu}" / "topology"
-        try:
-            cores.add((topology.joinpath("physical_package_id").read_text().strip(),
-                       topology.joinpath("core_id").read_text().strip()))
-        except OSError:
-            return None
-    return len(cores) or None
+    """Distinct physical cores among the logical ``cpus`` (``physical_core_groups``); None without the topology."""
+    groups = physical_core_groups(cpus, sysfs_cpu)
+    return len(groups) if groups else None
 
 
 def usable_physical_cores(sysfs_cpu: Path = SYSFS_CPU) -> int:

@@ -32,7 +32,7 @@ from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
 from trainer.sft import deepspeed_config
 from trainer.sft.checkpoint_files import STAGE2_DIR
-from trainer.sft.cpu_threads import apply_cpu_threads
+from trainer.sft.cpu_threads import apply_cpu_affinity, apply_cpu_threads
 from trainer.sft.heap import freeze_setup_objects, install_first_step_freeze
 from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
 from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
@@ -263,6 +263,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
         require("deepspeed", f"training.deepspeed ({cfg.training.deepspeed})")
     start_distributed()
     cpu_threads = apply_cpu_threads(cfg.training.cpu_threads_per_rank)
+    cpu_affinity = apply_cpu_affinity(cfg.training.cpu_affinity)
     out = Path(cfg.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "resolved_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
@@ -277,7 +278,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     packed_attn = (choose_packed_attention(cfg.model.attn_implementation, loaded.image_token_id is not None,
                                            cfg.training.packed_varlen_kernel) if cfg.training.packing else None)
     cfg, _ = apply_model_levers(cfg, model, out, data_parallel_world_size(), packed_attention=packed_attn,
-                                cpu_threads=cpu_threads)
+                                cpu_threads=cpu_threads, cpu_affinity=cpu_affinity)
     if cfg.training.compile_decoder_layers:
         log.info("compiled %d decoder layers (training.compile_decoder_layers)", compile_decoder_layers(
             model, cfg.training.compile_activation_memory_budget))
