@@ -185,6 +185,14 @@ def test_the_budget_subtracts_headroom_weights_engine_and_loss():
     assert ck.choose_checkpointing(asleep_as_2gib).every_n_layers == 4, "the old charge (what failed on the H100)"
 
 
+def test_the_estimated_peak_is_the_committed_memory_plus_the_chosen_activations():
+    choice = ck.choose_checkpointing(plan(80.0, resident_gib=20.0, engine_bytes=5 * GIB, loss_bytes=3 * GIB))
+    assert choice.committed_gib == pytest.approx(28.0)
+    assert choice.estimated_peak_gib == pytest.approx(28.0 + choice.estimates_gib[choice.label])
+    assert choice.estimated_peak_gib <= 80 * 0.9, "a policy that fits stays under the device less the headroom"
+    assert ck.CheckpointingChoice("full").estimated_peak_gib is None, "an explicit policy has no estimate"
+
+
 def test_resident_bytes_count_weights_gradients_and_adamw_states_and_zero_shards_them():
     model = torch.nn.Sequential(torch.nn.Linear(10, 10, bias=False), torch.nn.Linear(10, 10, bias=False))
     model[1].weight.requires_grad_(False)

@@ -87,6 +87,9 @@ def test_auto_is_resolved_and_its_numbers_recorded(tmp_path, monkeypatch):
     assert row["train/checkpointed_layers"] == row["train/decoder_layers"] == 2
     assert set(row["train/checkpointing_estimate_gib"]) == {"off", "selective/4", "selective/3", "selective/2", "full"}
     assert row["train/checkpointing_budget_gib"] < 0
+    assert row["train/estimated_peak_gib"] == pytest.approx(
+        row["train/checkpointing_budget_gib"] * -1 + row["train/checkpointing_estimate_gib"]["full"]), \
+        "no device memory: everything committed is over the budget"
     assert (resolved.training.checkpointing_policy, resolved.training.gradient_checkpointing) == ("full", True)
     assert not (tmp_path / "metrics.jsonl").exists(), "out=None writes nothing"
     monkeypatch.setenv("RANK", "1")

@@ -168,11 +168,21 @@ class CheckpointingChoice:
     reason: str = ""
     #: compiled layers: the partitioner's activation memory budget that runs (None: eager layers)
     memory_budget: float | None = None
+    #: ``auto``: what the plan charges besides activations (weights, gradients, optimizer, DDP buckets, engine, loss)
+    committed_gib: float | None = None
 
     @property
     def label(self) -> str:
         base = f"selective/{self.every_n_layers}" if self.policy == "selective" else self.policy
         return _with_budget(base, self.memory_budget)
+
+    @property
+    def estimated_peak_gib(self) -> float | None:
+        """``auto``: the learner's estimated peak, the committed memory plus the activations of the policy that runs
+        (compare with the step's measured ``mem/step_peak_gib``)."""
+        if self.committed_gib is None or self.label not in self.estimates_gib:
+            return None
+        return self.committed_gib + self.estimates_gib[self.label]
 
 
 def _with_budget(label: str, budget: float | None) -> str:
@@ -202,6 +212,7 @@ def choose_checkpointing(plan: MemoryPlan, spacings: tuple[int, ...] = AUTO_SPAC
             estimates[label] = activation_bytes(plan.shape, plan.tokens, plan.dtype_bytes,
                                                 checkpointed_count(L, policy, k), b) / GIB
     budget = plan.budget_bytes / GIB
+    committed = (plan.resident_bytes + plan.engine_bytes + plan.loss_bytes) / GIB
     off_label = _with_budget("off", offs[-1][2])
     for policy, k, b in options:
         label = _with_budget(f"selective/{k}" if k else policy, b)
@@ -212,10 +223,11 @@ def choose_checkpointing(plan: MemoryPlan, spacings: tuple[int, ...] = AUTO_SPAC
                    f"{plan.loss_bytes / GIB:.1f}) at {plan.tokens} tokens")
             if policy != "off":
                 why += f"; {off_label} would need ~{estimates[off_label]:.1f} GiB"
-            return CheckpointingChoice(policy, k, "auto", estimates, budget, why, b)
+            return CheckpointingChoice(policy, k, "auto", estimates, budget, why, b, committed)
     return CheckpointingChoice("full", None, "auto", estimates, budget,
                                f"nothing fits the {budget:.1f} GiB left (full needs ~{estimates['full']:.1f} GiB): "
-                               "full, the least memory; lower training.packing_length if it runs out", budget_of_rest)
+                               "full, the least memory; lower training.packing_length if it runs out", budget_of_rest,
+                               committed)
 
 
 def _deepspeed_stage(deepspeed: str | None) -> tuple[int, bool]:

@@ -5,7 +5,8 @@ recorded as the first row of ``metrics.jsonl`` (``phase: setup``), so every run 
 - ``training.gradient_checkpointing_policy`` (``trainer.modeling.checkpointing``; ``auto`` resolved here):
   ``train/checkpointing_policy`` (full | selective | off), ``train/checkpointing_requested``,
   ``train/checkpointing_every_n_layers``, ``train/checkpointed_layers`` of ``train/decoder_layers``, and for ``auto``
-  its estimates (``train/checkpointing_estimate_gib``, ``train/checkpointing_budget_gib``);
+  its estimates (``train/checkpointing_estimate_gib``, ``train/checkpointing_budget_gib``, and
+  ``train/estimated_peak_gib``: what the plan commits plus the chosen policy's activations);
 - ``training.optim`` (HF ``TrainingArguments.optim``): ``train/optim``;
 - ``training.compile_decoder_layers``: ``train/compile_decoder_layers``, and the partitioner's activation memory
   budget that runs, ``train/compile_activation_memory_budget`` (``auto`` resolved with the checkpointing policy),
@@ -72,7 +73,8 @@ def apply_model_levers(cfg, model: torch.nn.Module, out: Path | None = None, wor
                                                                      if t.compile_decoder_layers else None)})
     if choice.requested == "auto":
         row.update({"train/checkpointing_estimate_gib": choice.estimates_gib,
-                    "train/checkpointing_budget_gib": choice.budget_gib})
+                    "train/checkpointing_budget_gib": choice.budget_gib,
+                    "train/estimated_peak_gib": choice.estimated_peak_gib})
         log.info("gradient checkpointing auto: %s (%s)", choice.label, choice.reason)
     log.info("model levers: %s", row)
     if out is not None and int(os.environ.get("RANK", "0")) == 0:
