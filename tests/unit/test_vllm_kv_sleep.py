@@ -57,6 +57,8 @@ class _LLM:
     def __init__(self, worker: _Worker):
         self.worker = worker
         self.calls: list[tuple] = []
+        self.llm_engine = type("Engine", (), {"reset_encoder_cache": lambda _: self.calls.append(
+            ("reset_encoder_cache",))})()
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
@@ -92,7 +94,7 @@ def _engine(llm: _LLM) -> InProcessVllm:
     engine.llm = llm
     engine._asleep = set()
     engine._weights_valid = True
-    engine._prefix_stale = False
+    engine._caches_stale = False
     engine._waking = None
     engine._dir = Path(tempfile.mkdtemp(prefix="rm-test-kv-sleep-"))
     return engine
@@ -106,7 +108,7 @@ def test_kv_cache_sleep_releases_the_kv_cache_and_keeps_the_weights_mapped(alloc
     assert allocator.released == [2, 4], "only the KV-cache allocations are unmapped"
     assert allocator.mapped("weights") == [True, True] and allocator.mapped("kv_cache") == [False, False]
     assert ("sleep", 2) not in llm.calls and not any(c[0] == "sleep" for c in llm.calls), "vLLM's sleep unmaps all"
-    assert engine._asleep == {"kv_cache"} and engine._weights_valid and engine._prefix_stale
+    assert engine._asleep == {"kv_cache"} and engine._weights_valid and engine._caches_stale
     assert vllm_compat.sleeping_bytes(["weights"]) == 0 and vllm_compat.sleeping_bytes(["kv_cache"]) == 8 << 20
 
     engine.wake(("weights",), phase_name="sync_wake")  # what a weight sync asks for: nothing sleeps there
@@ -130,8 +132,9 @@ def test_a_decode_after_a_kv_cache_sleep_resets_the_prefix_cache_first(allocator
     engine.weights_source = None
     engine.sleep()
     engine._ready()
-    assert llm.calls == [("reset_prefix_cache",)], "cached prefixes pointed into the released KV cache"
-    assert not engine._prefix_stale and allocator.mapped("kv_cache") == [True, True]
+    assert llm.calls == [("reset_prefix_cache",), ("reset_encoder_cache",)], \
+        "cached prefixes pointed into the released KV cache"
+    assert not engine._caches_stale and allocator.mapped("kv_cache") == [True, True]
 
 
 def test_kv_cache_is_a_sleep_level_of_the_config_and_a_typo_is_refused():

@@ -79,7 +79,7 @@ def _engine(events: list[str], *, merge_into_engine: bool = True, weights_valid:
     engine._spec = SPEC
     engine._asleep = {"weights", "kv_cache"}
     engine._weights_valid = weights_valid
-    engine._prefix_stale = False
+    engine._caches_stale = False
     engine._waking = None
     engine._merge_refused = None
     engine.last_load = None
@@ -111,7 +111,7 @@ def test_the_products_are_written_into_the_woken_engine_and_give_the_merged_weig
     assert events == ["wake:weights", "merge into engine"], "the layout checked on the host, then wake, then write"
     for name, want in _expected(update).items():
         assert torch.equal(dict(engine.llm.model.named_parameters())[name], want), name
-    assert engine._weights_valid and engine._prefix_stale and report.tensors == 4
+    assert engine._weights_valid and engine._caches_stale and report.tensors == 4
     assert engine.llm.worker._rm_load_path == "merged"
 
 

@@ -50,7 +50,7 @@ def _engine(events: list[str], overlap: bool) -> InProcessVllm:
     engine._spec = {"a.weight": TensorSpec((2, 3), torch.float32), "b.weight": TensorSpec((4,), torch.float32)}
     engine._asleep = {"weights", "kv_cache"}
     engine._weights_valid = False
-    engine._prefix_stale = False
+    engine._caches_stale = False
     engine._waking = None
     engine.last_load = None
     return engine

@@ -294,12 +294,25 @@ def restore_pinned_buffers(worker) -> int:
 
 
 def reset_derived_state(worker) -> None:
-    """Drop caches computed from the old weights (LoRA, encoder and multimodal caches) where the release has them."""
-    runner = worker.model_runner
-    for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-        fn = getattr(runner, name, None)
-        if fn is not None:
-            fn()
+    """Drop the worker's LoRA state computed from the old weights where the release has it. The vision encoder's
+    cached outputs are not dropped here: the worker's store and the scheduler's record of it must go together
+    (``reset_weight_caches``, through the engine)."""
+    fn = getattr(worker.model_runner, "reset_lora_state", None)
+    if fn is not None:
+        fn()
+
+
+def reset_weight_caches(llm) -> bool:
+    """Drop what the engine cached from the weights it served: the prefix cache's KV blocks and the vision encoder's
+    image embeddings. The encoder's goes through the engine (``LLMEngine.reset_encoder_cache``), which clears the
+    scheduler's record and the worker's store together: a worker-only reset leaves the scheduler sure an image is
+    cached, and the next request with that image (an eval set decoded again after a sync) fails with "Encoder
+    cache miss". Returns the prefix reset's answer."""
+    ok = bool(llm.reset_prefix_cache())
+    reset_encoder = getattr(llm.llm_engine, "reset_encoder_cache", None)
+    if reset_encoder is not None:
+        reset_encoder()
+    return ok
 
 
 def add_lora(llm, name: str, lora_id: int, path: str):

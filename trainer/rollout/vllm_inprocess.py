@@ -271,7 +271,7 @@ class InProcessVllm:
         self._spec = None
         self._asleep: set[str] = set()
         self._weights_valid = True
-        self._prefix_stale = False
+        self._caches_stale = False
         self._warned_images = False
         self._waking: tuple[list[str], threading.Thread, list[BaseException]] | None = None
         self._merge_refused: str | None = None
@@ -336,7 +336,7 @@ class InProcessVllm:
                 torch.cuda.synchronize()
         load_s = time.perf_counter() - t0
         self._weights_valid = True
-        self._prefix_stale = True
+        self._caches_stale = True
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self.last_load = LoadReport(len(tensors), nbytes, check_s, load_s)
         return self.last_load
@@ -394,7 +394,7 @@ class InProcessVllm:
             t0 = time.perf_counter()
             bad = launch_finite_check({str(i): dst for i, (_, dst) in enumerate(written)}).first_bad()
             check_s += time.perf_counter() - t0
-        self._prefix_stale = True
+        self._caches_stale = True
         if bad is not None:
             name, dst = written[int(bad)]
             raise WeightUpdateRefused(name, describe_non_finite(dst) + " in the engine's parameter after the LoRA "
@@ -421,11 +421,11 @@ class InProcessVllm:
         (d / "adapter_config.json").write_text(json.dumps(peft_config))
         self.wake(("weights",), phase_name="sync_wake")
         self.lora_request = vllm_compat.add_lora(self.llm, LORA_NAME, LORA_ID, str(d))
-        self._prefix_stale = True
+        self._caches_stale = True
 
     def drop_adapter(self) -> None:
         self.lora_request = None
-        self._prefix_stale = True
+        self._caches_stale = True
 
     # -- sleep -----------------------------------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -439,7 +439,7 @@ class InProcessVllm:
                 with phase("sleep"):
                     self.llm.collective_rpc(_release_kv_cache_in_worker)
                 self._asleep = {"kv_cache"}
-                self._prefix_stale = True
+                self._caches_stale = True
             return
         if level and not self._asleep:
             with phase("sleep"):
@@ -534,9 +534,9 @@ class InProcessVllm:
                                       "loaded since; sync weights before decoding (or use sleep_level 1)")
             self.load_weights(self.weights_source())
         self.wake()
-        if self._prefix_stale:
-            self.llm.reset_prefix_cache()
-            self._prefix_stale = False
+        if self._caches_stale:
+            vllm_compat.reset_weight_caches(self.llm)
+            self._caches_stale = False
 
     # -- decoding --------------------------------------------------------------------------------------------------
     def prompt(self, prompt_token_ids: Sequence[int], images: Sequence[Any] = ()) -> dict[str, Any]:
@@ -564,10 +564,12 @@ class InProcessVllm:
         return [vllm_compat.decoded(o) for o in outputs]
 
     def reset_prefix_cache(self) -> bool:
+        """Drop the caches computed from the served weights (``vllm_compat.reset_weight_caches``): now, or at the next
+        decode when asleep."""
         if self._asleep:
-            self._prefix_stale = True
+            self._caches_stale = True
             return True
-        return bool(self.llm.reset_prefix_cache())
+        return vllm_compat.reset_weight_caches(self.llm)
 
     def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(worker, *args)`` on every vLLM worker (in this process when the engine is in-process)."""

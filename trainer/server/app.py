@@ -426,9 +426,13 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
         return {"message": f"Request received, resetting prefix cache status: {ok}"}
 
     @app.post("/reset_encoder_cache/", dependencies=guarded)
+    async def reset_encoder_cache():
+        ok = await runner.call(engine.reset_prefix_cache)
+        return {"message": f"Request received, resetting the prefix and encoder caches together: {ok}"}
+
     @app.post("/reset_mm_cache/", dependencies=guarded)
-    async def reset_other_caches():
-        return {"message": "Request received, nothing cached beyond the prefix cache"}
+    async def reset_mm_cache():
+        return {"message": "Request received, nothing to reset: processed images do not depend on the weights"}
 
     @app.post("/close_communicator/", dependencies=guarded)
     async def close_communicator():
