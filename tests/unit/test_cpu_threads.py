@@ -171,3 +171,39 @@ def test_a_bound_rank_and_the_threads_it_starts_run_only_on_its_block(tmp_path):
     assert set(out["cpus"]) <= set(allowed)
     if len(allowed) > 1:
         assert set(out["cpus"]) != set(allowed), "rank 1 of 2 holds only part of the CPUs"
+
+
+def test_node_blocks_follow_the_host_gpu_so_servers_and_a_learner_never_overlap(tmp_path):
+    from trainer.sft.cpu_threads import choose_cpu_affinity, node_gpus_of_local_ranks
+
+    sysfs = _fake_topology(tmp_path, {c: (0, c) for c in range(16)})
+    # 6v2 on an 8-GPU host: servers on GPUs 0-5 (one process each), the learner's two ranks on GPUs 6 and 7
+    servers = [set(choose_cpu_affinity("node", 0, 1, range(16), sysfs, node_gpu=g, node_gpu_count=8).cpus)
+               for g in range(6)]
+    ranks = node_gpus_of_local_ranks(2, "6,7")
+    learner = [set(choose_cpu_affinity("node", r, 2, range(16), sysfs, node_gpu=ranks[r], node_gpu_count=8).cpus)
+               for r in range(2)]
+    blocks = servers + learner
+    assert all(len(b) == 2 for b in blocks) and set().union(*blocks) == set(range(16))
+    assert learner == [{12, 13}, {14, 15}]
+    assert node_gpus_of_local_ranks(2, None) == [0, 1] and node_gpus_of_local_ranks(2, "GPU-ab,GPU-cd") == [0, 1]
+    # no GPU count (a CPU machine), or an index the count does not hold: as auto (local ranks)
+    assert choose_cpu_affinity("node", 1, 2, range(16), sysfs, node_gpu=7, node_gpu_count=None).cpus == \
+        choose_cpu_affinity("auto", 1, 2, range(16), sysfs).cpus
+    assert choose_cpu_affinity("node", 0, 1, range(16), sysfs, node_gpu=3, node_gpu_count=2).cpus == ()
+
+
+def test_launch_server_binds_to_its_gpus_blocks_and_prints_the_taskset_line(monkeypatch, capsys):
+    import trainer.sft.cpu_threads as ct
+    from trainer.cli import main
+
+    monkeypatch.setattr(ct, "host_gpu_count", lambda *a: 8)
+    monkeypatch.setattr(ct.os, "sched_getaffinity", lambda pid: set(range(32)))
+    share = ct.server_cpu_affinity([2, 3])
+    assert share.cpus == tuple(range(8, 16)), "GPUs 2 and 3 of 8: the third and fourth blocks of 4 cores"
+    assert main(["launch", "server", "--engine", "vllm", "--model", "/m", "--gpus", "2,3", "--cpu-affinity", "node",
+                 "--print-command"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("taskset -c 8-15 ") and "CUDA_VISIBLE_DEVICES=2,3" in line
+    monkeypatch.setattr(ct, "host_gpu_count", lambda *a: None)
+    assert ct.server_cpu_affinity([0]).cpus == (), "no GPU count: not bound"

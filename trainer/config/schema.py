@@ -200,12 +200,14 @@ class TrainingConfig(Section):
         "/ local ranks (as accelerate launch does); one rank without it keeps torch's default. A count: that many (1 "
         "keeps torchrun's). Recorded as train/cpu_threads_per_rank in metrics.jsonl's setup row "
         "(trainer.sft.cpu_threads)")
-    cpu_affinity: Literal["auto", "off"] = Field(
+    cpu_affinity: Literal["auto", "node", "off"] = Field(
         "auto", description="auto: with several learner ranks on one host, bind each (every thread, its in-process "
         "vLLM engine's included) to its own contiguous block of whole physical cores within the CPU affinity, so one "
         "rank's image processing never runs on the cores another rank's engine decodes on; one rank is not bound. "
-        "off: the OS schedules every thread anywhere. Recorded as train/cpu_affinity in metrics.jsonl's setup row "
-        "(trainer.sft.cpu_threads)")
+        "node: each rank takes the block of its host GPU (CUDA_VISIBLE_DEVICES) among one block per GPU of the host, "
+        "the blocks rollout servers started with `launch server --cpu-affinity node` take for theirs (layouts with "
+        "servers and a learner on one node). off: the OS schedules every thread anywhere. Recorded as "
+        "train/cpu_affinity in metrics.jsonl's setup row (trainer.sft.cpu_threads)")
     freeze_heap_after_first_step: bool = Field(
         True, description="freeze Python's heap (gc.collect, then gc.freeze) once more when the stage's first "
         "optimizer step ends, as it is frozen once before training: what that step built for the whole run (the "

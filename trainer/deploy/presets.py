@@ -75,7 +75,7 @@ def bare_metal_commands(name: str, values: dict[str, Any]) -> list[str]:
             "--gpus", ",".join(map(str, inst["gpus"])), "--model", server["model"],
             "--tensor-parallel-size", str(server["tensorParallelSize"]),
             "--gpu-memory-utilization", str(server["gpuMemoryUtilization"]),
-            "--max-model-len", str(server["maxModelLen"])]) + " &")
+            "--max-model-len", str(server["maxModelLen"]), "--cpu-affinity", "node"]) + " &")
     wait = ["--wait-for-servers", "config"] if server.get("instances") else []
     lines.append(shlex.join(["python", "-m", "trainer", "launch", "learner", "--config", f"presets/{name}.yaml",
                              "--gpus", ",".join(map(str, learner["gpus"])), *wait, "--resume", "auto"]))

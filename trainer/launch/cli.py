@@ -35,6 +35,7 @@ from trainer.launch.gpus import parse_gpus
 from trainer.launch.health import ServersNotHealthyError, wait_until_healthy
 from trainer.launch.ports import PortInUseError, ensure_port_free, listen_port
 from trainer.launch.resume import STAGE2_DIR, latest_checkpoint
+from trainer.sft.cpu_threads import bind_process, physical_cores_of, server_cpu_affinity
 
 EXIT_CONFIG = 2
 EXIT_PORT = 3
@@ -88,9 +89,18 @@ def run_server(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         _say(str(exc))
         return EXIT_CONFIG
+    share = server_cpu_affinity(opts.gpus) if args.cpu_affinity == "node" else None
+    if share is not None and share.cpus:
+        threads = physical_cores_of(share.cpus) or len(share.cpus)
+        cmd = LaunchCommand(cmd.argv, {**cmd.env, "OMP_NUM_THREADS": str(threads)})
     if args.print_command:
-        print(cmd.shell())
+        bound = f"taskset -c {share.cpu_list} " if share is not None and share.cpus else ""
+        print(bound + cmd.shell())
         return 0
+    if share is not None:
+        if share.cpus:
+            bind_process(share.cpus)
+        _say(f"cpu affinity: {share.cpu_list or 'not bound'} ({share.reason})")
     try:
         ensure_port_free(host, port)
     except PortInUseError as exc:
@@ -217,6 +227,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--model-type", help="swift only: ms-swift model type, e.g. qwen3_vl (default: rlhf.model_type)")
     s.add_argument("--template", help="swift only: ms-swift template (default: rlhf.template)")
     s.add_argument("--print-command", action="store_true", help="print the command and exit")
+    s.add_argument("--cpu-affinity", choices=("off", "node"), default="off",
+                   help="node: bind the server to the cores of its GPUs' blocks, one contiguous block of physical "
+                   "cores per GPU of the host, with as many CPU threads (for several servers, or servers and a "
+                   "learner with training.cpu_affinity: node, on one host); off: the OS places its threads")
     s.add_argument("extra", nargs=argparse.REMAINDER, help="-- ARGS… passed to the server command")
     s.set_defaults(func=run_server)
 

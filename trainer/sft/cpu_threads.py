@@ -113,20 +113,57 @@ def rank_cpu_block(cores: list[tuple[int, ...]], local_rank: int, local_world_si
     return tuple(sorted(cpu for core in block for cpu in core))
 
 
+def host_gpu_count(proc_gpus: Path = Path("/proc/driver/nvidia/gpus")) -> int | None:
+    """The GPUs this host (or container) has, whatever ``CUDA_VISIBLE_DEVICES`` says: NVML's count (``pynvml``,
+    which vLLM installs), else the driver's ``/proc`` entries; None on a machine without an NVIDIA driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML here: the driver's /proc entries, else nothing
+        pass
+    try:
+        return len([p for p in proc_gpus.iterdir() if p.is_dir()]) or None
+    except OSError:
+        return None
+
+
+def node_gpus_of_local_ranks(local_world_size: int, visible: str | None) -> list[int]:
+    """The host GPU index each local rank drives: ``CUDA_VISIBLE_DEVICES``' entries in order (integer lists only),
+    else the local rank itself."""
+    items = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if len(items) >= local_world_size and all(v.isdigit() for v in items):
+        return [int(v) for v in items[:local_world_size]]
+    return list(range(local_world_size))
+
+
 def choose_cpu_affinity(setting: str, local_rank: int, local_world_size: int, allowed: Iterable[int],
-                        sysfs_cpu: Path = SYSFS_CPU) -> CpuAffinity:
-    """The CPUs this rank binds to. ``off``, or one local rank: not bound. ``auto``: ``rank_cpu_block`` of the
-    physical cores among ``allowed`` (the process's affinity, a container's cpuset); without the topology in
-    sysfs, each logical CPU counts as a core."""
+                        sysfs_cpu: Path = SYSFS_CPU, node_gpu: int | None = None,
+                        node_gpu_count: int | None = None) -> CpuAffinity:
+    """The CPUs this process binds to. ``off``: not bound. ``auto``: with several local ranks, ``rank_cpu_block``
+    of the physical cores among ``allowed`` (the process's affinity, a container's cpuset) for ``local_rank``; one
+    rank is not bound. ``node``: the block of host GPU ``node_gpu`` among ``node_gpu_count`` blocks, one per GPU of
+    the host, so processes started separately (rollout servers, a learner beside them) share the cores without
+    overlapping; without a GPU count, or a GPU index outside it, as ``auto``. Without the topology in sysfs, each
+    logical CPU counts as a core."""
     if setting == "off":
-        return CpuAffinity((), "training.cpu_affinity: off")
-    if local_world_size <= 1:
-        return CpuAffinity((), "one local rank: the OS schedules its threads")
+        return CpuAffinity((), "cpu affinity: off")
     allowed = sorted(allowed)
     cores = physical_core_groups(allowed, sysfs_cpu) or [(cpu,) for cpu in allowed]
-    block = rank_cpu_block(cores, local_rank, local_world_size)
-    return CpuAffinity(block, f"local rank {local_rank} of {local_world_size}: {len(cores)} physical cores in "
-                              f"contiguous blocks")
+    if setting == "node" and node_gpu is not None and node_gpu_count and 0 <= node_gpu < node_gpu_count \
+            and node_gpu_count > 1:
+        return CpuAffinity(rank_cpu_block(cores, node_gpu, node_gpu_count),
+                           f"GPU {node_gpu} of the host's {node_gpu_count}: {len(cores)} physical cores in one "
+                           "contiguous block per GPU")
+    if local_world_size <= 1:
+        return CpuAffinity((), "one local rank: the OS schedules its threads")
+    return CpuAffinity(rank_cpu_block(cores, local_rank, local_world_size),
+                       f"local rank {local_rank} of {local_world_size}: {len(cores)} physical cores in contiguous "
+                       "blocks")
 
 
 def bind_process(cpus: Iterable[int]) -> None:
@@ -141,16 +178,36 @@ def bind_process(cpus: Iterable[int]) -> None:
 
 
 def apply_cpu_affinity(setting: str) -> CpuAffinity:
-    """Choose this rank's CPUs (``choose_cpu_affinity``; ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` from torchrun) and
-    bind the process to them; call it before the model, the engine or torch's thread pool start."""
+    """Choose this rank's CPUs (``choose_cpu_affinity``; ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` from torchrun, the
+    host GPU from ``CUDA_VISIBLE_DEVICES``) and bind the process to them; call it before the model, the engine or
+    torch's thread pool start."""
     if not hasattr(os, "sched_setaffinity"):
         return CpuAffinity((), "this platform has no sched_setaffinity")
-    choice = choose_cpu_affinity(setting, int(os.environ.get("LOCAL_RANK", "0")),
-                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")), os.sched_getaffinity(0))
+    rank, ranks = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    node_gpu = count = None
+    if setting == "node":
+        node_gpu = node_gpus_of_local_ranks(ranks, os.environ.get("CUDA_VISIBLE_DEVICES"))[rank]
+        count = host_gpu_count()
+    choice = choose_cpu_affinity(setting, rank, ranks, os.sched_getaffinity(0), node_gpu=node_gpu,
+                                 node_gpu_count=count)
     if choice.cpus:
         bind_process(choice.cpus)
         log.info("cpu affinity: %s (%s)", choice.cpu_list, choice.reason)
     return choice
+
+
+def server_cpu_affinity(gpus: list[int] | None) -> CpuAffinity:
+    """A rollout server's share of the host (``launch server --cpu-affinity node``): the blocks of its host GPUs
+    (``choose_cpu_affinity`` with ``node``, one block per GPU of the host, joined), not bound when the host's GPU
+    count is unknown or it has one GPU."""
+    allowed = os.sched_getaffinity(0)
+    count = host_gpu_count()
+    blocks: set[int] = set()
+    for g in gpus or [0]:
+        blocks.update(choose_cpu_affinity("node", 0, 1, allowed, node_gpu=g, node_gpu_count=count).cpus)
+    if not blocks:
+        return CpuAffinity((), f"not bound: the host's GPU count is {count}")
+    return CpuAffinity(tuple(sorted(blocks)), f"GPU(s) {','.join(map(str, gpus or [0]))} of the host's {count}")
 
 
 def cgroup_cpu_limit(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
