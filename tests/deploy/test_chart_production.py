@@ -1,4 +1,4 @@
-"""The chart's production options (issue 19): per-pod port blocks, shared caches and volumes, the NCCL block,
+"""The chart's production options: per-pod port blocks, shared caches and volumes, the NCCL block,
 scheduling (priorityClassName, PDB, ttlSecondsAfterFinished, Kueue, JobSet) and the server lifecycle; every
 topology rendered with each option on and off, validated against the Kubernetes schemas and the semantic checks."""
 

@@ -13,9 +13,9 @@ from tests.docs.docs_helpers import REPO
 
 #: what names the workspace instead of the product: numbered runs, the words for lent GPU time and its tooling, and
 #: paths out of the repository. Each term is spelled in pieces, so that this file never says what it forbids.
-_RUN, _TOOL, _AWAY = "s" + "ession", "gpu-" + "bundle", "../" + "shared"
+_RUN, _TOOL, _AWAY, _TICKET = "s" + "ession", "gpu-" + "bundle", "../" + "shared", "iss" + "ue"
 _TERMS = (rf"\b{_RUN}s?[\s_-]*\d+", r"\bdevice\s+bud" + "get", r"\bdevice\s+sec" + "onds", re.escape(_TOOL),
-          r"\bst" + "ash", re.escape(_AWAY))
+          r"\bst" + "ash", re.escape(_AWAY), rf"\b{_TICKET}\s+#?\d+", r"\bvLLM\s+bun" + "dle")
 PROCESS_WORDS = re.compile("|".join(_TERMS), re.IGNORECASE)
 #: the product's tracked files (git pathspecs): README, docs, package, configs, chart, presets and values files, job
 #: specs, images, make files, benchmark tables, tests and CI; CHANGELOG.md may carry dates, never run numbers
@@ -47,13 +47,15 @@ def test_the_product_never_says_session_numbers_or_workspace_words():
 
 @pytest.mark.parametrize("line", [f"measured in {_RUN} 12", f"{_RUN.title()}s 15-25 charged", f"runs/h200-{_RUN}7/x",
                                   "the device " + "budget", f"see {_AWAY}/specs", f"tools/{_TOOL}", "git st" + "ash pop",
-                                  "device " + "seconds"])
+                                  "device " + "seconds", f"({_TICKET} 37, the 8B sync)", f"{_TICKET.title()} 36 on GPUs",
+                                  "with the vLLM " + "bundle"])
 def test_process_words_are_caught(line, tmp_path):
     assert PROCESS_WORDS.search(line)
 
 
 @pytest.mark.parametrize("line", ["a session of the server", "the TCPStore session", "sessions", "2026-11-28, H100",
-                                  "device time", "shared memory", "../presets/x.yaml"])
+                                  "device time", "shared memory", "../presets/x.yaml", "the CA bundle",
+                                  "the kernel it issues", "issues 2 copies"])
 def test_ordinary_words_pass(line):
     assert not PROCESS_WORDS.search(line)
 

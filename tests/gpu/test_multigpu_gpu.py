@@ -1,4 +1,4 @@
-"""Issue 36 on several GPUs (deselected on CPU; run on a multi-GPU kind with the vLLM bundle):
+"""Several learner ranks and servers on several GPUs (deselected on CPU; run on a machine with several GPUs and vLLM installed):
 ``python -m pytest -m gpu tests/gpu/test_multigpu_gpu.py``.
 
 A: a step's records decoded in one call and trained as every row they fill, on several ranks (ledger of every rank:

@@ -1,5 +1,5 @@
 """Zero recompiles after the first step, on GPUs (deselected on CPU): ``python -m pytest -m gpu
-tests/gpu/test_recompiles_gpu.py`` on a 2-GPU machine with the vLLM bundle.
+tests/gpu/test_recompiles_gpu.py`` on a 2-GPU machine with vLLM installed.
 
 A 2-rank colocate learner (torchrun, vLLM colocate on each rank, the tiny Qwen3-VL, compiled decoder layers with
 Inductor, packed rows with the varlen op) trains 8 steps: its metrics log ``compile/recompiles_after_first_step`` 0 at

@@ -168,7 +168,7 @@ def test_plugin_scores_through_ms_swift_reward_path(probe, path):
 
 
 def test_async_generate_reaches_ms_swift_in_server_mode_only(summary_cfg):
-    """Summary GRPO's overlap (issue 13) is ms-swift's own ``async_generate``: passed through, server mode only."""
+    """Summary GRPO's overlap is ms-swift's own ``async_generate``: passed through, server mode only."""
     summary_cfg["rlhf"]["async_generate"] = True
     assert rlhf_arguments(validate_config(summary_cfg))["async_generate"] is True
     summary_cfg["rlhf"]["vllm_mode"] = "colocate"

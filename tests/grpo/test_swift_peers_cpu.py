@@ -1,8 +1,8 @@
-"""CPU side of ``trainer.bench.swift_peers`` (the one-GPU ms-swift peers check): the command lines it builds, the
+"""CPU side of ``trainer.grpo.swift_peers`` (the one-GPU ms-swift peers check): the command lines it builds, the
 JSON / log helpers, the timeout-and-kill helper on real subprocesses, and our client subprocess against a scripted
 server. ``swift rollout`` itself needs a GPU; on the H200 it served from the same argv and model directory
 (H200, 2026-11-25).
-The GPU run itself: ``python -m trainer.bench.swift_peers --out DIR`` (docs/concepts/weight-sync.md, ``swift rollout``)."""
+The GPU run itself: ``python -m trainer.grpo.swift_peers --out DIR`` (docs/concepts/weight-sync.md, ``swift rollout``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.bench import swift_peers as sp
 from trainer.bench.processes import stop_group
+from trainer.grpo import swift_peers as sp
 
 MODEL = Path("/nonexistent/peers-model")
 
@@ -205,7 +205,7 @@ def test_a_peer_that_serves_is_probed(tmp_path, tiny_model_dir):
     assert r["worked"] == ["server_start"] and r["server"]["health"]["ok"] and r["probes"]
 
 
-# -- the 4b shape (issue 30 item 6): placement, config, timings -----------------------------------------------------
+# -- the 4b shape: placement, config, timings -----------------------------------------------------
 
 
 def test_two_gpus_put_the_server_and_the_learner_on_their_own_device():
@@ -309,7 +309,7 @@ def test_template_ids_plugin_points_swift_qwen_vl_templates_at_the_tokenizer(tmp
     assert image != 151655
 
 
-# -- a learning signal at random weights (issue 36 item E) ---------------------------------------------------------
+# -- a learning signal at random weights -----------------------------------------------------------------------
 
 NO_SIGNAL_RUN = Path(__file__).parent / "fixtures/swift_4b_no_signal"
 # ms-swift's console lines, as in NO_SIGNAL_RUN/swift_rlhf.log (progress bar, then the step's dict; trimmed keys)

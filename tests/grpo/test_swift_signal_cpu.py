@@ -1,7 +1,7 @@
 """End to end on CPU (slow): ms-swift's GRPO learner (``swift rlhf``, argv built as the peers bench builds it, plus
 ``signal.length_distinct`` through its plugin) at random weights, sampling at ``GRPO_TEMPERATURE``, has a learning
 signal: in every step the completions of a prompt score differently (reward_std > 0, frac_reward_zero_std < 1) and
-the gradient is not 0, read from ms-swift's logs by the bench's own parser (issue 36 item E).
+the gradient is not 0, read from ms-swift's logs by the harness's own parser.
 
 What differs from the bench on GPUs, and why: as in ``test_swift_grpo_cpu.py`` a tiny text Qwen3 on a text-only
 copy of the rows, generation by the learner itself (``use_vllm: false``: server mode needs NCCL, i.e. GPUs), no
@@ -14,7 +14,7 @@ import json
 import pytest
 
 from tests.grpo.conftest import tiny_text_grpo_config
-from trainer.bench import swift_peers as sp
+from trainer.grpo import swift_peers as sp
 
 pytestmark = pytest.mark.slow
 

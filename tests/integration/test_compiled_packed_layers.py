@@ -19,7 +19,7 @@ from trainer.telemetry import read_jsonl
 @pytest.mark.parametrize(("kind", "policy", "tuner"), [("vl", "full", "lora"), ("text", "full", "lora"),
                                                       ("vl", "selective", "lora"), ("vl", "auto", "dora")])
 def test_compiled_layers_compile_once_across_pack_layouts(tmp_path, monkeypatch, kind, policy, tuner):
-    """``selective``: compile and selective checkpointing together (issue 37's next 4B lever: 1.29x and 1.21x apart on
+    """``selective``: compile and selective checkpointing together (the next 4B lever: 1.29x and 1.21x apart on
     an H200, 2026-11-27), the recomputed and the kept layers both compiled once. ``auto`` + DoRA: the learner
     ``presets/3v1-2b-full.values.yaml`` / ``presets/6v2-2b-full.values.yaml`` ship (the policy sized from the memory,
     here the host's: off)."""

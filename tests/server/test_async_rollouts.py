@@ -1,4 +1,4 @@
-"""``vllm.server.async_rollouts`` (issue 13): real stage-2 training of the tiny model against in-process scripted
+"""``vllm.server.async_rollouts``: real stage-2 training of the tiny model against in-process scripted
 rollout servers that take a set time per ``/infer/`` call. The next micro-batch is decoded while this one trains:
 decodes start while the learner trains (how much idle time that saves is measured by ``python -m trainer bench run
 benchmarks/layouts.yaml --only 1v1-sync,1v1-async``, not asserted here), the ledger (order, steps) is the one of a

@@ -1,4 +1,4 @@
-"""A bad weight update never reaches serving (issue 18), on every CPU-runnable transport and engine.
+"""A bad weight update never reaches serving, on every CPU-runnable transport and engine.
 
 Injected, per case: an unknown tensor name, a wrong shape, int32 for a float32 weight, bfloat16 for a float32 weight
 (refused unless the server casts: ``--allow-dtype-cast``), NaN, inf, a truncated body. Transports: in-band (the

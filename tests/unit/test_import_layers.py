@@ -1,4 +1,4 @@
-"""The ``trainer/`` package import graph reads as layers, not a web (issue 20).
+"""The ``trainer/`` package import graph reads as layers, not a web.
 
 Every module's imports of ``trainer.*`` — top level and inside functions alike — are read with ``ast`` and folded
 into a package-level graph (``trainer.config``, ``trainer.sync``, …; a top-level module such as

@@ -70,7 +70,7 @@ def test_host_side_counts_kernel_launches_and_the_host_s_own_time():
 
 
 def test_host_to_device_copies_are_grouped_by_the_frames_that_issued_them():
-    """The 8B sync's 146 pageable copies (issue 37): which code issues them, from a profile with stacks."""
+    """The 8B sync's 146 pageable copies: which code issues them, from a profile with stacks."""
     load = ["vllm/model_executor/models/qwen3.py(410): load_weights", "trainer/rollout/vllm_compat.py(140): load",
             "trainer/sync/policy.py(88): ensure_fresh"]
     via_torch = [f"{TORCH_DIR}nn/modules/module.py(1773): _call_impl"] + load

@@ -1,5 +1,5 @@
 """``time/*_s`` of one stage-2 step: weight_sync, rollout, target, forward and backward are disjoint and add up to
-``time/step_s`` (issue 20: ``backward`` used to subtract ``target``, already inside ``rollout``, and never
+``time/step_s`` (``backward`` used to subtract ``target``, already inside ``rollout``, and never
 ``weight_sync``). Each outer phase is made slow by a known amount, so a phase that leaks into another shows.
 
 The slow phases do not sleep: they advance the clock the step's timers read (``time.perf_counter`` in

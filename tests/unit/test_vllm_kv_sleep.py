@@ -1,4 +1,4 @@
-"""``vllm.sleep_level: kv_cache`` (issue 37, the colocate 8B sync): between decodes the engine releases its KV cache
+"""``vllm.sleep_level: kv_cache`` (the colocate 8B sync): between decodes the engine releases its KV cache
 alone and keeps the weights mapped, so a weight sync wakes nothing and loads into live parameters, and the decode maps
 the KV cache back through vLLM's worker ``wake_up(tags=["kv_cache"])``. The fake below is vLLM 0.26's sleep-mode
 allocator record (``AllocationData`` per allocation, its real class) and a worker whose ``wake_up`` maps the tags it

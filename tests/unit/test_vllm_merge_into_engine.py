@@ -1,4 +1,4 @@
-"""``vllm.sync.merge_into_engine`` (issue 37, the colocate 8B sync): ``InProcessVllm.load_unmerged`` writes each LoRA
+"""``vllm.sync.merge_into_engine`` (the colocate 8B sync): ``InProcessVllm.load_unmerged`` writes each LoRA
 layer's merge GEMM straight into the parameters of an engine that holds no valid weights (level 2 asleep), through
 the recorded load, then checks what it wrote; otherwise it merges on the learner's side and loads as before. The
 fake engine below is a module with a real recorded load (``trainer.rollout.load_plan``) behind vLLM's calls; the

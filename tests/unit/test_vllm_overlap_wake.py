@@ -1,4 +1,4 @@
-"""``vllm.sync.overlap_wake`` (issue 37, the colocate 8B sync): ``InProcessVllm.load_weights`` checks the update's
+"""``vllm.sync.overlap_wake`` (the colocate 8B sync): ``InProcessVllm.load_weights`` checks the update's
 names, shapes and dtypes, launches its finite check, wakes the weights while the device reduces, and reads the check
 before anything is written. The fake engine below records the order of vLLM's wake, the check's read and the load;
 the check itself is the real ``trainer.sync.update_check`` code."""

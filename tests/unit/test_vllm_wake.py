@@ -1,4 +1,4 @@
-"""The sleeping engine's wake (issue 37, the colocate 8B sync): vLLM's level-2 sleep saves the model's buffers to
+"""The sleeping engine's wake (the colocate 8B sync): vLLM's level-2 sleep saves the model's buffers to
 pageable host tensors and restores each with a blocking copy on wake (the 146 pageable host-to-device copies in the
 8B sync's profile); ``pin_saved_buffers`` / ``restore_pinned_buffers`` keep them in one page-locked block and write
 them back with one copy. ``wake_in_background`` wakes the weights on a thread while the learner checks and merges.

@@ -1,4 +1,4 @@
-"""A GRPO reward that varies between the completions of one prompt even at random weights (issue 36 item E).
+"""A GRPO reward that varies between the completions of one prompt even at random weights.
 
 The twelve summary rewards (``trainer.grpo.rewards``) are gated on a parseable two-line summary, so a random-weight
 model, which never writes one, gets the same total for every completion: GRPO's advantages are then all 0 and the
@@ -12,7 +12,7 @@ row's ``summary_ref`` that still separates sampled completions:
   degenerate loop such as ``"aaaa…"``).
 
 Both halves are in [0, 1]. It is not part of the summary config schema (``rlhf.reward_funcs``): the peers bench
-(``trainer.bench.swift_peers``) adds it to ``swift rlhf``'s argv, with this file in ``--external_plugins``; loaded
+(``trainer.grpo.swift_peers``) adds it to ``swift rlhf``'s argv, with this file in ``--external_plugins``; loaded
 that way (or imported) it registers ``signal.length_distinct`` in ms-swift's ``orms``.
 """
 

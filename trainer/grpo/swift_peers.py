@@ -1,6 +1,6 @@
-"""ms-swift peers on one GPU (issue 28 item 3): our code against the real ms-swift processes, both directions.
+"""ms-swift peers on one GPU: our code against the real ms-swift processes, both directions.
 
-``python -m trainer.bench.swift_peers --out DIR [--only rollout|rlhf] [--size text|4b]`` writes
+``python -m trainer.grpo.swift_peers --out DIR [--only rollout|rlhf] [--size text|4b]`` writes
 ``DIR/swift_peers.json`` and keeps every subprocess's full log in ``DIR/logs/``:
 
 * ``rollout``: the real ``swift rollout`` (built by our launcher, ``trainer.launch.commands.swift_rollout_command``)
@@ -16,7 +16,7 @@
   between a prompt's completions, so GRPO has advantages to learn from; every step's reward, reward_std,
   frac_reward_zero_std, loss and grad_norm are read from ms-swift's logs into ``rlhf.per_step``, and
   ``rlhf.learning_signal`` says whether every step (after the first) had reward_std > 0 and grad_norm > 0
-  (issue 36 item E).
+  (``trainer.grpo.signal_reward``).
 
 On one GPU the NCCL weight sync puts two ranks on the same device, which NCCL refuses; whatever happens is recorded
 (error text, log excerpts), never hidden. ``protocol_findings`` lists what the peers did that disagrees with our
@@ -68,7 +68,7 @@ SIGNAL_PLUGIN = REPO / "trainer/grpo/signal_reward.py"
 @dataclass(frozen=True)
 class RlhfShape:
     """The model and GRPO settings of the rlhf direction. ``text``: a random Qwen3 text model (the 0.6B shape on a
-    GPU, tiny on the CPU) on the summary rows without images, the protocol check. ``4b``: issue 30 item 6, a random
+    GPU, tiny on the CPU) on the summary rows without images, the protocol check. ``4b``: a random
     Qwen3-VL-4B on the summary rows with ~1024x1024 images, the summary config's DoRA r32 on ViT + LLM, completions of
     the config's 2048 tokens (random weights never stop), gradient checkpointing, CUDA graphs on the server."""
 
@@ -347,7 +347,7 @@ def rollout_argv(model_dir: Path, port: int, util: float = 0.3) -> list[str]:
 
 
 def client_argv(url: str, model_dir: Path, result: Path, stage: str) -> list[str]:
-    return [sys.executable, "-m", "trainer.bench.swift_peers", "--client", url, "--model", str(model_dir),
+    return [sys.executable, "-m", "trainer.grpo.swift_peers", "--client", url, "--model", str(model_dir),
             "--result", str(result), "--stage", stage]
 
 
@@ -952,7 +952,7 @@ def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.bench.swift_peers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.grpo.swift_peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/swift_peers")
     p.add_argument("--only", choices=("rollout", "rlhf"), default=None)
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="deadline for the whole run (default %(default)s)")
