@@ -1,8 +1,8 @@
-"""CPU side of ``trainer.grpo.swift_peers`` (the one-GPU ms-swift peers check): the command lines it builds, the
+"""CPU side of ``trainer.bench.swift_peers`` (the one-GPU ms-swift peers check): the command lines it builds, the
 JSON / log helpers, the timeout-and-kill helper on real subprocesses, and our client subprocess against a scripted
 server. ``swift rollout`` itself needs a GPU; on the H200 it served from the same argv and model directory
 (H200, 2026-11-25).
-The GPU run itself: ``python -m trainer.grpo.swift_peers --out DIR`` (docs/concepts/weight-sync.md, ``swift rollout``)."""
+The GPU run itself: ``python -m trainer.bench.swift_peers --out DIR`` (docs/concepts/weight-sync.md, ``swift rollout``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer.bench import swift_peers as sp
 from trainer.bench.processes import stop_group
-from trainer.grpo import swift_peers as sp
 
 MODEL = Path("/nonexistent/peers-model")
 

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from tests.grpo.conftest import tiny_text_grpo_config
-from trainer.grpo import swift_peers as sp
+from trainer.bench import swift_peers as sp
 
 pytestmark = pytest.mark.slow
 

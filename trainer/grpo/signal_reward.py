@@ -12,7 +12,7 @@ row's ``summary_ref`` that still separates sampled completions:
   degenerate loop such as ``"aaaa…"``).
 
 Both halves are in [0, 1]. It is not part of the summary config schema (``rlhf.reward_funcs``): the peers bench
-(``trainer.grpo.swift_peers``) adds it to ``swift rlhf``'s argv, with this file in ``--external_plugins``; loaded
+(``trainer.bench.swift_peers``) adds it to ``swift rlhf``'s argv, with this file in ``--external_plugins``; loaded
 that way (or imported) it registers ``signal.length_distinct`` in ms-swift's ``orms``.
 """
 

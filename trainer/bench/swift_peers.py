@@ -1,6 +1,6 @@
 """ms-swift peers on one GPU: our code against the real ms-swift processes, both directions.
 
-``python -m trainer.grpo.swift_peers --out DIR [--only rollout|rlhf] [--size text|4b]`` writes
+``python -m trainer.bench.swift_peers --out DIR [--only rollout|rlhf] [--size text|4b]`` writes
 ``DIR/swift_peers.json`` and keeps every subprocess's full log in ``DIR/logs/``:
 
 * ``rollout``: the real ``swift rollout`` (built by our launcher, ``trainer.launch.commands.swift_rollout_command``)
@@ -347,7 +347,7 @@ def rollout_argv(model_dir: Path, port: int, util: float = 0.3) -> list[str]:
 
 
 def client_argv(url: str, model_dir: Path, result: Path, stage: str) -> list[str]:
-    return [sys.executable, "-m", "trainer.grpo.swift_peers", "--client", url, "--model", str(model_dir),
+    return [sys.executable, "-m", "trainer.bench.swift_peers", "--client", url, "--model", str(model_dir),
             "--result", str(result), "--stage", stage]
 
 
@@ -952,7 +952,7 @@ def run(out_dir: str | Path, only: str | None = None, budget_s: float = BUDGET_S
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.grpo.swift_peers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.bench.swift_peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/swift_peers")
     p.add_argument("--only", choices=("rollout", "rlhf"), default=None)
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="deadline for the whole run (default %(default)s)")
