@@ -97,6 +97,8 @@ def _train(tmp_path, samples, during: bool):
     assert trainer.pixels_during_decode == during
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    pixel_s = [r.get("time/pixels_during_decode_s") for r in trainer.state.log_history if "loss" in r]
+    assert all(s is not None and s > 0 for s in pixel_s) if during else not any(pixel_s), pixel_s
     return losses, engine.saw_pixels
 
 

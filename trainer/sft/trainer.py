@@ -254,7 +254,14 @@ class RolloutMatchingTrainer(Trainer):
         requests = self.pipeline.requests(samples, pixels=False)[0]
         if self._pixel_pool is None:
             self._pixel_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rm-pixels")
-        return requests, self._pixel_pool.submit(self.pipeline.with_pixels, samples, requests)
+        return requests, self._pixel_pool.submit(self._pixels_timed, samples, requests)
+
+    def _pixels_timed(self, samples: Sequence[Sample], requests: list[Any]) -> tuple[list[Any], float]:
+        """The pixel thread's work and its own wall seconds (``time/pixels_during_decode_s``: how much of the
+        decode it overlapped, where ``encode``'s share after the decode is what it did not)."""
+        t0 = time.perf_counter()
+        out = self.pipeline.with_pixels(samples, requests)
+        return out, time.perf_counter() - t0
 
     def rollout_params(self, step: int | None = None) -> DecodingParams:
         """Decoding params for this optimizer step (sampling seed advances with the step)."""
@@ -310,7 +317,8 @@ class RolloutMatchingTrainer(Trainer):
                                        "offload_optimizer_bytes": moved.moved_optimizer_bytes})
             if pending is not None:  # what is left of making the pixels after the decode
                 with self.timers.phase("encode"):
-                    requests = pending.result()
+                    requests, pixel_s = pending.result()
+                self.timers.seconds["pixels_during_decode"] += pixel_s
             if self.prefetcher is not None and upcoming is not None:
                 # the servers decode the next step's batch, on the weights just synced, while this one trains; its
                 # chat template and image processing run in the engine's background thread first
