@@ -207,3 +207,13 @@ def test_launch_server_binds_to_its_gpus_blocks_and_prints_the_taskset_line(monk
     assert line.startswith("taskset -c 8-15 ") and "CUDA_VISIBLE_DEVICES=2,3" in line
     monkeypatch.setattr(ct, "host_gpu_count", lambda *a: None)
     assert ct.server_cpu_affinity([0]).cpus == (), "no GPU count: not bound"
+
+
+def test_a_bound_rank_gets_a_thread_per_core_of_its_block_not_a_share_of_it():
+    # 6v2's learner: two ranks, each bound to a 4-core block of a 32-core host (node mode)
+    c = choose_cpu_threads("auto", local_world_size=2, cores=4, omp_num_threads="1", current=1, bound=True)
+    assert c.threads == 4 and "bound to" in c.reason
+    one = choose_cpu_threads("auto", local_world_size=1, cores=4, omp_num_threads=None, current=32, bound=True)
+    assert one.threads == 4, "one bound rank: its block's cores, not torch's whole-machine default"
+    assert choose_cpu_threads("auto", 2, 4, "3", 3, bound=True).threads == 3, "a user's count still wins"
+    assert choose_cpu_threads("auto", 2, 32, "1", 1).threads == 16, "unbound: the share, as before"

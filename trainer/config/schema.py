@@ -197,7 +197,8 @@ class TrainingConfig(Section):
         "auto", description="torch's intra-op CPU threads in each learner rank (the image processor, the packing's "
         "pixel concatenation). auto: an OMP_NUM_THREADS you set is kept, except the 1 torchrun sets when it starts "
         "several ranks, which becomes the node's physical cores (within the CPU affinity and a container's CPU quota) "
-        "/ local ranks (as accelerate launch does); one rank without it keeps torch's default. A count: that many (1 "
+        "/ local ranks (as accelerate launch does); one rank without it keeps torch's default; a rank bound to its "
+        "own cores (training.cpu_affinity) gets one thread per core of its block. A count: that many (1 "
         "keeps torchrun's). Recorded as train/cpu_threads_per_rank in metrics.jsonl's setup row "
         "(trainer.sft.cpu_threads)")
     cpu_affinity: Literal["auto", "node", "off"] = Field(

@@ -38,27 +38,29 @@ class CpuThreads:
 
 
 def choose_cpu_threads(setting: int | str, local_world_size: int, cores: int, omp_num_threads: str | None,
-                       current: int) -> CpuThreads:
+                       current: int, bound: bool = False) -> CpuThreads:
     """The rank's thread count. ``setting``: ``training.cpu_threads_per_rank`` (a count wins). ``auto``: an
     ``OMP_NUM_THREADS`` the user set is kept, except a ``1`` beside more than one local rank (torchrun's own
     default, which cannot be told apart from a user's; ``cpu_threads_per_rank: 1`` keeps one), which becomes
     ``cores // local_world_size`` (at least 1); one rank without the variable keeps torch's default (``current``).
-    ``cores``: the physical cores this process may run on."""
+    ``cores``: the physical cores this process may run on; ``bound``: the process is bound to its own block
+    (``training.cpu_affinity``), so ``cores`` is already its share: a thread per core of it."""
     if setting != AUTO:
         return CpuThreads(int(setting), "training.cpu_threads_per_rank")
     ranks = max(1, local_world_size)
-    share = max(1, cores // ranks)
+    share = max(1, cores if bound else cores // ranks)
+    whose = f"the {cores} cores this rank is bound to" if bound else f"{cores} cores / {ranks} ranks"
     raw = (omp_num_threads or "").strip()
     if raw:
         if raw == "1" and ranks > 1:
             return CpuThreads(share, f"OMP_NUM_THREADS=1 (torchrun's default with {ranks} local ranks) replaced by "
-                                     f"{cores} cores / {ranks} ranks; training.cpu_threads_per_rank: 1 keeps one")
+                                     f"{whose}; training.cpu_threads_per_rank: 1 keeps one")
         if raw.isdigit() and int(raw) > 0:
             return CpuThreads(int(raw), "OMP_NUM_THREADS")
-        return CpuThreads(share, f"OMP_NUM_THREADS={raw!r} is no thread count: {cores} cores / {ranks} ranks")
-    if ranks == 1:
+        return CpuThreads(share, f"OMP_NUM_THREADS={raw!r} is no thread count: {whose}")
+    if ranks == 1 and not bound:
         return CpuThreads(current, TORCH_DEFAULT)
-    return CpuThreads(share, f"{cores} cores / {ranks} ranks")
+    return CpuThreads(share, whose)
 
 
 SYSFS_CPU = Path("/sys/devices/system/cpu")
@@ -242,14 +244,19 @@ def usable_physical_cores(sysfs_cpu: Path = SYSFS_CPU) -> int:
     return max(1, min(physical, cgroup_cpu_limit() or physical))
 
 
-def apply_cpu_threads(setting: int | str) -> CpuThreads:
-    """Choose this rank's count (``choose_cpu_threads``; ``LOCAL_WORLD_SIZE`` from torchrun), set it on torch and,
-    unless it is torch's default, in ``OMP_NUM_THREADS`` (for processes this one starts); return it, with ``threads``
-    read back from torch."""
+def apply_cpu_threads(setting: int | str, bound: bool = False) -> CpuThreads:
+    """Choose this rank's count (``choose_cpu_threads``; ``LOCAL_WORLD_SIZE`` from torchrun; ``bound``: after
+    ``apply_cpu_affinity`` bound it), set it on torch and, unless it is torch's default, in ``OMP_NUM_THREADS`` (for
+    processes this one starts); return it, with ``threads`` read back from torch."""
     import torch
 
-    choice = choose_cpu_threads(setting, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_physical_cores(),
-                                os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads())
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = usable_physical_cores()
+    quota = cgroup_cpu_limit()
+    if bound and quota is not None:  # the container's quota is every rank's together
+        cores = max(1, min(cores, quota // max(1, ranks)))
+    choice = choose_cpu_threads(setting, ranks, cores, os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(),
+                                bound)
     if choice.threads != torch.get_num_threads():
         torch.set_num_threads(choice.threads)
     if choice.reason != TORCH_DEFAULT:

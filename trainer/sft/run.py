@@ -262,8 +262,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     if cfg.training.deepspeed:
         require("deepspeed", f"training.deepspeed ({cfg.training.deepspeed})")
     start_distributed()
-    cpu_threads = apply_cpu_threads(cfg.training.cpu_threads_per_rank)
     cpu_affinity = apply_cpu_affinity(cfg.training.cpu_affinity)
+    cpu_threads = apply_cpu_threads(cfg.training.cpu_threads_per_rank, bound=bool(cpu_affinity.cpus))
     out = Path(cfg.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "resolved_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
