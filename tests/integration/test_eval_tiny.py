@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
+from tests.cli_runs import torch_process_state_kept
 from trainer.cli import main
 from trainer.modeling.fixtures import save_tiny_model
 from trainer.telemetry import read_jsonl
@@ -104,12 +104,8 @@ def test_demo_is_deterministic_and_reports_before_and_after(tmp_path):
 
     def one(name: str) -> tuple[list[dict], str]:
         out = tmp_path / name
-        threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-        try:
+        with torch_process_state_kept():
             assert run(argparse.Namespace(config=str(cfg), output_dir=str(out), threads=1)) == 0
-        finally:  # the demo pins these for its process; give the rest of the test session its own back
-            torch.set_num_threads(threads)
-            torch.use_deterministic_algorithms(deterministic)
         rows = read_jsonl(out / "metrics.jsonl")
         keep = [{k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "gc/", "eval/seconds", "speed/"))
                  and "_per_second" not in k and k not in ("train_runtime",)} for r in rows]

@@ -4,22 +4,11 @@ and what to do, exit code 2, no traceback."""
 from __future__ import annotations
 
 import pytest
-import torch
-import yaml
 
+from tests.cli_runs import small_config, torch_process_state_kept
 from trainer.cli import main
 from trainer.config.schema import ModelConfig
 from trainer.modeling.loading import NotAModelDirectory, resolve_model_dir
-
-
-def _config(tmp_path, model_path):
-    path = tmp_path / "bad-model.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"path": str(model_path)},
-        "data": {"synthetic": {"num_samples": 4, "eval_num_samples": 2, "image_size": 64}},
-        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "report_to": ["jsonl"]},
-        "custom": {"extra": {"rollout_matching": {"rollout_backend": "hf"}}}}))
-    return path
 
 
 @pytest.mark.parametrize("command", ["train", "eval", "demo"])
@@ -29,12 +18,8 @@ def test_a_model_path_that_is_no_model_directory_is_one_line_and_exit_2(tmp_path
     if kind == "no-config-json":
         model_dir.mkdir(parents=True)
         (model_dir / "README.md").write_text("weights not copied yet\n")
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    try:
-        assert main([command, "--config", str(_config(tmp_path, model_dir))]) == 2
-    finally:  # demo pins both for its process
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
+    with torch_process_state_kept():
+        assert main([command, "--config", str(small_config(tmp_path, model_dir, "bad-model.yaml"))]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("error:")]

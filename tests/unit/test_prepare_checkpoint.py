@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
+from tests.cli_runs import small_config, torch_process_state_kept
 from trainer.cli import main
 from trainer.config.schema import Stage1Config
 from trainer.data.output_format import all_coord_tokens
@@ -166,27 +167,10 @@ def test_refusals_are_one_line_with_exit_2(stock_vl, prepared_vl, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
-def _stock_config(tmp_path: Path, model_dir: Path) -> Path:
-    import yaml
-
-    path = tmp_path / "stock.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"path": str(model_dir)},
-        "data": {"synthetic": {"num_samples": 4, "eval_num_samples": 2, "image_size": 64}},
-        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "report_to": ["jsonl"]},
-        "custom": {"extra": {"rollout_matching": {"rollout_backend": "hf"}}}}))
-    return path
-
-
 @pytest.mark.parametrize("command", ["train", "eval", "demo"])
 def test_train_and_eval_on_a_stock_checkpoint_say_to_prepare_it(stock_vl, tmp_path, capsys, command):
-    config = _stock_config(tmp_path, stock_vl)
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    try:
-        assert main([command, "--config", str(config)]) == 2
-    finally:  # demo pins both for its process
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
+    with torch_process_state_kept():
+        assert main([command, "--config", str(small_config(tmp_path, stock_vl, "stock.yaml"))]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
