@@ -8,12 +8,9 @@ optimizer, RNG, data position, rollout and packing buffers; ledger rows past it 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from trainer.sft.checkpoint_files import STAGE2_DIR, rollout_state_name
-
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+from trainer.sft.checkpoint_files import STAGE2_DIR, checkpoint_folders, rollout_state_name
 
 
 def complete(folder: Path, ranks: int) -> bool:
@@ -24,8 +21,4 @@ def complete(folder: Path, ranks: int) -> bool:
 def latest_checkpoint(output_dir: str | Path, ranks: int) -> Path | None:
     """The newest complete ``checkpoint-<step>`` of ``output_dir``'s stage 2 for a run of ``ranks`` processes;
     ``None`` when there is none (a fresh start). Incomplete folders (a run killed while saving) are passed over."""
-    root = Path(output_dir) / STAGE2_DIR
-    if not root.is_dir():
-        return None
-    steps = sorted((int(m.group(1)), d) for d in root.iterdir() if d.is_dir() and (m := _CHECKPOINT.match(d.name)))
-    return next((d for _, d in reversed(steps) if complete(d, ranks)), None)
+    return next((d for d in checkpoint_folders(Path(output_dir) / STAGE2_DIR) if complete(d, ranks)), None)

@@ -213,10 +213,11 @@ def one_process_one_gpu(args: TrainingArguments) -> TrainingArguments:
     return args
 
 
-def stage1_packing(cfg: TrainConfig) -> PackingBuffer | None:
-    """The warm-up packs its ground-truth targets into ``training.packing_length`` rows as stage 2 packs its
-    rollouts (``training.packing``), so the rows the checkpointing policy was sized for are the rows it trains: a
-    padded micro-batch of ``stage1.batch_size`` long targets is several rows' tokens in one forward."""
+def packing_buffer(cfg: TrainConfig) -> PackingBuffer | None:
+    """The packing of both stages (``training.packing``): the warm-up packs its ground-truth targets into
+    ``training.packing_length`` rows as stage 2 packs its rollouts, so the rows the checkpointing policy was sized for
+    are the rows it trains (a padded micro-batch of ``stage1.batch_size`` long targets is several rows' tokens in one
+    forward)."""
     t = cfg.training
     return PackingBuffer(t.packing_length, t.packing_buffer, t.packing_min_fill_ratio) if t.packing else None
 
@@ -320,11 +321,11 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
                                                  logging_steps=s1.logging_steps, step_records=True,
                                                  bf16=s1.resolved_bf16(cfg.training.bf16, cfg.model.torch_dtype)),
             engine=None, target_source="ground_truth", callbacks=[StepRateCallback(s1.batch_size), *stage1_callbacks],
-            micro_batch_rows=s1.batch_size, packing=stage1_packing(cfg), packed_attn_implementation=packed_attn,
+            micro_batch_rows=s1.batch_size, packing=packing_buffer(cfg), packed_attn_implementation=packed_attn,
             memory_settings=memory_settings(cfg, stage1=True), **common)
         warm.train()
     t = cfg.training
-    packing = PackingBuffer(t.packing_length, t.packing_buffer, t.packing_min_fill_ratio) if t.packing else None
+    packing = packing_buffer(cfg)
     try:
         trainer = RolloutMatchingTrainer(
             model=model, args=training_arguments(cfg, out / STAGE2_DIR, max_steps=cfg.training.max_steps,

@@ -53,7 +53,7 @@ from trainer.packing.varlen_attention import (
 from trainer.profiling import profile_region
 from trainer.rollout.base import RolloutEngine
 from trainer.rollout.types import DecodingParams
-from trainer.sft.checkpoint_files import rollout_state_name
+from trainer.sft.checkpoint_files import checkpoint_folders, rollout_state_name
 from trainer.sft.forward import forward_loss
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.sync.update_check import NonFiniteWeightsError, check_learner_weights
@@ -589,13 +589,9 @@ class RolloutMatchingTrainer(Trainer):
     def latest_complete_checkpoint(self) -> str | None:
         """Newest ``checkpoint-*`` whose rollout state (written last, atomically) exists for this rank: a process
         killed while saving leaves an incomplete folder, which is skipped with a warning."""
-        root = self.args.output_dir
-        steps = sorted((int(d.rsplit("-", 1)[1]) for d in os.listdir(root) if d.startswith(f"{PREFIX_CHECKPOINT_DIR}-")
-                        and d.rsplit("-", 1)[1].isdigit()), reverse=True) if os.path.isdir(root) else []
-        for step in steps:
-            folder = os.path.join(root, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-            if os.path.isfile(os.path.join(folder, rollout_state_name(self.args.process_index))):
-                return folder
+        for folder in checkpoint_folders(self.args.output_dir):
+            if (folder / rollout_state_name(self.args.process_index)).is_file():
+                return str(folder)
             logger.warning("skipping %s: incomplete (no %s; the run was stopped while saving it)", folder,
                            rollout_state_name(self.args.process_index))
         return None
