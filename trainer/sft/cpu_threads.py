@@ -156,8 +156,7 @@ def choose_cpu_affinity(setting: str, local_rank: int, local_world_size: int, al
         return CpuAffinity((), "cpu affinity: off")
     allowed = sorted(allowed)
     cores = physical_core_groups(allowed, sysfs_cpu) or [(cpu,) for cpu in allowed]
-    if setting == "node" and node_gpu is not None and node_gpu_count and 0 <= node_gpu < node_gpu_count \
-            and node_gpu_count > 1:
+    if setting == "node" and node_gpu is not None and (node_gpu_count or 0) > 1 and 0 <= node_gpu < node_gpu_count:
         return CpuAffinity(rank_cpu_block(cores, node_gpu, node_gpu_count),
                            f"GPU {node_gpu} of the host's {node_gpu_count}: {len(cores)} physical cores in one "
                            "contiguous block per GPU")
