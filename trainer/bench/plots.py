@@ -49,7 +49,8 @@ def layouts_figure(data: dict[str, Any]):
     ax.set_yticks(ys, [f"{r['name']} ({_card(r['machine'])}, {r['date']})" for r in recs], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlim(0, 1.3 * max(r["trained_samples_per_s_per_gpu"] for r in recs))
-    ax.set_xlabel("trained samples / s per GPU (random Qwen3-VL-2B, 1024 px images, 1,024-token rollouts)")
+    ax.set_xlabel("trained samples / s per GPU (random Qwen3-VL-2B, 1024 px images; 1,024-token rollouts, *-preset: "
+                  "the preset's own 2,048)")
     ax.set_title("stage-2 layouts")
     fig.tight_layout()
     return fig
