@@ -150,3 +150,31 @@ def test_the_cpu_table_runs_end_to_end(tmp_path):
     assert result["records"][2]["servers_ready_s"] >= 0
     assert json.loads((tmp_path / "out" / "cpu.json").read_text())["records"] == \
         json.loads(json.dumps(result["records"]))
+
+
+@pytest.mark.parametrize("node_bound", [False, True])
+def test_servers_start_as_a_user_starts_them(tmp_path, node_bound):
+    """Each bench server is ``python -m trainer launch server`` on its host GPU, with ``--cpu-affinity node`` exactly
+    when the variant's learner is node-bound (the server presets); the launcher accepts the argv and builds the
+    ``trainer serve`` command with the table's engine settings and the port."""
+    table = load_table(REPO / "benchmarks" / "layouts.yaml")
+    argv = runner.server_argv(table, tmp_path / "model", 8123, 2, node_bound)
+    assert argv[1:5] == ["-m", "trainer", "launch", "server"]
+    assert ("--cpu-affinity" in argv) is node_bound
+    split = argv.index("--")
+    out = subprocess.run(argv[:split] + ["--print-command"] + argv[split:], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert "-m trainer serve --engine vllm --host 127.0.0.1 --port 8123" in line
+    assert f"--model {tmp_path / 'model'}" in line and "--log-level warning" in line
+    assert f"--max-model-len {table.server.max_model_len}" in line and "CUDA_VISIBLE_DEVICES=2" in line
+
+
+def test_only_a_node_bound_learner_binds_its_servers():
+    table = load_table(REPO / "benchmarks" / "layouts.yaml")
+    where = REPO / "benchmarks"
+    bound = {v.name for v in table.variants if v.servers and
+             runner.variant_config(table, v, where).get("training", {}).get("cpu_affinity") == "node"}
+    assert "3v1-preset" in bound, "the 3v1 preset ships node-bound servers and learner"
+    assert "3v1-async" not in bound

@@ -1,7 +1,8 @@
 """Run a benchmark table (``python -m trainer bench run benchmarks/<table>.yaml [--only NAME,...]``).
 
 Each variant runs through the product's own entry points, one after the other: its rollout servers (``trainer
-serve``, one GPU each, GPUs 0..S-1), then its learner (``torch.distributed.run -m trainer train`` on the next GPUs)
+launch server``, one GPU each, GPUs 0..S-1, bound to their GPUs' cores when the learner is: ``server_argv``), then
+its learner (``torch.distributed.run -m trainer train`` on the next GPUs)
 with the variant's validated config. A variant whose table asks for TRL (one GPU, colocate) then runs TRL's
 GRPOTrainer on the same model, records and lengths (``trainer.bench.trl_peer``). The record of each variant
 (``trainer.bench.measure``: trained samples/s, per-phase means and split, MFU, the weight sync's parts, the ledger
@@ -110,6 +111,22 @@ class GpuSampler(threading.Thread):
                 "peak_used_gib": [round(max(s[2][i] for s in self.samples), 2) for i in range(n)]}
 
 
+def server_argv(table: Table, model_dir: Path, port: int, gpu: int | None, node_bound: bool) -> list[str]:
+    """One rollout server as a user starts it (``python -m trainer launch server``) on host GPU ``gpu``; with
+    ``node_bound`` (the variant's learner has ``training.cpu_affinity: node``, as the server presets ship it) bound to
+    its GPU's block of cores (``--cpu-affinity node``), so servers and learner share the host as they do deployed."""
+    argv = [sys.executable, "-m", "trainer", "launch", "server", "--engine", table.server.engine,
+            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
+    if gpu is not None:
+        argv += ["--gpus", str(gpu)]
+    if table.server.engine == "vllm":
+        argv += ["--max-model-len", str(table.server.max_model_len), "--gpu-memory-utilization",
+                 str(table.server.gpu_memory_utilization)]
+    if node_bound:
+        argv += ["--cpu-affinity", "node"]
+    return argv + ["--", "--log-level", "warning"]
+
+
 def _popen(argv: list[str], log: Path, gpus: list[int] | None) -> subprocess.Popen:
     env = {**os.environ, "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus)) if gpus is not None else ""
@@ -194,12 +211,9 @@ def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path, ro
         if cuda:
             wait_for_free_gpus(list(range(variant.gpus)))
         ports = listen_ports(variant.servers) if variant.servers else []
+        node_bound = cuda and variant_config(table, variant, where).get("training", {}).get("cpu_affinity") == "node"
         for i, port in enumerate(ports):
-            argv = [sys.executable, "-m", "trainer", "serve", "--engine", table.server.engine,
-                    "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-            if table.server.engine == "vllm":
-                argv += ["--max-model-len", str(table.server.max_model_len), "--gpu-memory-utilization",
-                         str(table.server.gpu_memory_utilization)]
+            argv = server_argv(table, model_dir, port, i if cuda else None, node_bound)
             servers.append(_popen(argv, logs / f"server-{i}.log", [i] if cuda else None))
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         if urls:

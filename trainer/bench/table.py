@@ -56,7 +56,7 @@ class Variant(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="the variant's name (--only picks it)")
     model: Literal["tiny", "2b", "4b", "8b"] | None = Field(None, description="the random Qwen3-VL (default: the table's)")
     learner_gpus: int = Field(1, ge=1, description="learner ranks (torchrun), each on a GPU of its own")
-    servers: int = Field(0, ge=0, description="`trainer serve` rollout servers, one GPU each, before the learner's")
+    servers: int = Field(0, ge=0, description="rollout servers (`trainer launch server`), one GPU each, before the learner's")
     baseline: str | None = Field(None, description="the variant this one's ratios are taken against")
     trl: bool | None = Field(None, description="TRL's GRPOTrainer beside this variant (default: the table's trl)")
     extends: str | list[str] = Field([], description="config files merged before `config` (`path#key.path`)")
