@@ -60,6 +60,11 @@ def test_two_ranks_train_every_sample_once_with_agreed_rows(tmp_path):
     setup = next(m for m in metrics if m.get("phase") == "setup")
     assert setup["train/cpu_threads_per_rank"] == 2, "torchrun's OMP_NUM_THREADS=1 left the configured count unset"
     assert setup["train/cpu_threads_reason"] == "training.cpu_threads_per_rank"
+    from trainer.sft.cpu_threads import host_gpu_count
+
+    expected = "PASSIVE" if host_gpu_count() else None  # python -m trainer sets it on a GPU host, before torch loads
+    assert setup["train/omp_wait_policy"] == expected and setup["train/omp_wait_policy_reason"], \
+        "each rank records how its idle OpenMP threads wait, and why"
     steps = [m for m in metrics if m.get("phase") == "stage2" and "loss" in m]
     assert len(steps) == 2, "24 records / 12 per step (6 on each of 2 ranks)"
     assert all(m["rollout/samples"] == 6 for m in steps), "rank 0 decoded its 6 records of every step at once"

@@ -216,3 +216,63 @@ def test_a_bound_rank_gets_a_thread_per_core_of_its_block_not_a_share_of_it():
     assert one.threads == 4, "one bound rank: its block's cores, not torch's whole-machine default"
     assert choose_cpu_threads("auto", 2, 4, "3", 3, bound=True).threads == 3, "a user's count still wins"
     assert choose_cpu_threads("auto", 2, 32, "1", 1).threads == 16, "unbound: the share, as before"
+
+
+def test_a_gpu_host_makes_idle_openmp_threads_sleep_unless_the_environment_says_otherwise():
+    from trainer.sft.cpu_threads import choose_omp_wait_policy
+
+    c = choose_omp_wait_policy({}, gpus=4, torch_loaded=False)
+    assert c.policy == "PASSIVE" and "4 GPU(s)" in c.reason
+    user = choose_omp_wait_policy({"OMP_WAIT_POLICY": "active"}, gpus=4, torch_loaded=False)
+    assert user.policy == "active" and "OMP_WAIT_POLICY=active from the environment" in user.reason
+    spin = choose_omp_wait_policy({"GOMP_SPINCOUNT": "10000"}, gpus=4, torch_loaded=False)
+    assert spin.policy is None and "GOMP_SPINCOUNT=10000" in spin.reason, "a spin count the user chose is kept"
+    assert choose_omp_wait_policy({}, gpus=None, torch_loaded=False).policy is None, "CPU training keeps spinning"
+    assert choose_omp_wait_policy({"OMP_WAIT_POLICY": " "}, gpus=0, torch_loaded=False).policy is None
+    late = choose_omp_wait_policy({}, gpus=8, torch_loaded=True)
+    assert late.policy is None and "before" in late.reason, "set after torch loaded the runtime, it would do nothing"
+
+
+def _omp_display(code: str, env_extra: dict[str, str]) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update({"OMP_DISPLAY_ENV": "VERBOSE", **env_extra})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stderr + out.stdout
+
+
+def test_the_openmp_runtime_torch_loads_sees_the_policy():
+    """The runtime reads the variable once, when torch loads it: ``apply_omp_wait_policy`` before ``import torch``
+    (what ``python -m trainer`` does) gives it no spinning at all (GNU OpenMP's ``GOMP_SPINCOUNT = '0'``); without
+    it, the default 300,000 spins. A host GPU count is faked; this machine's runtime reports its settings itself."""
+    apply = ("import trainer.sft.cpu_threads as c; c.host_gpu_count = lambda: 8; "
+             "print('policy', c.apply_omp_wait_policy().policy); import torch; torch.ones(8).sum()")
+    shown = _omp_display(apply, {})
+    assert "policy PASSIVE" in shown
+    if "GOMP_SPINCOUNT" not in shown:
+        pytest.skip("this torch's OpenMP runtime does not print GOMP_SPINCOUNT under OMP_DISPLAY_ENV=VERBOSE")
+    assert "GOMP_SPINCOUNT = '0'" in shown
+    assert "GOMP_SPINCOUNT = '300000'" in _omp_display("import torch; torch.ones(8).sum()", {})
+    user = _omp_display(apply, {"GOMP_SPINCOUNT": "1000"})
+    assert "policy None" in user and "GOMP_SPINCOUNT = '1000'" in user
+
+
+def test_python_m_trainer_leaves_a_machine_without_gpus_at_the_runtimes_default():
+    import os
+    import subprocess
+    import sys
+
+    from trainer.sft.cpu_threads import host_gpu_count
+
+    if host_gpu_count():
+        pytest.skip("this machine has GPUs: python -m trainer sets OMP_WAIT_POLICY here")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = ("import runpy, sys, os; sys.argv = ['trainer', '--help']\n"
+            "try:\n    runpy.run_module('trainer', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('OMP_WAIT_POLICY' in os.environ)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]

@@ -61,15 +61,17 @@ def test_the_setup_row_says_which_levers_run(tmp_path):
     model, _ = build_tiny_model("vl")
     cfg = validate_config(stage2(tmp_path, gradient_checkpointing_policy="selective",
                                  gradient_checkpointing_every_n_layers=3, optim="adamw_torch"))
-    from trainer.sft.cpu_threads import CpuAffinity, CpuThreads
+    from trainer.sft.cpu_threads import CpuAffinity, CpuThreads, OmpWaitPolicy
 
     resolved, row = apply_model_levers(cfg, model, tmp_path, packed_attention="rm_varlen",
                                        cpu_threads=CpuThreads(4, "OMP_NUM_THREADS"),
-                                       cpu_affinity=CpuAffinity((4, 5, 6, 7), "local rank 1 of 2"))
+                                       cpu_affinity=CpuAffinity((4, 5, 6, 7), "local rank 1 of 2"),
+                                       omp_wait_policy=OmpWaitPolicy("PASSIVE", "a host with 2 GPU(s)"))
     assert row == {"train/use_liger_kernel": False, "train/optim": "adamw_torch", "train/compile_decoder_layers": False,
                    "train/packed_attention": "rm_varlen",
                    "train/cpu_threads_per_rank": 4, "train/cpu_threads_reason": "OMP_NUM_THREADS",
                    "train/cpu_affinity": "4-7", "train/cpu_affinity_reason": "local rank 1 of 2",
+                   "train/omp_wait_policy": "PASSIVE", "train/omp_wait_policy_reason": "a host with 2 GPU(s)",
                    "train/checkpointing_policy": "selective", "train/checkpointing_requested": "selective",
                    "train/checkpointing_every_n_layers": 3, "train/checkpointed_layers": 1,
                    "train/decoder_layers": 2, "train/compile_activation_memory_budget": None,

@@ -15,6 +15,9 @@ recorded as the first row of ``metrics.jsonl`` (``phase: setup``), so every run 
   ``train/cpu_threads_per_rank`` (read back from torch) and ``train/cpu_threads_reason``;
 - ``training.cpu_affinity`` (``trainer.sft.cpu_threads``, applied before the model loads): ``train/cpu_affinity``
   (the rank's CPUs, or null when not bound) and ``train/cpu_affinity_reason``;
+- how the rank's idle OpenMP threads wait (``trainer.sft.cpu_threads.apply_omp_wait_policy``, before torch loads):
+  ``train/omp_wait_policy`` (``PASSIVE``, the environment's value, or null: the runtime's default) and
+  ``train/omp_wait_policy_reason``;
 - the attention of packed rows (``training.packing``; ``training.packed_varlen_kernel`` on a CUDA GPU without
   flash-attn): ``train/packed_attention`` (``rm_varlen`` | ``rm_varlen_api`` | ``flash_attention_2`` | ``sdpa``; null
   without packing).
@@ -39,12 +42,12 @@ log = logging.getLogger(__name__)
 
 def apply_model_levers(cfg, model: torch.nn.Module, out: Path | None = None, world_size: int = 1,
                        device_bytes: float | None = None, packed_attention: str | None = None, cpu_threads=None,
-                       cpu_affinity=None):
+                       cpu_affinity=None, omp_wait_policy=None):
     """Apply Liger (when on), resolve the checkpointing policy, write the ``setup`` metrics row under ``out`` (rank 0)
     and return ``(cfg with the policy that runs, the row)``. ``packed_attention``: the attention implementation the
     packed rows run (``trainer.packing.varlen_attention.choose_packed_attention``; the caller chooses it), recorded;
-    ``cpu_threads``/``cpu_affinity``: the ``trainer.sft.cpu_threads.CpuThreads``/``CpuAffinity`` the caller applied,
-    recorded."""
+    ``cpu_threads``/``cpu_affinity``/``omp_wait_policy``: the ``trainer.sft.cpu_threads.CpuThreads``/``CpuAffinity``/
+    ``OmpWaitPolicy`` in effect, recorded."""
     t = cfg.training
     row: dict[str, Any] = {"train/use_liger_kernel": t.use_liger_kernel, "train/optim": t.optim,
                            "train/compile_decoder_layers": t.compile_decoder_layers,
@@ -53,7 +56,9 @@ def apply_model_levers(cfg, model: torch.nn.Module, out: Path | None = None, wor
                            "train/cpu_threads_per_rank": cpu_threads.threads if cpu_threads else None,
                            "train/cpu_threads_reason": cpu_threads.reason if cpu_threads else None,
                            "train/cpu_affinity": cpu_affinity.cpu_list if cpu_affinity else None,
-                           "train/cpu_affinity_reason": cpu_affinity.reason if cpu_affinity else None}
+                           "train/cpu_affinity_reason": cpu_affinity.reason if cpu_affinity else None,
+                           "train/omp_wait_policy": omp_wait_policy.policy if omp_wait_policy else None,
+                           "train/omp_wait_policy_reason": omp_wait_policy.reason if omp_wait_policy else None}
     if t.use_liger_kernel:
         from trainer.modeling.liger import apply_liger_kernel
 

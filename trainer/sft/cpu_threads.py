@@ -13,13 +13,21 @@ detokenizer run on one Python thread per step. ``cpu_affinity: auto`` binds each
 and everything it starts later) to its own contiguous block of whole physical cores, so one rank's image
 processing or packing never runs on the cores the other rank's engine is decoding on. Blocks follow the order of
 the cores' ``(package, core_id)``, which on the usual 8-GPU node also follows the GPUs' NUMA nodes.
+
+A bound rank's OpenMP threads must also not spin on its block. GNU OpenMP (torch's intra-op pool) lets an idle
+thread busy-wait for the next parallel region unless it counts more threads than CPUs, and it counts the CPUs once,
+when torch loads it: before the rank is bound, so the whole host. Within a block, the image thread's idle OpenMP
+threads then spin on every core while the engine's loop and the image thread's own Python wait for one. On a GPU
+host ``python -m trainer`` therefore sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (``apply_omp_wait_policy``)
+unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is set; a machine without a GPU keeps the runtime's default, since
+there the training itself is the host's tensor work.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,6 +217,53 @@ def server_cpu_affinity(gpus: list[int] | None) -> CpuAffinity:
     if not blocks:
         return CpuAffinity((), f"not bound: the host's GPU count is {count}")
     return CpuAffinity(tuple(sorted(blocks)), f"GPU(s) {','.join(map(str, gpus or [0]))} of the host's {count}")
+
+
+#: how the OpenMP runtime's idle threads wait; read once, when torch loads the runtime
+OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+@dataclass(frozen=True)
+class OmpWaitPolicy:
+    """``policy``: the ``OMP_WAIT_POLICY`` the process runs with (None: the OpenMP runtime's default);
+    ``reason``: where it came from."""
+
+    policy: str | None
+    reason: str
+
+
+def choose_omp_wait_policy(environ: Mapping[str, str], gpus: int | None, torch_loaded: bool) -> OmpWaitPolicy:
+    """``PASSIVE`` on a host with GPUs (``gpus``: ``host_gpu_count``) when neither of ``OMP_WAIT_VARS`` is set and
+    torch has not loaded the runtime yet; a variable the environment sets always wins."""
+    for var in OMP_WAIT_VARS:
+        if environ.get(var, "").strip():
+            return OmpWaitPolicy(environ.get("OMP_WAIT_POLICY", "").strip() or None,
+                                 f"{var}={environ[var].strip()} from the environment (python -m trainer sets "
+                                 "OMP_WAIT_POLICY=PASSIVE on a GPU host where neither is set)")
+    if not gpus:
+        return OmpWaitPolicy(None, "no GPU on this host: the OpenMP runtime's default (the training is the host's "
+                                   "tensor work)")
+    if torch_loaded:
+        return OmpWaitPolicy(None, "torch loaded the OpenMP runtime before python -m trainer could set "
+                                   "OMP_WAIT_POLICY: the runtime's default")
+    return OmpWaitPolicy("PASSIVE", f"a host with {gpus} GPU(s): idle OpenMP threads sleep instead of spinning on "
+                                    "the cores the engine and the image thread need")
+
+
+def apply_omp_wait_policy() -> OmpWaitPolicy:
+    """Choose (``choose_omp_wait_policy``) and export ``OMP_WAIT_POLICY`` for this process and those it starts; call
+    it before anything imports torch (``python -m trainer`` does)."""
+    import sys
+
+    choice = choose_omp_wait_policy(os.environ, host_gpu_count(), "torch" in sys.modules)
+    if choice.policy is not None and not os.environ.get("OMP_WAIT_POLICY", "").strip():
+        os.environ["OMP_WAIT_POLICY"] = choice.policy
+    return choice
+
+
+def omp_wait_policy_in_effect() -> OmpWaitPolicy:
+    """What this process's OpenMP runtime waits with, once torch has loaded it (the ``setup`` row's record)."""
+    return choose_omp_wait_policy(os.environ, host_gpu_count(), torch_loaded=True)
 
 
 def cgroup_cpu_limit(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:

@@ -32,7 +32,7 @@ from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
 from trainer.sft import deepspeed_config
 from trainer.sft.checkpoint_files import STAGE2_DIR
-from trainer.sft.cpu_threads import apply_cpu_affinity, apply_cpu_threads
+from trainer.sft.cpu_threads import apply_cpu_affinity, apply_cpu_threads, omp_wait_policy_in_effect
 from trainer.sft.heap import freeze_setup_objects, install_first_step_freeze
 from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
 from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
@@ -279,7 +279,8 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
     packed_attn = (choose_packed_attention(cfg.model.attn_implementation, loaded.image_token_id is not None,
                                            cfg.training.packed_varlen_kernel) if cfg.training.packing else None)
     cfg, _ = apply_model_levers(cfg, model, out, data_parallel_world_size(), packed_attention=packed_attn,
-                                cpu_threads=cpu_threads, cpu_affinity=cpu_affinity)
+                                cpu_threads=cpu_threads, cpu_affinity=cpu_affinity,
+                                omp_wait_policy=omp_wait_policy_in_effect())
     if cfg.training.compile_decoder_layers:
         log.info("compiled %d decoder layers (training.compile_decoder_layers)", compile_decoder_layers(
             model, cfg.training.compile_activation_memory_budget))
