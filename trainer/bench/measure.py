@@ -251,9 +251,8 @@ def _jsonl(paths: list[Path]) -> list[dict[str, Any]]:
 #: the per-step means a record keeps
 MEANS = ("time/step_s", "time/step_wall_s", "time/weight_sync_s", "time/rollout_s", "time/generate_s", "time/encode_s",
          "time/pixels_during_decode_s", "time/target_s", "time/forward_s", "time/backward_s", "time/optimizer_s",
-         "rollout/samples",
-         "rollout/staleness_mean", "batch/rows_per_step", "batch/fill", "batch/filler_rows", "packing/carried",
-         "gc/pause_s", "gc/gen2_collections")
+         "rollout/samples", "rollout/staleness_mean", "batch/rows_per_step", "batch/fill", "batch/filler_rows",
+         "packing/carried", "gc/pause_s", "gc/gen2_collections")
 
 
 def measure(run_dir: Path, records_per_step: int, first_step: int = 1) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 Each variant runs through the product's own entry points, one after the other: its rollout servers (``trainer
 launch server``, one GPU each, GPUs 0..S-1, bound to their GPUs' cores when the learner is: ``server_argv``), then
-its learner (``torch.distributed.run -m trainer train`` on the next GPUs)
-with the variant's validated config. A variant whose table asks for TRL (one GPU, colocate) then runs TRL's
-GRPOTrainer on the same model, records and lengths (``trainer.bench.trl_peer``). The record of each variant
+its learner (``torch.distributed.run -m trainer train`` on the next GPUs) with the variant's validated config. A
+variant whose table asks for TRL (one GPU, colocate) then runs TRL's GRPOTrainer on the same model, records and
+lengths (``trainer.bench.trl_peer``). The record of each variant
 (``trainer.bench.measure``: trained samples/s, per-phase means and split, MFU, the weight sync's parts, the ledger
 check, ``recompiles_after_first_step``, busy % and peak memory of every GPU from NVML) is written to
 ``<out>/<table>.json`` as soon as it is measured, with the date, machine, versions and the command that reproduces

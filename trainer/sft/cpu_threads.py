@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,8 +254,6 @@ def choose_omp_wait_policy(environ: Mapping[str, str], gpus: int | None, torch_l
 def apply_omp_wait_policy() -> OmpWaitPolicy:
     """Choose (``choose_omp_wait_policy``) and export ``OMP_WAIT_POLICY`` for this process and those it starts; call
     it before anything imports torch (``python -m trainer`` does)."""
-    import sys
-
     choice = choose_omp_wait_policy(os.environ, host_gpu_count(), "torch" in sys.modules)
     if choice.policy is not None and not os.environ.get("OMP_WAIT_POLICY", "").strip():
         os.environ["OMP_WAIT_POLICY"] = choice.policy
