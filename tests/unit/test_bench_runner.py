@@ -174,7 +174,6 @@ def test_servers_start_as_a_user_starts_them(tmp_path, node_bound):
 def test_only_a_node_bound_learner_binds_its_servers():
     table = load_table(REPO / "benchmarks" / "layouts.yaml")
     where = REPO / "benchmarks"
-    bound = {v.name for v in table.variants if v.servers and
-             runner.variant_config(table, v, where).get("training", {}).get("cpu_affinity") == "node"}
+    bound = {v.name for v in table.variants if v.servers and runner.servers_node_bound(table, v, where)}
     assert "3v1-preset" in bound, "the 3v1 preset ships node-bound servers and learner"
     assert "3v1-async" not in bound

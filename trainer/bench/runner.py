@@ -111,6 +111,11 @@ class GpuSampler(threading.Thread):
                 "peak_used_gib": [round(max(s[2][i] for s in self.samples), 2) for i in range(n)]}
 
 
+def servers_node_bound(table: Table, variant: Variant, where: Path) -> bool:
+    """Whether ``variant``'s servers share the host by GPU block: its learner has ``training.cpu_affinity: node``."""
+    return variant_config(table, variant, where).get("training", {}).get("cpu_affinity") == "node"
+
+
 def server_argv(table: Table, model_dir: Path, port: int, gpu: int | None, node_bound: bool) -> list[str]:
     """One rollout server as a user starts it (``python -m trainer launch server``) on host GPU ``gpu``; with
     ``node_bound`` (the variant's learner has ``training.cpu_affinity: node``, as the server presets ship it) bound to
@@ -211,7 +216,7 @@ def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path, ro
         if cuda:
             wait_for_free_gpus(list(range(variant.gpus)))
         ports = listen_ports(variant.servers) if variant.servers else []
-        node_bound = cuda and variant_config(table, variant, where).get("training", {}).get("cpu_affinity") == "node"
+        node_bound = cuda and servers_node_bound(table, variant, where)
         for i, port in enumerate(ports):
             argv = server_argv(table, model_dir, port, i if cuda else None, node_bound)
             servers.append(_popen(argv, logs / f"server-{i}.log", [i] if cuda else None))
