@@ -174,3 +174,14 @@ def test_async_generate_reaches_ms_swift_in_server_mode_only(summary_cfg):
     summary_cfg["rlhf"]["vllm_mode"] = "colocate"
     with pytest.raises(Exception, match="rlhf.async_generate"):
         validate_config(summary_cfg)
+
+
+def test_swift_s_qwen3_vl_loader_finds_the_qwen_vl_utils_our_swift_extra_installs():
+    """ms-swift loads a Qwen2/3-VL processor (``swift rollout`` / ``swift rlhf`` on Qwen3-VL) only after its loader's
+    version check on ``qwen_vl_utils`` passes; the ``swift`` extra installs it (the processor itself then imports
+    torchvision, which only the GPU environment has)."""
+    pytest.importorskip("swift", reason="ms-swift is not installed (make setup installs it via the swift extra)")
+    from swift.model.models.qwen import Qwen2VLLoader, Qwen3VLLoader
+
+    for loader in (Qwen3VLLoader, Qwen2VLLoader):
+        loader._check_qwen_vl_utils(None)  # raises PackageNotFoundError / ImportError without it
