@@ -1,4 +1,4 @@
-"""ms-swift peers on one GPU: our code against the real ms-swift processes, both directions.
+"""ms-swift peers on one or two GPUs: our code against the real ms-swift processes, both directions.
 
 ``python -m trainer.bench.swift_peers --out DIR [--only rollout|rlhf] [--size text|4b]`` writes
 ``DIR/swift_peers.json`` and keeps every subprocess's full log in ``DIR/logs/``:
