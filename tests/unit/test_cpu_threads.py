@@ -233,13 +233,19 @@ def test_a_gpu_host_makes_idle_openmp_threads_sleep_unless_the_environment_says_
     assert late.policy is None and "before" in late.reason, "set after torch loaded the runtime, it would do nothing"
 
 
-def _omp_display(code: str, env_extra: dict[str, str]) -> str:
+def _env_without_a_wait_policy() -> dict[str, str]:
     import os
+
+    from trainer.sft.cpu_threads import OMP_WAIT_VARS
+
+    return {k: v for k, v in os.environ.items() if k not in OMP_WAIT_VARS}
+
+
+def _omp_display(code: str, env_extra: dict[str, str]) -> str:
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update({"OMP_DISPLAY_ENV": "VERBOSE", **env_extra})
+    env = {**_env_without_a_wait_policy(), "OMP_DISPLAY_ENV": "VERBOSE", **env_extra}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stderr + out.stdout
@@ -262,7 +268,6 @@ def test_the_openmp_runtime_torch_loads_sees_the_policy():
 
 
 def test_python_m_trainer_leaves_a_machine_without_gpus_at_the_runtimes_default():
-    import os
     import subprocess
     import sys
 
@@ -270,7 +275,7 @@ def test_python_m_trainer_leaves_a_machine_without_gpus_at_the_runtimes_default(
 
     if host_gpu_count():
         pytest.skip("this machine has GPUs: python -m trainer sets OMP_WAIT_POLICY here")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env = _env_without_a_wait_policy()
     code = ("import runpy, sys, os; sys.argv = ['trainer', '--help']\n"
             "try:\n    runpy.run_module('trainer', run_name='__main__')\nexcept SystemExit:\n    pass\n"
             "print('OMP_WAIT_POLICY' in os.environ)")
