@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 OPS = ("FusedAdamBuilder", "ShareMemCommBuilder")
-NEEDED_BY = ("tests/integration/test_offload_deepspeed.py", "tests/grpo/")
+NEEDED_BY = ("tests/integration/test_offload_deepspeed.py", "tests/integration/test_zero_memory_plan.py", "tests/grpo/")
 REPO = Path(__file__).resolve().parents[1]
 
 

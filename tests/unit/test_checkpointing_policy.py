@@ -198,7 +198,10 @@ def test_resident_bytes_count_weights_gradients_and_adamw_states_and_zero_shards
     model[1].weight.requires_grad_(False)
     w = 100 * 4  # one 10x10 float32 weight
     assert ck.resident_bytes(model) == 2 * w + w + 2 * w  # both weights, one gradient, AdamW's two states
-    assert ck.resident_bytes(model, "zero2", world_size=4) == 2 * w + w / 4 + 12 * 100 / 4
+    # ZeRO-2: a gradient cut by an edge of the rank's partition is held whole (two edges for a middle rank)
+    assert ck.resident_bytes(model, "zero2", world_size=4) == 2 * w + w / 4 + 2 * w + 12 * 100 / 4
+    assert ck.resident_bytes(model, "zero2", world_size=2) == 2 * w + w / 2 + w + 12 * 100 / 2
+    assert ck.resident_bytes(model, "zero2", world_size=1) == 2 * w + w + 12 * 100, "one rank: no edge"
     assert ck.resident_bytes(model, "zero2_offload", world_size=4) == 2 * w + w / 4
     assert ck.resident_bytes(model, "zero3", world_size=4) == 2 * w / 4 + w / 4 + 12 * 100 / 4
     assert ck.resident_bytes(model, "zero3_offload", world_size=4) == w / 4

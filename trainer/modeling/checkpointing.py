@@ -245,7 +245,10 @@ def resident_bytes(model: torch.nn.Module, deepspeed: str | None = None, world_s
     trained parameter) until the last row's all-reduce makes them views; the views save that copy from then on (the
     optimizer step, a one-row step's backward), not in the backward of a step of several rows. ZeRO: fp32 master +
     states (12 bytes a trained parameter) / world size from stage 1 (0 offloaded), gradients / world size from stage
-    2, weights / world size at stage 3 (0 offloaded)."""
+    2, weights / world size at stage 3 (0 offloaded). ZeRO-2 on several ranks keeps, through the accumulation window,
+    the whole gradient of every parameter that reaches into the rank's partition, so a parameter cut by an edge of the
+    partition counts whole: the largest trained parameter's gradient once more for each edge (one on two ranks, two
+    for a middle rank of more; with the optimizer offloaded they accumulate in host memory)."""
     params = list(model.parameters())
     weights = float(sum(p.numel() * p.element_size() for p in params))
     trained = [p for p in params if p.requires_grad]
@@ -257,6 +260,9 @@ def resident_bytes(model: torch.nn.Module, deepspeed: str | None = None, world_s
     states = 0.0 if offloaded else 12.0 * sum(p.numel() for p in trained) / world_size
     if stage >= 2:
         grads /= world_size
+    if stage == 2 and world_size > 1 and not offloaded:
+        largest = max((p.numel() * p.element_size() for p in trained), default=0)
+        grads += (1 if world_size == 2 else 2) * largest
     if stage == 3:
         weights = 0.0 if offloaded else weights / world_size
     return weights + grads + states
