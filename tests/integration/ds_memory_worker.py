@@ -1,5 +1,5 @@
 """One rank of a DeepSpeed ZeRO run (CPU accelerator, gloo) that prints, per ZeRO stage, the bytes DeepSpeed holds on
-this rank beside what the learner's memory plan (``trainer.modeling.checkpointing.resident_bytes``) charges for it.
+this rank (``OUT/rank<N>.json``) beside what the learner's memory plan (``trainer.modeling.checkpointing.resident_bytes``) charges for it.
 
 Started by tests/integration/test_zero_memory_plan.py through torchrun (``--nproc-per-node 2``). Each stage builds an
 engine from the trainer's own preset (``trainer.sft.deepspeed_config.preset``) around a bf16 model with a frozen
@@ -8,7 +8,7 @@ bytes seen after any backward (inside the accumulation window and at its boundar
 storages of the tensors DeepSpeed's objects point at, each storage once (a view of a flat buffer counts the
 buffer).
 
-    torchrun --nproc-per-node 2 tests/integration/ds_memory_worker.py
+    torchrun --nproc-per-node 2 tests/integration/ds_memory_worker.py OUT
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-
-REPORT = "ZERO_MEMORY_REPORT "
+from pathlib import Path
 
 
 def _model():
@@ -94,9 +93,10 @@ def stage_report(stage: int, world: int) -> dict:
 def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.path.insert(0, os.getcwd())
-    world = int(os.environ["WORLD_SIZE"])
+    out = Path(sys.argv[1])
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     report = {str(stage): stage_report(stage, world) for stage in (1, 2, 3)}
-    print(REPORT + json.dumps({"rank": int(os.environ["RANK"]), "world": world, "stages": report}), flush=True)
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "stages": report}))
 
 
 if __name__ == "__main__":
