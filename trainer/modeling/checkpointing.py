@@ -248,7 +248,8 @@ def resident_bytes(model: torch.nn.Module, deepspeed: str | None = None, world_s
     2, weights / world size at stage 3 (0 offloaded). ZeRO-2 on several ranks keeps, through the accumulation window,
     the whole gradient of every parameter that reaches into the rank's partition, so a parameter cut by an edge of the
     partition counts whole: the largest trained parameter's gradient once more for each edge (one on two ranks, two
-    for a middle rank of more; with the optimizer offloaded they accumulate in host memory)."""
+    for a middle rank of more; the edges of the group without weight decay cut only norms and biases, left out; with
+    the optimizer offloaded the gradients accumulate in host memory)."""
     params = list(model.parameters())
     weights = float(sum(p.numel() * p.element_size() for p in params))
     trained = [p for p in params if p.requires_grad]
