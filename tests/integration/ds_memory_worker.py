@@ -1,5 +1,6 @@
-"""One rank of a DeepSpeed ZeRO run (CPU accelerator, gloo) that prints, per ZeRO stage, the bytes DeepSpeed holds on
-this rank (``OUT/rank<N>.json``) beside what the learner's memory plan (``trainer.modeling.checkpointing.resident_bytes``) charges for it.
+"""One rank of a DeepSpeed ZeRO run (CPU accelerator, gloo) that writes to ``OUT/rank<N>.json``, per ZeRO stage, the
+bytes DeepSpeed holds on this rank beside what the learner's memory plan
+(``trainer.modeling.checkpointing.resident_bytes``) charges for it.
 
 Started by tests/integration/test_zero_memory_plan.py through torchrun (``--nproc-per-node 2``). Each stage builds an
 engine from the trainer's own preset (``trainer.sft.deepspeed_config.preset``) around a bf16 model with a frozen
@@ -86,8 +87,9 @@ def stage_report(stage: int, world: int) -> dict:
     weights = _held([p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in engine.module.parameters()])
     master = list(getattr(z, "fp32_partitioned_groups_flat", None) or z.single_partition_of_fp32_groups)
     states = _held(master) + _held([v for s in z.optimizer.state.values() for k, v in s.items() if k != "step"])
-    return {"trained": trained, "total": total, "largest": largest, "planned": planned, "weights": weights, "gradients": gradients,
-            "master_and_states": states, "held": weights + gradients + states, "steps": engine.global_steps}
+    return {"trained": trained, "total": total, "largest": largest, "planned": planned, "weights": weights,
+            "gradients": gradients, "master_and_states": states, "held": weights + gradients + states,
+            "steps": engine.global_steps}
 
 
 def main() -> None:
