@@ -27,8 +27,9 @@ def test_swift_rlhf_grpo_two_steps_with_summary_rewards(tmp_path, summary_datase
     cfg, out_dir = tiny_text_grpo_config(tmp_path, summary_dataset, "configs/summary_1024_attr_key_recall.yaml", batch=2,
                                          rlhf={"num_generations": 2, "generation_batch_size": 4,
                                                "max_completion_length": 24})
+    # PYTHONFAULTHANDLER: a rare abort at swift's exit under the full suite's load prints every thread's stack
     env = dict(os.environ, VLLM_PLUGINS="", TOKENIZERS_PARALLELISM="false", USE_HF="1", HF_HUB_OFFLINE="1",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+               PYTHONFAULTHANDLER="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NPROC_PER_NODE", "SUMMARY_SCHEMA_DATASET"):
         env.pop(k, None)
     proc = subprocess.run([sys.executable, "-m", "trainer", "launch", "learner", "--config", str(cfg)], cwd=tmp_path,
