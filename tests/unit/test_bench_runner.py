@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from trainer.bench import runner
 from trainer.bench.measure import measure
@@ -158,7 +159,8 @@ def test_servers_start_as_a_user_starts_them(tmp_path, node_bound):
     when the variant's learner is node-bound (the server presets); the launcher accepts the argv and builds the
     ``trainer serve`` command with the table's engine settings and the port."""
     table = load_table(REPO / "benchmarks" / "layouts.yaml")
-    argv = runner.server_argv(table, tmp_path / "model", 8123, 2, node_bound)
+    variant = next(v for v in table.variants if v.servers and v.server is None)
+    argv = runner.server_argv(table, variant, tmp_path / "model", 8123, 2, node_bound)
     assert argv[1:5] == ["-m", "trainer", "launch", "server"]
     assert ("--cpu-affinity" in argv) is node_bound
     split = argv.index("--")
@@ -169,6 +171,26 @@ def test_servers_start_as_a_user_starts_them(tmp_path, node_bound):
     assert "-m trainer serve --engine vllm --host 127.0.0.1 --port 8123" in line
     assert f"--model {tmp_path / 'model'}" in line and "--log-level warning" in line
     assert f"--max-model-len {table.server.max_model_len}" in line and "CUDA_VISIBLE_DEVICES=2" in line
+
+
+def test_a_variant_s_server_settings_replace_the_table_s_for_its_servers(tmp_path):
+    """``6v2-shipped`` starts its servers as ``presets/6v2-2b-full.values.yaml``'s ``rolloutServer`` does (0.6 of the
+    GPU, 8,192 tokens), not with the table's defaults; its record says which settings its servers ran with."""
+    table = load_table(REPO / "benchmarks" / "layouts.yaml")
+    variant = next(v for v in table.variants if v.name == "6v2-shipped")
+    values = yaml.safe_load((REPO / "presets" / "6v2-2b-full.values.yaml").read_text())["rolloutServer"]
+    assert variant.server is not None and variant.server != table.server
+    flags = _flags(runner.server_argv(table, variant, tmp_path / "model", 8123, 0, False))
+    assert float(flags["--gpu-memory-utilization"]) == values["gpuMemoryUtilization"]
+    assert int(flags["--max-model-len"]) == values["maxModelLen"]
+    plain = next(v for v in table.variants if v.servers and v.server is None)
+    flags = _flags(runner.server_argv(table, plain, tmp_path / "model", 8123, 0, False))
+    assert float(flags["--gpu-memory-utilization"]) == table.server.gpu_memory_utilization
+    assert int(flags["--max-model-len"]) == table.server.max_model_len
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    return {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}
 
 
 def test_only_a_node_bound_learner_binds_its_servers():

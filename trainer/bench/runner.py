@@ -116,17 +116,20 @@ def servers_node_bound(table: Table, variant: Variant, where: Path) -> bool:
     return variant_config(table, variant, where).get("training", {}).get("cpu_affinity") == "node"
 
 
-def server_argv(table: Table, model_dir: Path, port: int, gpu: int | None, node_bound: bool) -> list[str]:
-    """One rollout server as a user starts it (``python -m trainer launch server``) on host GPU ``gpu``; with
-    ``node_bound`` (the variant's learner has ``training.cpu_affinity: node``, as the server presets ship it) bound to
-    its GPU's block of cores (``--cpu-affinity node``), so servers and learner share the host as they do deployed."""
-    argv = [sys.executable, "-m", "trainer", "launch", "server", "--engine", table.server.engine,
+def server_argv(table: Table, variant: Variant, model_dir: Path, port: int, gpu: int | None,
+                node_bound: bool) -> list[str]:
+    """One of ``variant``'s rollout servers as a user starts it (``python -m trainer launch server``) on host GPU
+    ``gpu``, with the variant's engine settings (else the table's); with ``node_bound`` (the variant's learner has
+    ``training.cpu_affinity: node``, as the server presets ship it) bound to its GPU's block of cores
+    (``--cpu-affinity node``), so servers and learner share the host as they do deployed."""
+    settings = variant.server or table.server
+    argv = [sys.executable, "-m", "trainer", "launch", "server", "--engine", settings.engine,
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
     if gpu is not None:
         argv += ["--gpus", str(gpu)]
-    if table.server.engine == "vllm":
-        argv += ["--max-model-len", str(table.server.max_model_len), "--gpu-memory-utilization",
-                 str(table.server.gpu_memory_utilization)]
+    if settings.engine == "vllm":
+        argv += ["--max-model-len", str(settings.max_model_len), "--gpu-memory-utilization",
+                 str(settings.gpu_memory_utilization)]
     if node_bound:
         argv += ["--cpu-affinity", "node"]
     return argv + ["--", "--log-level", "warning"]
@@ -202,8 +205,11 @@ def trl_peer_args(cfg: dict[str, Any], work: Work, model_dir: Path, data: Path, 
 def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path, root: Path, cuda: bool
                 ) -> dict[str, Any]:
     """One variant: servers, learner, measurement (and TRL's side); errors are recorded, never raised."""
-    rec: dict[str, Any] = {"name": variant.name, "model": variant.model or table.model, "gpus": variant.gpus, "learner_gpus": variant.learner_gpus,
-                           "servers": variant.servers, "baseline": variant.baseline or variant.name}
+    rec: dict[str, Any] = {"name": variant.name, "model": variant.model or table.model, "gpus": variant.gpus,
+                           "learner_gpus": variant.learner_gpus, "servers": variant.servers,
+                           "baseline": variant.baseline or variant.name}
+    if variant.servers:
+        rec["server"] = (variant.server or table.server).model_dump()
     run_dir, logs = root / "runs" / variant.name, root / "logs" / variant.name
     for d in (run_dir, logs):
         shutil.rmtree(d, ignore_errors=True)
@@ -218,7 +224,7 @@ def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path, ro
         ports = listen_ports(variant.servers) if variant.servers else []
         node_bound = cuda and servers_node_bound(table, variant, where)
         for i, port in enumerate(ports):
-            argv = server_argv(table, model_dir, port, i if cuda else None, node_bound)
+            argv = server_argv(table, variant, model_dir, port, i if cuda else None, node_bound)
             servers.append(_popen(argv, logs / f"server-{i}.log", [i] if cuda else None))
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         if urls:

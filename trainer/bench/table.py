@@ -52,6 +52,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ServerSettings(_Strict):
+    engine: Literal["vllm", "hf"] = "vllm"
+    gpu_memory_utilization: float = Field(0.85, gt=0, lt=1)
+    max_model_len: int = Field(4096, ge=256)
+
+
 class Variant(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="the variant's name (--only picks it)")
     model: Literal["tiny", "2b", "4b", "8b"] | None = Field(None, description="the random Qwen3-VL (default: the table's)")
@@ -61,16 +67,12 @@ class Variant(_Strict):
     trl: bool | None = Field(None, description="TRL's GRPOTrainer beside this variant (default: the table's trl)")
     extends: str | list[str] = Field([], description="config files merged before `config` (`path#key.path`)")
     config: dict[str, Any] = Field({}, description="trainer config keys deep-merged over the base")
+    server: ServerSettings | None = Field(None, description="its rollout servers' engine settings (default: the "
+                                                            "table's `server`), e.g. a values file's `rolloutServer`")
 
     @property
     def gpus(self) -> int:
         return self.learner_gpus + self.servers
-
-
-class ServerSettings(_Strict):
-    engine: Literal["vllm", "hf"] = "vllm"
-    gpu_memory_utilization: float = Field(0.85, gt=0, lt=1)
-    max_model_len: int = Field(4096, ge=256)
 
 
 class Table(_Strict):
