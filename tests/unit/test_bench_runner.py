@@ -149,6 +149,9 @@ def test_the_cpu_table_runs_end_to_end(tmp_path):
         assert r["config"]["model"]["path"].endswith("qwen3-vl-tiny-random")
     assert (tmp_path / "work" / "runs" / "colocate-2" / "stage2" / "ledger.rank1.jsonl").is_file(), "two ranks ran"
     assert result["records"][2]["servers_ready_s"] >= 0
+    assert result["records"][2]["server"] == {"engine": "hf", "gpu_memory_utilization": 0.85, "max_model_len": 4096}, \
+        "a record with servers names the engine settings they ran with (cpu.yaml's `server: {engine: hf}`)"
+    assert "server" not in result["records"][0], "no servers, no server settings"
     assert json.loads((tmp_path / "out" / "cpu.json").read_text())["records"] == \
         json.loads(json.dumps(result["records"]))
 
@@ -175,7 +178,7 @@ def test_servers_start_as_a_user_starts_them(tmp_path, node_bound):
 
 def test_a_variant_s_server_settings_replace_the_table_s_for_its_servers(tmp_path):
     """``6v2-shipped`` starts its servers as ``presets/6v2-2b-full.values.yaml``'s ``rolloutServer`` does (0.6 of the
-    GPU, 8,192 tokens), not with the table's defaults; its record says which settings its servers ran with."""
+    GPU, 8,192 tokens), not with the table's defaults; a variant without its own ``server`` takes the table's."""
     table = load_table(REPO / "benchmarks" / "layouts.yaml")
     variant = next(v for v in table.variants if v.name == "6v2-shipped")
     values = yaml.safe_load((REPO / "presets" / "6v2-2b-full.values.yaml").read_text())["rolloutServer"]

@@ -33,7 +33,7 @@ import yaml
 from trainer.bench.measure import Work, measure, recomputed_fraction, stage2_steps, summarise_steps, trl_over_ours
 from trainer.bench.models import peak_bf16_tflops
 from trainer.bench.processes import start_group, stop_group
-from trainer.bench.table import Table, Variant, records_per_step, select, variant_config
+from trainer.bench.table import Table, Variant, records_per_step, select, server_settings, variant_config
 from trainer.config.schema import validate_config
 from trainer.launch.ports import listen_port, listen_ports
 from trainer.telemetry import read_jsonl
@@ -122,7 +122,7 @@ def server_argv(table: Table, variant: Variant, model_dir: Path, port: int, gpu:
     ``gpu``, with the variant's engine settings (else the table's); with ``node_bound`` (the variant's learner has
     ``training.cpu_affinity: node``, as the server presets ship it) bound to its GPU's block of cores
     (``--cpu-affinity node``), so servers and learner share the host as they do deployed."""
-    settings = variant.server or table.server
+    settings = server_settings(table, variant)
     argv = [sys.executable, "-m", "trainer", "launch", "server", "--engine", settings.engine,
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
     if gpu is not None:
@@ -209,7 +209,7 @@ def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path, ro
                            "learner_gpus": variant.learner_gpus, "servers": variant.servers,
                            "baseline": variant.baseline or variant.name}
     if variant.servers:
-        rec["server"] = (variant.server or table.server).model_dump()
+        rec["server"] = server_settings(table, variant).model_dump()
     run_dir, logs = root / "runs" / variant.name, root / "logs" / variant.name
     for d in (run_dir, logs):
         shutil.rmtree(d, ignore_errors=True)

@@ -86,6 +86,11 @@ class Table(_Strict):
     warmup_steps: int = Field(1, ge=1, description="optimizer steps left out of every mean")
 
 
+def server_settings(table: Table, variant: Variant) -> ServerSettings:
+    """The engine settings ``variant``'s rollout servers start with: its own ``server``, else the table's."""
+    return variant.server or table.server
+
+
 def read_ref(ref: str, relative_to: Path, fragments: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The mapping ``ref`` names: ``#name``, a fragment of the table; a YAML file relative to ``relative_to`` with its
     ``extends`` resolved; or ``file#a.b``, the mapping at that key path inside it (a values file's
