@@ -14,3 +14,14 @@ def problem(value: str) -> str | None:
         return None
     return (f"{value!r} is neither a preset ({', '.join(PRESETS)}) nor an existing DeepSpeed JSON file "
             f"(paths are relative to the working directory)")
+
+
+def zero_stage(value: str) -> int | None:
+    """The ZeRO stage a valid ``training.deepspeed`` value selects (None: a JSON file that names none)."""
+    if value in PRESETS:
+        return int(value[4])
+    import json
+
+    with open(value, encoding="utf-8") as fh:
+        stage = (json.load(fh).get("zero_optimization") or {}).get("stage")
+    return int(stage) if isinstance(stage, int | float | str) and str(stage).isdigit() else None

@@ -374,6 +374,20 @@ class HfRolloutConfig(Section):
         return self
 
 
+class MismatchConfig(Section):
+    """``custom.extra.rollout_matching.mismatch``: the train-inference mismatch measured every stage-2 step
+    (``mismatch/*`` metrics): the engine returns each sampled token's log-probability, the learner's teacher-forced
+    forward gives its own at the rollout tokens the target keeps."""
+
+    enabled: bool = Field(True, description="request the engine's log-probability of every sampled token and log "
+                                            "mismatch/logp_abs_diff_mean, mismatch/logp_abs_diff_max, mismatch/kl_k3 "
+                                            "and mismatch/tokens each logged step")
+    warn_mean_abs_diff: float = Field(
+        0.05, gt=0.0, description="warn when a logged step's mean |log p_engine - log p_learner| (nats per kept "
+                                  "rollout token) exceeds this: the engine is not decoding with the learner's policy "
+                                  "(a skipped or lossy weight sync, a stale engine, an adapter that did not arrive)")
+
+
 class RolloutMatchingConfig(Section):
     rollout_backend: Literal["vllm", "hf"] = "vllm"
     rollout_generate_batch_size: int = Field(1, ge=1)
@@ -385,6 +399,7 @@ class RolloutMatchingConfig(Section):
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     rollout_buffer: RolloutBufferConfig = Field(default_factory=RolloutBufferConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    mismatch: MismatchConfig = Field(default_factory=MismatchConfig)
 
     @model_validator(mode="after")
     def _pixels_during_decode_needs_vllm(self) -> RolloutMatchingConfig:
@@ -495,6 +510,14 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
         why = problem(t.deepspeed)
         if why:
             errs.append(ConfigError("training.deepspeed", why))
+        elif variant == "rollout_matching_sft":
+            from trainer.config.deepspeed import zero_stage
+
+            rm_cfg = cfg.custom.extra.rollout_matching
+            if rm_cfg is not None and rm_cfg.rollout_backend == "vllm" and zero_stage(t.deepspeed) == 3:
+                errs.append(ConfigError("training.deepspeed", f"{t.deepspeed!r} is ZeRO-3, which partitions the "
+                                        "weights every vLLM weight sync reads (colocate and servers); use zero2 or "
+                                        "zero2_offload, or rollout_backend: hf"))
     bad_steps = [n for n in t.profile_steps if n < 1 or (t.max_steps > 0 and n > t.max_steps)]
     if bad_steps:
         errs.append(ConfigError("training.profile_steps", f"{bad_steps} outside 1..max_steps ({t.max_steps}): list "
