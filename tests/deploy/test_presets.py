@@ -52,7 +52,9 @@ def _rendered(name, overrides=None):
 
 def test_the_presets_are_the_expected_layouts():
     assert NAMES == sorted(EXPECTED)
-    assert not list(REPO.glob("values-*.yaml")), "the layouts live under presets/"
+    root = sorted(p.name for p in REPO.glob("*values*.yaml"))
+    assert root == sorted(presets.ROOT_VALUES), "the layouts live under presets/; the root holds only the entry points"
+    assert set(presets.ROOT_VALUES.values()) <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -108,6 +110,26 @@ def test_the_trainer_validates_it_and_the_bare_metal_config_is_the_mounted_one(n
 
 def test_bare_metal_configs_are_generated_from_the_values_files():
     assert presets.stale() == [], "run `make presets` (python -m trainer.deploy.presets)"
+
+
+def test_the_root_values_files_are_generated_from_their_presets():
+    assert presets.stale_root_values() == [], "run `make presets` (python -m trainer.deploy.presets)"
+    for alias, name in presets.ROOT_VALUES.items():
+        root, preset = yaml.safe_load((REPO / alias).read_text()), _values(name)
+        assert root == deep_merge(preset, {"storage": {"output": {"hostPath": presets.ROOT_OUTPUT_HOST_PATH}}}), alias
+        assert (REPO / alias).read_text().splitlines()[0] == presets.header(name), "the same measured line"
+
+
+def test_a_changed_preset_makes_its_root_values_file_stale(tmp_path):
+    for name in presets.ROOT_VALUES.values():
+        (tmp_path / presets.values_path(name).name).write_text(presets.values_path(name).read_text())
+    assert presets.stale_root_values(tmp_path) == []
+    edited = presets.values_path("6v2-2b-full", tmp_path)
+    edited.write_text(edited.read_text().replace("healthTimeoutS: 900", "healthTimeoutS: 600"))
+    assert presets.stale_root_values(tmp_path) == ["values-6v2.yaml"]
+    edited.write_text(edited.read_text() + "storage: {output: {claimName: runs}}\n")
+    with pytest.raises(ValueError, match="sets storage"):
+        presets.root_values_text("values-6v2.yaml", tmp_path)
 
 
 def test_a_changed_values_file_makes_its_bare_metal_config_stale(tmp_path):

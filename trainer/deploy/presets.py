@@ -5,6 +5,11 @@ The bare-metal config is exactly the training YAML the chart mounts for that val
 chart's default ``learner.config`` under the preset's, the rollout-server list and weight-sync port written in), with
 the values file's first line (how the preset was measured) and the commands that start it on a node without
 Kubernetes. ``python -m trainer.deploy.presets`` (``make presets``) writes them; ``--check`` fails when one differs.
+
+It also writes the design's entry-point values files at the repository root (``ROOT_VALUES``: ``values-6v2.yaml``,
+``values-3v1.yaml``, ``values-colocate.yaml``), so ``helm install stage2 charts/rollout-matching -f values-6v2.yaml``
+runs as written from the root: each is its preset's values file, line for line, with the node directory
+``/data/runs`` as the learner's output volume (the one value every install of a preset adds).
 """
 
 from __future__ import annotations
@@ -20,8 +25,14 @@ import yaml
 from trainer.config.loader import deep_merge
 from trainer.deploy.render import _faithful, chart_defaults, render_chart
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
+REPO = Path(__file__).resolve().parents[2]
+PRESETS_DIR = REPO / "presets"
 VALUES_SUFFIX = ".values.yaml"
+#: the repository root's values files (the design's entry points) and the preset each one installs
+ROOT_VALUES = {"values-6v2.yaml": "6v2-2b-full", "values-3v1.yaml": "3v1-2b-full",
+               "values-colocate.yaml": "colocate-8-2b-full"}
+#: the learner's output volume a root values file adds to its preset (the docs' `--set storage.output.hostPath=...`)
+ROOT_OUTPUT_HOST_PATH = "/data/runs"
 
 
 def names(directory: Path = PRESETS_DIR) -> list[str]:
@@ -99,6 +110,31 @@ def stale(directory: Path = PRESETS_DIR) -> list[str]:
             if not config_path(n, directory).is_file() or config_path(n, directory).read_text() != bare_metal_text(n, directory)]
 
 
+def root_values_text(alias: str, directory: Path = PRESETS_DIR) -> str:
+    """The whole root ``alias`` (e.g. ``values-6v2.yaml``): its preset's values file with the learner's output on the
+    node's ``ROOT_OUTPUT_HOST_PATH``; the preset's own install line is replaced by the alias's."""
+    name = ROOT_VALUES[alias]
+    text = values_path(name, directory).read_text()
+    if "storage" in (yaml.safe_load(text) or {}):
+        raise ValueError(f"presets/{name}{VALUES_SUFFIX} sets storage: merge it into {alias} by hand or drop it")
+    lines = text.splitlines()
+    n_header = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    header = [line for line in lines[:n_header] if "helm install" not in line and not line.startswith("#     --set")]
+    intro = [*header,
+             f"# Generated from presets/{name}{VALUES_SUFFIX} by `make presets` (python -m trainer.deploy.presets): edit",
+             f"# that file, not this one. The preset with the node's {ROOT_OUTPUT_HOST_PATH} as the learner's output volume:",
+             f"#   helm install stage2 charts/rollout-matching -f {alias} [--set node.name=<gpu-node>]"]
+    storage = ["storage:", "  output:",
+               f"    hostPath: {ROOT_OUTPUT_HOST_PATH}   # checkpoints and metrics; a directory uid 1000 can write"]
+    return "\n".join([*intro, *lines[n_header:], *storage]) + "\n"
+
+
+def stale_root_values(directory: Path = PRESETS_DIR, root: Path = REPO) -> list[str]:
+    """Root values files that are missing or differ from what their preset generates."""
+    return [a for a in ROOT_VALUES
+            if not (root / a).is_file() or (root / a).read_text() != root_values_text(a, directory)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.deploy.presets", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 naming every stale bare-metal config")
@@ -108,10 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         for name in bad:
             print(f"presets/{name}.yaml differs from what presets/{name}.values.yaml generates: run `make presets`",
                   file=sys.stderr)
-        return 1 if bad else 0
+        bad_root = stale_root_values()
+        for alias in bad_root:
+            print(f"{alias} differs from what presets/{ROOT_VALUES[alias]}{VALUES_SUFFIX} generates: run `make presets`",
+                  file=sys.stderr)
+        return 1 if bad or bad_root else 0
     for name in names():
         config_path(name).write_text(bare_metal_text(name))
         print(f"wrote presets/{name}.yaml")
+    for alias in ROOT_VALUES:
+        (REPO / alias).write_text(root_values_text(alias))
+        print(f"wrote {alias} (presets/{ROOT_VALUES[alias]}{VALUES_SUFFIX})")
     return 0
 
 
