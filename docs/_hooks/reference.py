@@ -7,8 +7,13 @@ the project own when they are absent.
 - ``reference/chart-values.md``: every value of ``charts/rollout-matching/values.schema.json`` with its default from
   ``values.yaml``.
 - ``changelog.md``: the repository's ``CHANGELOG.md``.
+- ``reference/rollout-protocol.md``: the request-body tables between its ``protocol-models`` markers.
 
-The page builders are pure functions of the code (``config_reference()`` ...), so tests can call them.
+The page builders are pure functions of the code (``config_reference()`` ...), so tests can call them. The reference
+pages are also committed, generated, so that they read where the repository is browsed:
+``python -m docs._hooks.reference`` (from the repository root, in the project's environment) writes them and
+``--check`` lists the stale ones (``tests/docs/test_docs_reference.py`` fails on any). The site build regenerates
+them either way.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import enum
 import json
 import os
+import sys
 import types
 import typing
 from pathlib import Path
@@ -32,7 +38,10 @@ OWNED_ELSEWHERE = {
     "guides/deployment.md": "Deployment",
     "benchmarks/index.md": "Benchmarks",
 }
-GENERATED_NOTE = "<!-- generated at build time by docs/_hooks/reference.py; edit the code, not this page -->\n\n"
+#: the command that rewrites the committed reference pages, from the repository root
+REGENERATE = "python -m docs._hooks.reference"
+GENERATED_NOTE = (f"<!-- generated from the code by docs/_hooks/reference.py: edit the code, then run `{REGENERATE}`; "
+                  "not this page -->\n\n")
 
 
 # --- config -------------------------------------------------------------------------------------------------------
@@ -279,6 +288,8 @@ def placeholder(title: str) -> str:
 # --- rollout protocol bodies -----------------------------------------------------------------------------------------
 
 PROTOCOL_MARKER = "<!-- generated: protocol-models -->"
+PROTOCOL_END = "<!-- end generated: protocol-models -->"
+PROTOCOL_PAGE = "reference/rollout-protocol.md"
 
 
 def protocol_models() -> str:
@@ -305,17 +316,64 @@ def protocol_models() -> str:
     return "\n".join(out)
 
 
+def with_protocol_models(markdown: str) -> str:
+    """``markdown`` with the request-body tables, freshly generated, between its protocol-models markers (a page
+    with the opening marker alone gets the closing one too); a page without the marker is returned as it is."""
+    if PROTOCOL_MARKER not in markdown:
+        return markdown
+    before, rest = markdown.split(PROTOCOL_MARKER, 1)
+    after = rest.split(PROTOCOL_END, 1)[1] if PROTOCOL_END in rest else rest
+    generated = GENERATED_NOTE.strip() + "\n\n" + protocol_models().rstrip("\n") + "\n\n"
+    return f"{before}{PROTOCOL_MARKER}\n{generated}{PROTOCOL_END}{after}"
+
+
 def on_page_markdown(markdown, page, config, files):  # noqa: ANN001 (MkDocs hook signature)
-    if PROTOCOL_MARKER in markdown:
-        markdown = markdown.replace(PROTOCOL_MARKER, GENERATED_NOTE.strip() + "\n\n" + protocol_models())
-    return markdown
+    return with_protocol_models(markdown)
 
 
 # --- MkDocs hook --------------------------------------------------------------------------------------------------
 
-def generated_pages() -> dict[str, str]:
+def reference_pages() -> dict[str, str]:
+    """The generated reference pages, as committed under docs/."""
     return {"reference/config.md": config_reference(), "reference/cli.md": cli_reference(),
-            "reference/chart-values.md": chart_values_reference(), "changelog.md": changelog_page()}
+            "reference/chart-values.md": chart_values_reference()}
+
+
+def generated_pages() -> dict[str, str]:
+    return {**reference_pages(), "changelog.md": changelog_page()}
+
+
+def committed_pages(docs_dir: Path) -> dict[str, str]:
+    """Every page under ``docs_dir`` that is generated in whole or in part, as it should read."""
+    pages = reference_pages()
+    protocol = docs_dir / PROTOCOL_PAGE
+    if protocol.is_file():
+        pages[PROTOCOL_PAGE] = with_protocol_models(protocol.read_text())
+    return pages
+
+
+def stale_pages(docs_dir: Path = REPO / "docs") -> list[str]:
+    """The generated pages under ``docs_dir`` that are missing or differ from what the code generates."""
+    return [uri for uri, text in committed_pages(docs_dir).items()
+            if not (docs_dir / uri).is_file() or (docs_dir / uri).read_text() != text]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=REGENERATE, description="write the generated reference pages under docs/")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 naming every stale page")
+    p.add_argument("--docs-dir", type=Path, default=REPO / "docs", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.check:
+        bad = stale_pages(args.docs_dir)
+        for uri in bad:
+            print(f"docs/{uri} differs from what the code generates: run `{REGENERATE}`", file=sys.stderr)
+        return 1 if bad else 0
+    for uri, text in committed_pages(args.docs_dir).items():
+        path = args.docs_dir / uri
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+            print(f"wrote docs/{uri}")
+    return 0
 
 
 def pages_for(docs_dir: Path) -> dict[str, str]:
@@ -335,3 +393,7 @@ def on_files(files, config):  # noqa: ANN001 (MkDocs hook signature)
             files.remove(existing)
         files.append(File.generated(config, uri, content=content))
     return files
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,7 +28,7 @@ class Block:
 
 
 def doc_files() -> list[Path]:
-    """README.md and every Markdown page under docs/ (the generated reference pages are not files)."""
+    """README.md and every Markdown page under docs/ (the generated reference pages included: they are committed)."""
     return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 

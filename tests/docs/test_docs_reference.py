@@ -1,6 +1,7 @@
 """The generated reference pages (docs/_hooks/reference.py) cover everything they are generated from: every key of
-the config schema, every subcommand of the CLI, every value of the chart's schema, every rollout-protocol body; and
-the stand-ins for pages other parts of the project own appear only while those pages are missing."""
+the config schema, every subcommand of the CLI, every value of the chart's schema, every rollout-protocol body; the
+committed pages are what the code generates today (``python -m docs._hooks.reference`` rewrites them); and the
+stand-ins for pages other parts of the project own appear only while those pages are missing."""
 
 from __future__ import annotations
 
@@ -80,12 +81,33 @@ def test_chart_values_reference_lists_every_schema_value():
 
 def test_protocol_bodies_are_generated_into_the_protocol_page():
     page = (REPO / "docs" / "reference" / "rollout-protocol.md").read_text()
-    assert hook.PROTOCOL_MARKER in page
+    assert page.count(hook.PROTOCOL_MARKER) == 1 and page.count(hook.PROTOCOL_END) == 1
     out = hook.on_page_markdown(page, None, None, None)
-    assert hook.PROTOCOL_MARKER not in out
     for model in ("InferBody", "RolloutInferRequestIn", "RequestConfigIn", "InitCommunicatorBody"):
         assert f"### `{model}`" in out, model
     assert "| `max_tokens` |" in out
+    assert out.startswith(page.split(hook.PROTOCOL_MARKER)[0]) and out.endswith(page.split(hook.PROTOCOL_END)[1])
+    bare = page.split(hook.PROTOCOL_MARKER)[0] + hook.PROTOCOL_MARKER + "\n"
+    assert hook.with_protocol_models(bare) == hook.with_protocol_models(out), "one marker is filled in the same way"
+
+
+def test_the_committed_reference_pages_are_what_the_code_generates():
+    stale = hook.stale_pages()
+    assert not stale, (f"stale generated pages {', '.join('docs/' + u for u in stale)}: run "
+                       f"`{hook.REGENERATE}` from the repository root (with .venv/bin/python) and commit them")
+
+
+def test_a_changed_schema_makes_its_page_stale(tmp_path, monkeypatch):
+    for uri, text in hook.committed_pages(REPO / "docs").items():
+        (tmp_path / uri).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / uri).write_text(text)
+    assert hook.stale_pages(tmp_path) == []
+    real = hook.config_reference
+    monkeypatch.setattr(hook, "config_reference", lambda: real() + "| `training.new_key` | int | `1` | new |\n")
+    assert hook.stale_pages(tmp_path) == ["reference/config.md"]
+    assert hook.main(["--check", "--docs-dir", str(tmp_path)]) == 1
+    assert hook.main(["--docs-dir", str(tmp_path)]) == 0
+    assert hook.stale_pages(tmp_path) == [] and "training.new_key" in (tmp_path / "reference/config.md").read_text()
 
 
 def test_stand_ins_only_for_missing_pages(tmp_path):
