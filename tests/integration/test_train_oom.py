@@ -107,32 +107,40 @@ def test_optimizer_phase_and_step_wall_are_logged(tmp_path):
 
 def test_a_step_end_callback_counts_in_step_wall_not_in_the_optimizer_phase(tmp_path):
     """Periodic evaluation runs in ``on_step_end``: its time belongs to the step-to-step wall, never to the
-    optimizer phase (the step clock's ``on_step_end`` runs before every other callback's)."""
-    import time
+    optimizer phase (the step clock's ``on_step_end`` runs before every other callback's).
 
+    The slow callback does not sleep: the step clock reads a virtual clock (``StepClock.clock`` is injectable) that
+    only the callback advances, by ``SLOW_S`` each step. Real time never reaches that clock, so the figures are exact
+    on any machine: the callback's seconds are all of every later step's wall and none of any step's optimizer
+    phase. Were the clock's tick after the callback, each ``time/optimizer_s`` would be ``SLOW_S``."""
     from transformers import TrainerCallback
 
     from trainer.sft.trainer import RolloutMatchingTrainer
     from trainer.telemetry import read_jsonl
 
+    SLOW_S = 1000.0
+    virtual = {"now": 0.0}
+
     class SlowStepEnd(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            time.sleep(0.5)
+            virtual["now"] += SLOW_S
 
     real_init = RolloutMatchingTrainer.__init__
 
     def init(self, *args, **kwargs):  # passed as run_training passes the periodic evaluation: callbacks=[...]
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), SlowStepEnd()]
         real_init(self, *args, **kwargs)
+        self.step_clock.clock = lambda: virtual["now"]
 
-    import pytest as _pytest
-
-    mp = _pytest.MonkeyPatch()
+    mp = pytest.MonkeyPatch()
     mp.setattr(RolloutMatchingTrainer, "__init__", init)
     try:
         summary = run_training(validate_config(config(tmp_path)))
     finally:
         mp.undo()
     rows = [r for r in read_jsonl(summary.metrics_path) if r.get("phase") == "stage2" and "loss" in r]
-    assert all(r["time/optimizer_s"] < 0.4 for r in rows), [r["time/optimizer_s"] for r in rows]
-    assert all(r["time/step_wall_s"] > 0.5 for r in rows[1:]), "the previous step's slow callback is in the wall"
+    assert len(rows) == 4
+    assert [r["time/optimizer_s"] for r in rows] == [0.0] * 4, "the callback's time is in no optimizer phase"
+    # the first step's wall starts at train begin, before any callback ran; each later one holds the previous
+    # step's callback, once
+    assert [r["time/step_wall_s"] for r in rows] == [0.0] + [SLOW_S] * 3
