@@ -37,9 +37,10 @@ def cli(cwd: Path, *args: str) -> str:
 def test_stock_prepare_stage1_stage2_eval_via_the_cli(tmp_path):
     config = tmp_path / "demo_from_stock_short.yaml"
     config.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "demo_from_stock.yaml"), **SHORT}))
-    cli(tmp_path, "model", "tiny", "--out", "runs/from-stock/stock")
-    out = cli(tmp_path, "model", "prepare", "--from", "runs/from-stock/stock", "--out", "runs/from-stock/prepared")
-    assert "prepared runs/from-stock/prepared: 1000 coord tokens" in out, out
+    hint = cli(tmp_path, "model", "tiny", "--out", "runs/from-stock/stock").split("next: ")[1].split()
+    assert hint[:3] == ["python", "-m", "trainer"], hint
+    out = cli(tmp_path, *hint[3:])  # the prepare command `model tiny` prints: the config reads its --out
+    assert "prepared runs/from-stock/stock-coord: 1000 coord tokens" in out, out
     cli(tmp_path, "train", "--config", str(config))
     run = tmp_path / "runs" / "from-stock" / "train"
     rows = read_jsonl(run / "metrics.jsonl")

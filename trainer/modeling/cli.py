@@ -10,9 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-PREPARE_HINT = "python -m trainer model prepare --from {src} --out {src}-prepared"
-
-
 def run_prepare(args: argparse.Namespace) -> int:
     from trainer.modeling.prepare import PrepareRefused, prepare_checkpoint
 
@@ -35,11 +32,12 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 def run_tiny(args: argparse.Namespace) -> int:
     from trainer.modeling.fixtures import save_tiny_model
+    from trainer.modeling.prepare import prepare_command
 
     out = save_tiny_model(args.out, "vl" if args.vl else "text", args.seed, stock=True, vocab_rows=args.vocab_rows,
                           tied=not args.untied)
     print(f"wrote a tiny stock {'Qwen3-VL' if args.vl else 'Qwen3'} checkpoint (no coord tokens) to {out}; next: "
-          + PREPARE_HINT.format(src=out))
+          + prepare_command(out))
     return 0
 
 

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
 from trainer.config.schema import ModelConfig, TunerConfig
 from trainer.modeling.fixtures import save_tiny_model
+from trainer.modeling.prepare import prepare_command, prepared_dir
 from trainer.modeling.tokenizer import MissingCoordTokens, coord_token_ids
 
 log = logging.getLogger(__name__)
@@ -88,9 +89,8 @@ def load_model(cfg: ModelConfig, output_dir: str | Path) -> LoadedModel:
         coord_token_ids(tokenizer)
     except MissingCoordTokens as exc:
         raise CheckpointNotPrepared(
-            f"model.path {model_dir}: the tokenizer lacks {len(exc.missing)} of the 1000 coord tokens; run `python -m "
-            f"trainer model prepare --from {model_dir} --out {model_dir}-prepared` and set model.path to the "
-            "prepared directory") from None
+            f"model.path {model_dir}: the tokenizer lacks {len(exc.missing)} of the 1000 coord tokens; run "
+            f"`{prepare_command(model_dir)}` and set model.path to {prepared_dir(model_dir)}") from None
     if hf_cfg.model_type in VL_MODEL_TYPES:
         from transformers import AutoModelForImageTextToText
 

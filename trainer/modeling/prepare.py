@@ -41,6 +41,21 @@ REWRITTEN = {"config.json", "generation_config.json", "tokenizer.json", "tokeniz
              "special_tokens_map.json", "added_tokens.json", RECORD, ".tiny-complete"}
 
 
+#: a prepared checkpoint's directory is its stock directory's name with this suffix (``Qwen3-VL-2B-Instruct`` ->
+#: ``Qwen3-VL-2B-Instruct-coord``): what the hints print, the presets' ``model.path`` and the CPU configs use
+PREPARED_SUFFIX = "-coord"
+
+
+def prepared_dir(source: str | os.PathLike[str]) -> str:
+    """Where ``model prepare`` writes ``source`` prepared, by the one naming convention (``PREPARED_SUFFIX``)."""
+    return f"{os.fspath(source).rstrip('/')}{PREPARED_SUFFIX}"
+
+
+def prepare_command(source: str | os.PathLike[str]) -> str:
+    """The ``python -m trainer model prepare`` line for ``source``, written to ``prepared_dir(source)``."""
+    return f"python -m trainer model prepare --from {os.fspath(source)} --out {prepared_dir(source)}"
+
+
 class PrepareRefused(ValueError):
     """A checkpoint ``prepare`` cannot handle; the message is one line naming the item and what to do."""
 
