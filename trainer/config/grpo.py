@@ -4,22 +4,20 @@ section; ``trainer.grpo`` imports it, never the reverse): ``rlhf.*`` (the ms-swi
 
 ``check_grpo(cfg)`` returns every problem and warning; ``validate_grpo(cfg)`` raises the first problem as a
 ``ConfigError`` and returns the warnings. ``cfg`` is the typed root config (``TrainConfig``, whose field
-validation already ran); ``trainer.config.schema.validate_config`` applies these rules to ``grpo_summary`` configs.
+validation already ran; typed here by the ``GrpoRoot`` protocol, so the import runs one way only: schema → grpo);
+``trainer.config.schema.validate_config`` applies these rules to ``grpo_summary`` configs.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import Field, field_validator
 
 from trainer.config.base import Section
 from trainer.config.errors import ConfigError
-
-if TYPE_CHECKING:  # the root schema imports this module
-    from trainer.config.schema import TrainConfig
 
 GRPO_VARIANT = "grpo_summary"
 
@@ -173,6 +171,47 @@ class RolloutServerConfig(Section):
         return self.vllm_tensor_parallel_size * self.vllm_data_parallel_size
 
 
+class _Tuner(Protocol):
+    @property
+    def train_type(self) -> str: ...
+
+
+class _Training(Protocol):
+    @property
+    def per_device_train_batch_size(self) -> int: ...
+
+
+class _Extra(Protocol):
+    @property
+    def rollout_server(self) -> RolloutServerConfig | None: ...
+
+
+class _Custom(Protocol):
+    @property
+    def trainer_variant(self) -> str: ...
+
+    @property
+    def extra(self) -> _Extra: ...
+
+
+class GrpoRoot(Protocol):
+    """What the rules below read of the typed root config (``trainer.config.schema.TrainConfig`` has it): a
+    structural type, so this module never imports the root schema, which imports it (read-only members: any
+    section with these fields fits)."""
+
+    @property
+    def rlhf(self) -> RlhfConfig | None: ...
+
+    @property
+    def custom(self) -> _Custom: ...
+
+    @property
+    def tuner(self) -> _Tuner: ...
+
+    @property
+    def training(self) -> _Training: ...
+
+
 @dataclass(frozen=True)
 class GrpoSections:
     """The parts of a config that summary GRPO reads, typed; the rest of the config stays the lead schema's."""
@@ -185,7 +224,7 @@ class GrpoSections:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def grpo_sections(cfg: TrainConfig) -> GrpoSections:
+def grpo_sections(cfg: GrpoRoot) -> GrpoSections:
     """The GRPO sections of the typed root config (raises ``ConfigError`` when ``rlhf`` is absent)."""
     if cfg.rlhf is None:
         raise ConfigError("rlhf", f"required when custom.trainer_variant is {GRPO_VARIANT}")
@@ -306,7 +345,7 @@ def _gpu_rules(s: GrpoSections, rs: RolloutServerConfig, errors: list[ConfigErro
                 f"{s.per_device_train_batch_size} × {world} = {global_batch}"))
 
 
-def check_grpo(cfg: TrainConfig) -> tuple[list[ConfigError], list[str]]:
+def check_grpo(cfg: GrpoRoot) -> tuple[list[ConfigError], list[str]]:
     """Every summary-GRPO problem (``ConfigError`` with key path) and warning in the typed ``cfg`` (its sections
     already passed field validation; ``validate_config`` calls this for ``grpo_summary`` configs)."""
     try:
@@ -350,7 +389,7 @@ def check_grpo(cfg: TrainConfig) -> tuple[list[ConfigError], list[str]]:
     return errors, warnings
 
 
-def validate_grpo(cfg: TrainConfig) -> list[str]:
+def validate_grpo(cfg: GrpoRoot) -> list[str]:
     """Raise the first summary-GRPO problem as ``ConfigError``; return the warnings."""
     errors, warnings = check_grpo(cfg)
     if errors:
