@@ -35,7 +35,7 @@ def tiny_text_grpo_config(tmp_path: Path, summary_dataset: Path, extends: str, *
     path and the output directory."""
     import yaml
 
-    from trainer.bench.swift_peers import text_rows
+    from trainer.conformance.rlhf import text_rows
     from trainer.modeling.fixtures import save_tiny_model
 
     model = save_tiny_model(tmp_path / "tiny_text", kind="text")

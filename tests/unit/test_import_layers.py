@@ -18,7 +18,9 @@ strictly lower layers (never sideways, never up):
 7. ``trainer.sft`` — the stage-2 trainer and its run
 8. ``trainer.launch``, ``trainer.deploy`` — launchers and job rendering
 9. entry points — ``trainer.cli``, ``trainer.demo``, ``trainer.bench``
-10. ``trainer.__main__`` (``python -m trainer``)
+10. ``trainer.conformance`` — the ms-swift conformance check (``python -m trainer.conformance``): it starts its peers
+    with the benchmarks' process groups and builds their random models, and nothing imports it
+11. ``trainer.__main__`` (``python -m trainer``)
 
 Three checks: no package-level cycle (the message names it), every edge goes down the layers, and no name that
 starts with ``_`` is taken from another package (``from trainer.x.y import _private``, or ``module._private`` on a
@@ -45,6 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainer.sft",),
     ("trainer.launch", "trainer.deploy"),
     ("trainer.cli", "trainer.demo", "trainer.bench"),
+    ("trainer.conformance",),
     ("trainer.__main__",),
 ]
 

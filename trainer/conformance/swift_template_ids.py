@@ -1,4 +1,4 @@
-"""ms-swift external plugin for benches on random-weight Qwen-VL models with the embedded tokenizer.
+"""ms-swift external plugin for the conformance check's random-weight Qwen-VL models with the embedded tokenizer.
 
 ms-swift's Qwen2-VL/Qwen3-VL templates find the image and video placeholders by Qwen's own token ids (class
 attributes ``image_token_id = 151655``, ``video_token_id = 151656``), which the embedded tokenizer does not use: the

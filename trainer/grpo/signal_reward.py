@@ -11,9 +11,9 @@ row's ``summary_ref`` that still separates sampled completions:
 * half is the fraction of distinct character trigrams (1 for text that never repeats itself, near 0 for a
   degenerate loop such as ``"aaaa…"``).
 
-Both halves are in [0, 1]. It is not part of the summary config schema (``rlhf.reward_funcs``): the peers bench
-(``trainer.bench.swift_peers``) adds it to ``swift rlhf``'s argv, with this file in ``--external_plugins``; loaded
-that way (or imported) it registers ``signal.length_distinct`` in ms-swift's ``orms``.
+Both halves are in [0, 1]. It is not part of the summary config schema (``rlhf.reward_funcs``): the ms-swift
+conformance check (``trainer.conformance.rlhf``) adds it to ``swift rlhf``'s argv, with this file in
+``--external_plugins``; loaded that way (or imported) it registers ``signal.length_distinct`` in ms-swift's ``orms``.
 """
 
 from __future__ import annotations
