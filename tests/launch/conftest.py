@@ -15,6 +15,16 @@ from trainer.launch.ports import listen_port as free_port  # below the ephemeral
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def machine_checks_pass(monkeypatch):
+    """The launcher tests run the shipped configs, whose model and data paths exist on a training node, not here:
+    ``launch learner``'s check of them (``trainer.config.preflight``, tested in tests/unit/test_preflight.py) passes
+    in this process."""
+    from trainer.launch import cli as launch_cli
+
+    monkeypatch.setattr(launch_cli, "preflight_problems", lambda config: [])
+
+
 
 
 def child_env() -> dict[str, str]:

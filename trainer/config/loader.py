@@ -59,5 +59,10 @@ def resolve_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, A
         raise ConfigError("extends", f"{path}: must be a path or a list of paths, got {extends!r}")
     merged: dict[str, Any] = {}
     for base in bases:
-        merged = deep_merge(merged, resolve_yaml(path.parent / base, (*_chain, path)))
+        base_path = path.parent / base
+        if not base_path.is_file():
+            raise ConfigError("extends", f"{base} (from `extends:` in {path}): {base_path.resolve()} "
+                                         f"{'is not a file' if base_path.exists() else 'does not exist'}; fix the "
+                                         f"path, which is relative to the folder of the file naming it ({path.parent})")
+        merged = deep_merge(merged, resolve_yaml(base_path, (*_chain, path)))
     return deep_merge(merged, data)

@@ -51,12 +51,27 @@ def _say(msg: str) -> None:
 
 
 def _load(path: str) -> TrainConfig:
-    """The validated, typed config (every problem listed with its key path; GRPO warnings such as ignored
-    ``rlhf.vllm_*`` fields are logged by the schema). The launchers read it by attribute."""
+    """The validated, typed config (every problem on a line of its own, with its key path; GRPO warnings such as
+    ignored ``rlhf.vllm_*`` fields are logged by the schema). The launchers read it by attribute."""
     try:
         return validate_config(resolve_yaml(path), source=path)
+    except ConfigError as exc:  # the file or an ``extends`` it names
+        raise ConfigError("", f"error: {exc}") from None
     except ConfigErrors as exc:
-        raise ConfigError("", str(exc)) from None
+        raise ConfigError("", "\n".join(f"error: {e}" for e in exc.errors)) from None
+
+
+def _say_each(exc: Exception) -> None:
+    for line in str(exc).splitlines():
+        _say(line)
+
+
+def preflight_problems(config: TrainConfig) -> list[str]:
+    """What the config needs of this machine and lacks (``trainer.config.preflight``), checked here once, before
+    torchrun starts its ranks (each would print the same)."""
+    from trainer.config.preflight import preflight
+
+    return [str(p) for p in preflight(config)]
 
 
 def _exec(cmd: LaunchCommand) -> int:
@@ -87,7 +102,7 @@ def run_server(args: argparse.Namespace) -> int:
         cmd = server_command(opts, config)
         host, port = server_endpoint_for(opts, config)
     except (ConfigError, ValueError) as exc:
-        _say(str(exc))
+        _say_each(exc)
         return EXIT_CONFIG
     share = server_cpu_affinity(opts.gpus) if args.cpu_affinity == "node" else None
     if share is not None and share.cpus:
@@ -149,6 +164,9 @@ def resume_checkpoint(mode: str, config: TrainConfig, nproc: int, extra: list[st
 def run_learner(args: argparse.Namespace) -> int:
     try:
         config = _load(args.config)
+        problems = [] if args.print_command else preflight_problems(config)
+        if problems:
+            raise ConfigError("", "\n".join(f"error: {p}" for p in problems))
         gpus = parse_gpus(args.gpus) if args.gpus else None
         if gpus is None and trainer_variant(config) == GRPO_VARIANT:
             rs = config.custom.extra.rollout_server
@@ -169,7 +187,7 @@ def run_learner(args: argparse.Namespace) -> int:
         elif args.wait_for_servers:
             urls = [u.strip().rstrip("/") for u in args.wait_for_servers.split(",") if u.strip()]
     except (ConfigError, ValueError) as exc:
-        _say(str(exc))
+        _say_each(exc)
         return EXIT_CONFIG
     if urls and not args.print_command:
         _say(f"waiting up to {args.health_timeout_s:g}s for {len(urls)} server(s): {', '.join(urls)}")

@@ -6,18 +6,21 @@ import argparse
 import logging
 import sys
 
-from trainer.config.cli import load_or_report
+from trainer.config.cli import is_rank_zero, load_or_report, preflight_or_report
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_or_report(args.config)
+    quiet = not is_rank_zero()  # under torchrun every rank finds the same problems: rank 0 prints them
+    cfg = load_or_report(args.config, quiet=quiet)
     if cfg is None:
         return 2
     if args.output_dir:
         cfg.training.output_dir = args.output_dir
     if args.max_steps is not None:
         cfg.training.max_steps = args.max_steps
+    if not preflight_or_report(cfg, quiet=quiet):  # before any model loads; every rank exits 2
+        return 2
     from trainer.modeling.loading import ModelPathError
     from trainer.sft.run import run_training
     from trainer.sync.update_check import NonFiniteWeightsError
