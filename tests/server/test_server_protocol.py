@@ -193,12 +193,13 @@ def test_logprobs_are_the_models_own_per_token(serve, http, tiny_text_dir, top):
     assert plain["response"]["choices"][0]["logprobs"] is None, "only when asked for"
 
 
-def test_logprobs_from_an_engine_without_them_and_prompt_logprobs_are_clear_400s(scripted_server, http,
-                                                                                  tiny_text_dir):
+def test_scripted_logprobs_are_certain_and_prompt_logprobs_are_a_clear_400(scripted_server, http, tiny_text_dir):
     with scripted_server(tiny_text_dir) as (url, _):
         r = http.post(url + "/infer/", json={"infer_requests": [{"messages": MSGS}],
                                              "request_config": {"logprobs": True}})
-        assert r.status_code == 400 and "scripted engine does not return log-probabilities" in r.json()["detail"]
+        choice = r.json()[0]["response"]["choices"][0]
+        assert r.status_code == 200 and len(choice["logprobs"]["content"]) == len(choice["token_ids"]) > 0
+        assert {e["logprob"] for e in choice["logprobs"]["content"]} == {0.0}
         r = http.post(url + "/infer/", json={"infer_requests": [{"messages": MSGS}],
                                              "request_config": {"prompt_logprobs": 2}})
         assert r.status_code == 400 and "prompt_logprobs" in r.json()["detail"]

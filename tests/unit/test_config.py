@@ -131,13 +131,16 @@ def test_logit_chunks_are_on_by_default_and_off_with_full_logits_unless_asked_fo
     assert full.custom.extra.rollout_matching.loss.logit_chunk_rows == 1024  # inert: forward_loss chunks only supervised rows
 
 
-def test_lora_with_full_sync_needs_no_lora_kernels_in_vllm():
-    """A LoRA learner with ``sync.mode: full`` (the default) syncs merged weights: vLLM needs no ``enable_lora``
-    (its LoRA kernels slowed the 8B stage-2 rollouts on the H100, docs/benchmarks/index.md)."""
-    for mode in ("full", "auto"):
-        cfg = validate_config(merged(**{"tuner": {"train_type": "lora"}, "custom": {"extra": {"rollout_matching": {
-            "rollout_backend": "vllm", "vllm": {"max_model_len": 4096, "sync": {"mode": mode}}}}}}))
-        assert not cfg.custom.extra.rollout_matching.vllm.enable_lora
+def test_lora_engines_serve_the_adapter_unless_told_otherwise():
+    """``vllm.enable_lora`` is left to the engine (null: on for a LoRA learner, ``colocate_enable_lora``) and a
+    server sync picks the adapter where the servers serve it (``sync.mode: auto``); an explicit false stays false."""
+    cfg = validate_config(merged(**{"tuner": {"train_type": "lora"}, "custom": {"extra": {"rollout_matching": {
+        "rollout_backend": "vllm", "vllm": {"max_model_len": 4096}}}}}))
+    v = cfg.custom.extra.rollout_matching.vllm
+    assert v.enable_lora is None and v.sync.mode == "auto"
+    off = validate_config(merged(**{"tuner": {"train_type": "lora"}, "custom": {"extra": {"rollout_matching": {
+        "rollout_backend": "vllm", "vllm": {"max_model_len": 4096, "enable_lora": False}}}}}))
+    assert off.custom.extra.rollout_matching.vllm.enable_lora is False
 
 
 def test_missing_rollout_matching_section_named():

@@ -112,7 +112,11 @@ def test_runs_that_do_not_fit_their_grids_are_refused():
 def _reference_loss_indices(targets, rows, offsets):
     """The per-token loop ``loss_indices`` replaced."""
     ce_index, ce_labels, ce_seg, co_index, co_targets, co_seg = [], [], [], [], [], []
+    lp_index, lp_engine = [], []
     for seg, (t, r, off) in enumerate(zip(targets, rows, offsets)):
+        for c, lp in t.engine_logprobs:
+            lp_index.append((r, off + c))
+            lp_engine.append(lp)
         for c, lab in enumerate(t.labels):
             if lab != IGNORE_INDEX:
                 ce_index.append((r, off + c))
@@ -126,14 +130,18 @@ def _reference_loss_indices(targets, rows, offsets):
             "ce_labels": torch.tensor(ce_labels, dtype=torch.long), "ce_segment": torch.tensor(ce_seg, dtype=torch.long),
             "coord_index": torch.tensor(co_index, dtype=torch.long).reshape(-1, 2),
             "coord_targets": torch.tensor(co_targets, dtype=torch.float32),
-            "coord_segment": torch.tensor(co_seg, dtype=torch.long)}
+            "coord_segment": torch.tensor(co_seg, dtype=torch.long),
+            "logp_index": torch.tensor(lp_index, dtype=torch.long).reshape(-1, 2),
+            "logp_engine": torch.tensor(lp_engine, dtype=torch.float32)}
 
 
 def _target(rng: random.Random, i: int) -> TrainTarget:
     n = rng.randrange(2, 40)
     labels = [IGNORE_INDEX] + [rng.randrange(100) if rng.random() < 0.5 else IGNORE_INDEX for _ in range(n - 1)]
     positions = sorted(rng.sample(range(1, n), rng.randrange(0, n - 1)))
-    return TrainTarget(f"s{i}", list(range(n)), labels, positions, [rng.random() * 999 for _ in positions], 1, 0, n - 1)
+    kept = sorted(rng.sample(range(1, n), rng.randrange(0, n - 1)))
+    return TrainTarget(f"s{i}", list(range(n)), labels, positions, [rng.random() * 999 for _ in positions], 1, 0, n - 1,
+                       engine_logprobs=[(c, -rng.random()) for c in kept])
 
 
 @pytest.mark.parametrize("packed", [True, False])

@@ -81,7 +81,11 @@ class VllmSyncConfig(Section):
     (bit-equal to peft up to summation order; each weight copied into float32 and back: ~6x the bytes moved). The
     two differ by one rounding step of the merged weight in a few percent of elements (docs/concepts/weight-sync.md)."""
 
-    mode: Literal["full", "adapter", "auto"] = "full"
+    mode: Literal["full", "adapter", "auto"] = Field(
+        "auto", description="full: merged weights; adapter: the LoRA adapter alone (the engine serves it with vLLM's "
+        "LoRA); auto (default): the adapter for a LoRA learner whose engines serve adapters, merged weights "
+        "otherwise. A merge into 16-bit engine weights rounds away the part of an early, small update below half "
+        "a bf16 step (logged as sync/merge_lost_fraction, with a warning above 10%)")
     fallback_to_full: bool = True
     transport: Literal["auto", "nccl", "inband"] = "auto"
     nccl_backend: Literal["auto", "pynccl", "torch"] = "auto"
@@ -146,7 +150,11 @@ class VllmConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.45, gt=0.0, le=1.0)
     max_model_len: int | None = Field(None, ge=16)
-    enable_lora: bool = False
+    enable_lora: bool | None = Field(
+        None, description="colocate: start the engine with vLLM's LoRA so a LoRA learner's adapter is served as it "
+        "is trained. null (default): on for a LoRA learner whose adapter leaves the vision tower alone, off otherwise; "
+        "false: merged weights at every sync (faster decodes, but a 16-bit engine loses the small early updates: "
+        "sync/merge_lost_fraction)")
     enable_prefix_caching: bool = True
     sleep_level: Literal[0, 1, 2, "kv_cache"] = Field(
         0, description="colocate: what the engine gives back between decodes. 0: nothing; 1: vLLM offloads the "

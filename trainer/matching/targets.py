@@ -39,6 +39,9 @@ class TrainTarget:
     tail_len: int
     stats: dict[str, int] = field(default_factory=dict)
     mm_inputs: dict[str, Any] = field(default_factory=dict)
+    #: ``(position, log-probability)`` the engine sampled each kept rollout-prefix token with
+    #: (``trainer.sft.mismatch.kept_engine_logprobs``); empty when the engine returned none
+    engine_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def length(self) -> int:

@@ -11,6 +11,7 @@ prepare`` turns into a trainable one.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -34,6 +35,29 @@ from trainer.modeling.tokenizer import (
 
 TinyKind = Literal["text", "vl"]
 HEAD_DIM = 64
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    """The sizes of a tiny model (``model.tiny_shape``): the language model's hidden size and layers, and the vision
+    tower's (``vl``). Attention heads are 64 wide (vLLM's CPU kernels need >= 64); the default is the test fixture."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    vision_hidden_size: int = 64
+    vision_depth: int = 2
+
+    def __post_init__(self):
+        for name in ("hidden_size", "vision_hidden_size"):
+            if getattr(self, name) % HEAD_DIM:
+                raise ValueError(f"model.tiny_shape.{name} must be a multiple of {HEAD_DIM}, got {getattr(self, name)}")
+        if self.num_hidden_layers < 1 or self.vision_depth < 1:
+            raise ValueError("model.tiny_shape: num_hidden_layers and vision_depth must be >= 1")
+
+    @property
+    def stamp(self) -> str:
+        return "" if self == TinyShape() else f":{self.hidden_size}x{self.num_hidden_layers}" \
+            f"/{self.vision_hidden_size}x{self.vision_depth}"
 
 
 def tokenizer_corpus(n: int = 400, seed: int = 1234) -> list[str]:
@@ -66,14 +90,15 @@ def tiny_tokenizer(stock: bool = False) -> PreTrainedTokenizerFast:
     return _cached_tokenizer(not stock)
 
 
-def _text_kwargs(tok: PreTrainedTokenizerFast, vocab_rows: int | None = None) -> dict:
+def _text_kwargs(tok: PreTrainedTokenizerFast, vocab_rows: int | None = None, shape: TinyShape = TinyShape()) -> dict:
+    heads = shape.hidden_size // HEAD_DIM
     return dict(
         vocab_size=max(len(tok), vocab_rows or 0),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        hidden_size=shape.hidden_size,
+        intermediate_size=3 * shape.hidden_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         head_dim=HEAD_DIM,
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
@@ -83,26 +108,28 @@ def _text_kwargs(tok: PreTrainedTokenizerFast, vocab_rows: int | None = None) ->
 
 
 def build_tiny_model(kind: TinyKind, seed: int = 0, stock: bool = False, vocab_rows: int | None = None,
-                     tied: bool = True) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+                     tied: bool = True, shape: TinyShape = TinyShape()) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """``stock``: the tokenizer without coord tokens; ``vocab_rows``: at least this many embedding rows; ``tied``:
-    ``tie_word_embeddings`` (False: a separate LM head, as Qwen3-VL-8B has)."""
+    ``tie_word_embeddings`` (False: a separate LM head, as Qwen3-VL-8B has); ``shape``: the sizes."""
     tok = tiny_tokenizer(stock)
     torch.manual_seed(seed)
     if kind == "text":
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        cfg = Qwen3Config(**_text_kwargs(tok, vocab_rows), tie_word_embeddings=tied, rope_theta=10000.0)
+        cfg = Qwen3Config(**_text_kwargs(tok, vocab_rows, shape), tie_word_embeddings=tied, rope_theta=10000.0)
         model = Qwen3ForCausalLM(cfg)
     elif kind == "vl":
         from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-        text = _text_kwargs(tok, vocab_rows)
+        text = _text_kwargs(tok, vocab_rows, shape)
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [12, 10, 10],
                                    "mrope_interleaved": True}
         cfg = Qwen3VLConfig(
             text_config=text,
-            vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=1, patch_size=16,
-                               spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128,
+            vision_config=dict(depth=shape.vision_depth, hidden_size=shape.vision_hidden_size,
+                               intermediate_size=2 * shape.vision_hidden_size,
+                               num_heads=shape.vision_hidden_size // HEAD_DIM, patch_size=16,
+                               spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=shape.hidden_size,
                                num_position_embeddings=64, deepstack_visual_indexes=[0]),
             image_token_id=tok.convert_tokens_to_ids(IMAGE_PAD),
             video_token_id=tok.convert_tokens_to_ids(VIDEO_PAD),
@@ -127,15 +154,16 @@ def build_tiny_image_processor():
 
 
 def save_tiny_model(out_dir: str | Path, kind: TinyKind = "text", seed: int = 0, stock: bool = False,
-                    vocab_rows: int | None = None, tied: bool = True) -> Path:
+                    vocab_rows: int | None = None, tied: bool = True, shape: TinyShape = TinyShape()) -> Path:
     """Write a tiny model directory (idempotent: an existing complete directory is reused); the options are
     ``build_tiny_model``'s."""
     out = Path(out_dir)
     marker = out / ".tiny-complete"
-    stamp = f"{kind}:{seed}" + (f":stock:{vocab_rows or 0}" if stock else "") + ("" if tied else ":untied")
+    stamp = (f"{kind}:{seed}" + (f":stock:{vocab_rows or 0}" if stock else "") + ("" if tied else ":untied")
+             + shape.stamp)
     if marker.is_file() and marker.read_text() == stamp:
         return out
-    model, tok = build_tiny_model(kind, seed, stock, vocab_rows, tied)
+    model, tok = build_tiny_model(kind, seed, stock, vocab_rows, tied, shape)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
 from trainer.config.schema import ModelConfig, TunerConfig
-from trainer.modeling.fixtures import save_tiny_model
+from trainer.modeling.fixtures import TinyShape, save_tiny_model
 from trainer.modeling.prepare import prepare_command, prepared_dir
 from trainer.modeling.tokenizer import MissingCoordTokens, coord_token_ids
 
@@ -62,7 +62,8 @@ def resolve_model_dir(cfg: ModelConfig, output_dir: str | Path) -> Path:
                 f"model.path {p} {what}: set it to a local Hugging Face checkpoint directory (`python -m trainer model "
                 "prepare --from <checkpoint> --out <dir>` writes one with the coord tokens), or use model.tiny")
         return p
-    return save_tiny_model(Path(output_dir) / f"tiny-model-{cfg.tiny}", cfg.tiny, cfg.tiny_seed)
+    return save_tiny_model(Path(output_dir) / f"tiny-model-{cfg.tiny}", cfg.tiny, cfg.tiny_seed,
+                           shape=TinyShape(**cfg.tiny_shape.model_dump()))
 
 
 def load_image_processor(model_dir: Path):

@@ -17,7 +17,12 @@ def loss_indices(targets: Sequence[TrainTarget], rows: Sequence[int], offsets: S
     """Flat ``(row, col)`` CE and coord positions of ``targets`` placed at ``rows`` / column ``offsets``."""
     ce_index, ce_labels, ce_seg = [], [], []
     co_index, co_targets, co_seg = [], [], []
+    lp_index, lp_engine = [], []
     for seg, (t, r, off) in enumerate(zip(targets, rows, offsets)):
+        if t.engine_logprobs:
+            cols_lp = torch.tensor([p for p, _ in t.engine_logprobs], dtype=torch.long)
+            lp_index.append(torch.stack([torch.full_like(cols_lp, r), cols_lp + off], dim=1))
+            lp_engine.append(torch.tensor([v for _, v in t.engine_logprobs], dtype=torch.float32))
         labels = torch.tensor(t.labels, dtype=torch.long)
         cols = torch.nonzero(labels != IGNORE_INDEX).flatten()
         if cols.numel() and int(cols[0]) == 0:
@@ -42,6 +47,9 @@ def loss_indices(targets: Sequence[TrainTarget], rows: Sequence[int], offsets: S
         "coord_index": cat(co_index, torch.long, 2),
         "coord_targets": cat(co_targets, torch.float32),
         "coord_segment": cat(co_seg, torch.long),
+        # the train-inference mismatch (trainer.sft.mismatch): kept rollout tokens and the engine's log-probabilities
+        "logp_index": cat(lp_index, torch.long, 2),
+        "logp_engine": cat(lp_engine, torch.float32),
     }
 
 

@@ -16,6 +16,7 @@ Greedy results do not depend on these knobs: extra left padding is masked, and r
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -170,18 +171,21 @@ class HFRolloutEngine:
             return []
         was_training = self.model.training
         self.model.eval()
-        generator_state = None
+        seeded = contextlib.nullcontext()
         if params.seed is not None and not params.greedy:
-            generator_state = torch.random.get_rng_state()
-            torch.manual_seed(params.seed)
+            # the decode draws from its own seeded stream; the training RNG (CPU and the model's GPU: dropout, data
+            # order) continues afterwards as if the decode had not run
+            device = next(self.model.parameters()).device
+            seeded = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
         try:
-            results: list[RolloutResult] = []
-            for start in range(0, len(requests), self.batch_size):
-                results.extend(self._generate_batch(requests[start:start + self.batch_size], params))
-            return results
+            with seeded:
+                if params.seed is not None and not params.greedy:
+                    torch.manual_seed(params.seed)
+                results: list[RolloutResult] = []
+                for start in range(0, len(requests), self.batch_size):
+                    results.extend(self._generate_batch(requests[start:start + self.batch_size], params))
+                return results
         finally:
-            if generator_state is not None:
-                torch.random.set_rng_state(generator_state)
             self.model.train(was_training)
 
     def close(self) -> None:

@@ -109,12 +109,32 @@ def request_config(params: DecodingParams) -> dict[str, Any]:
     """ms-swift ``RequestConfig`` payload; token ids requested with ``return_details``."""
     return {"max_tokens": params.max_new_tokens, "temperature": params.temperature if not params.greedy else 0.0,
             "top_k": params.top_k, "top_p": params.top_p, "repetition_penalty": params.repetition_penalty,
-            "num_beams": 1, "stop": [], "seed": params.seed, "stream": False, "logprobs": False,
-            "top_logprobs": None, "n": 1, "return_details": True}
+            "num_beams": 1, "stop": [], "seed": params.seed, "stream": False,
+            "logprobs": params.logprobs is not None, "top_logprobs": params.logprobs or None, "n": 1,
+            "return_details": True}
 
 
-def result_from_item(req: RolloutRequest, item: dict[str, Any], url: str) -> RolloutResult:
-    """Parse a ``RolloutOutput`` or bare ``ChatCompletionResponse`` item."""
+def logprobs_from_choice(choice: dict[str, Any], token_ids: list[int], sample_id: str,
+                         url: str) -> tuple[dict[int, float], ...]:
+    """``{token id: log-probability}`` of each new token from a choice's ``logprobs.content`` (one entry per token,
+    in order, as ``swift rollout`` answers them; the entries name tokens by text, the ids come from ``token_ids``)."""
+    content = (choice.get("logprobs") or {}).get("content")
+    if not isinstance(content, list) or len(content) != len(token_ids):
+        got = "none" if not isinstance(content, list) else f"{len(content)} entries"
+        raise RolloutServerError(
+            f"{url}: answer for sample {sample_id!r} carries {got} of logprobs.content for {len(token_ids)} new "
+            "tokens; the learner asked for them (rollout_matching.mismatch.enabled): serve an engine that returns "
+            "log-probabilities, or set rollout_matching.mismatch.enabled: false")
+    try:
+        return tuple({int(t): float(e["logprob"])} for t, e in zip(token_ids, content))
+    except (TypeError, KeyError, ValueError) as exc:
+        raise RolloutServerError(f"{url}: answer for sample {sample_id!r}: a logprobs.content entry has no numeric "
+                                 "logprob") from exc
+
+
+def result_from_item(req: RolloutRequest, item: dict[str, Any], url: str, logprobs: bool = False) -> RolloutResult:
+    """Parse a ``RolloutOutput`` or bare ``ChatCompletionResponse`` item; with ``logprobs`` its per-token
+    log-probabilities too."""
     response = item.get("response", item) if isinstance(item, dict) else None
     try:
         choice = response["choices"][0]
@@ -128,7 +148,8 @@ def result_from_item(req: RolloutRequest, item: dict[str, Any], url: str) -> Rol
     finish = "length" if choice.get("finish_reason") == "length" else "stop"
     extra = dict(item.get("rollout_infos") or {}) if "response" in item else {}
     extra["server"] = url
-    return RolloutResult(req.sample_id, tuple(prompt_ids), tuple(token_ids), finish, extra)
+    lps = logprobs_from_choice(choice, token_ids, req.sample_id, url) if logprobs else None
+    return RolloutResult(req.sample_id, tuple(prompt_ids), tuple(token_ids), finish, extra, logprobs=lps)
 
 
 class WeightVersionLock:
@@ -276,7 +297,7 @@ class ServerRolloutEngine:
         if not isinstance(items, list) or len(items) != len(chunk):
             got = len(items) if isinstance(items, list) else type(items).__name__
             raise RolloutServerError(f"{url}: /infer/ returned {got} items for {len(chunk)} requests")
-        return [result_from_item(r, it, url) for r, it in zip(chunk, items)]
+        return [result_from_item(r, it, url, bool(cfg.get("logprobs"))) for r, it in zip(chunk, items)]
 
     def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
         """Chunk over this rank's healthy servers; a failed chunk is re-chunked deterministically over the servers

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +74,19 @@ def check_fits(requests: Sequence[RolloutRequest], max_new_tokens: int, max_mode
             )
 
 
-def sampling_params(params: DecodingParams, stop_ids: Sequence[int]):
+def request_seed(seed: int | None, sample_id: str) -> int | None:
+    """The sampling seed of one request: ``seed`` and the sample id hashed together (stable across processes), so
+    the rows of a batch draw independent noise while a run stays reproducible; None stays None (vLLM's own RNG)."""
+    if seed is None:
+        return None
+    return zlib.crc32(f"{seed}:{sample_id}".encode()) & 0x7FFFFFFF
+
+
+def sampling_params(params: DecodingParams, stop_ids: Sequence[int], requests: Sequence[RolloutRequest] | None = None):
+    """vLLM ``SamplingParams`` for ``params``; with ``requests``, one per request, each with its ``request_seed``."""
+    if requests is not None:
+        return [sampling_params(replace(params, seed=request_seed(params.seed, r.sample_id)), stop_ids)
+                for r in requests]
     from vllm import SamplingParams
 
     kwargs: dict[str, Any] = dict(n=1, max_tokens=params.max_new_tokens, repetition_penalty=params.repetition_penalty,
@@ -135,6 +149,8 @@ class VllmColocateEngine:
         self.stop_ids = sorted(set(stop_ids))
         self.max_model_len = max_model_len
         self.enable_lora = enable_lora
+        #: the 16-bit dtype the engine serves (a LoRA merge into it rounds: ``WeightSync`` measures the loss)
+        self.engine_dtype = getattr(torch, dtype) if dtype != "auto" else None
         self.vllm = InProcessVllm(VllmSettings(
             model_dir=str(model_dir), max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
@@ -153,7 +169,7 @@ class VllmColocateEngine:
         if not requests:
             return []
         prompts = [self.vllm.prompt(r.prompt_token_ids, [load_image(p) for p in r.images]) for r in requests]
-        outputs = self.vllm.generate(prompts, sampling_params(params, self.stop_ids))
+        outputs = self.vllm.generate(prompts, sampling_params(params, self.stop_ids, requests))
         return results_from_outputs(requests, outputs)
 
     def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
@@ -238,6 +254,17 @@ def vllm_lora_rank(r: int) -> int:
     raise ValueError(f"LoRA rank {r} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
 
 
+def colocate_enable_lora(requested: bool | None, model: torch.nn.Module) -> bool:
+    """``vllm.enable_lora`` resolved: as set, or (None) on for a plain LoRA learner whose adapter vLLM can serve
+    (not DoRA, nothing on the vision tower), so the engine decodes with the adapter itself rather than a 16-bit
+    merge of it."""
+    from trainer.sync.weights import adapter_kind, adapter_on_vision_tower
+
+    if requested is not None:
+        return requested
+    return adapter_kind(model) == "lora" and not adapter_on_vision_tower(model)
+
+
 def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
     """Build the colocated engine from ``custom.extra.rollout_matching`` and the loaded model."""
     from trainer.modeling.coord_vocab import stop_token_ids
@@ -246,6 +273,7 @@ def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
     v = rm.vllm
     if v.max_model_len is None:
         raise ValueError(f"{KEY}.max_model_len is required for the vllm colocate backend")
+    enable_lora = colocate_enable_lora(v.enable_lora, model)
     lora_rank = 16
     if is_peft_model(model):
         lora_rank = vllm_lora_rank(max(int(c.r) for c in model.peft_config.values()))
@@ -257,7 +285,7 @@ def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
     return VllmColocateEngine(
         loaded.model_dir, sorted(stop_token_ids(loaded.tokenizer)), max_model_len=v.max_model_len,
         tensor_parallel_size=v.tensor_parallel_size, gpu_memory_utilization=v.gpu_memory_utilization,
-        enable_lora=v.enable_lora, max_lora_rank=lora_rank, enable_prefix_caching=v.enable_prefix_caching,
+        enable_lora=enable_lora, max_lora_rank=lora_rank, enable_prefix_caching=v.enable_prefix_caching,
         sleep_level=v.sleep_level, seed=rm.decoding.seed or 0, dtype=dtype, allow_dtype_cast=v.sync.allow_dtype_cast,
         engine_kwargs={**({"enforce_eager": True} if v.enforce_eager else {}),
                        **({"disable_custom_all_reduce": True} if v.disable_custom_all_reduce else {})} or None,

@@ -245,6 +245,9 @@ class InProcessVllm:
             kwargs["enable_sleep_mode"] = True
         if s.external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        # log-probabilities of the distribution each token was sampled from (temperature applied), as the learner's
+        # side of the train-inference mismatch (trainer.sft.mismatch) computes them
+        kwargs["logprobs_mode"] = "processed_logprobs"
         kwargs.update(s.engine_kwargs)
         if s.tensor_parallel_size > 1:
             off = vllm_compat.all_reduce_without_multicast(kwargs)

@@ -71,7 +71,9 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 class ScriptedEngine(LocalNcclMixin):
     kind = "scripted"
-    returns_logprobs = False  # scripted tokens have no distribution: /infer/ with logprobs is a 400
+    #: /infer/ with request_config.logprobs: 0.0 for every token (a scripted token is chosen with certainty), so a
+    #: learner measuring its train-inference mismatch runs against the stub as against a real engine
+    returns_logprobs = True
     world_size = 1
 
     def __init__(self, model_dir: str | Path | None = None, responses: dict[str, str | list[int]] | None = None,
@@ -140,9 +142,17 @@ class ScriptedEngine(LocalNcclMixin):
             cut = next((i + 1 for i, t in enumerate(ids) if t in self.stop_ids), None)
             ids = ids[:cut] if cut is not None else ids
             finish = "stop" if cut is not None and len(ids) <= params.max_new_tokens else "length"
-            results.append(RolloutResult(r.sample_id, r.prompt_token_ids, tuple(ids[:params.max_new_tokens]), finish,
-                                         {"weights_version": self.weights_version}))
+            response = tuple(ids[:params.max_new_tokens])
+            logprobs = None if params.logprobs is None else tuple({t: 0.0} for t in response)
+            results.append(RolloutResult(r.sample_id, r.prompt_token_ids, response, finish,
+                                         {"weights_version": self.weights_version}, logprobs=logprobs))
         return results
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (the ``token`` of a logprobs entry)."""
+        if isinstance(self.codec, PromptCodec):
+            return self.codec.token_text(token_id)
+        return self.codec.decode([token_id])
 
     def _record(self, kind: str, tensors: dict[str, torch.Tensor]) -> str:
         digest = tensors_digest(tensors)

@@ -107,7 +107,7 @@ class VllmServerEngine(LocalNcclMixin):
             prompts = [self.vllm.prompt(r.prompt_token_ids, [load_image(p) for p in r.images]) for r in requests]
         except ImageRefError as exc:
             raise EngineRequestError(str(exc)) from exc
-        return results_from_outputs(requests, self.vllm.generate(prompts, sampling_params(params, self.stop_ids)))
+        return results_from_outputs(requests, self.vllm.generate(prompts, sampling_params(params, self.stop_ids, requests)))
 
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
         self.vllm.load_weights(tensors)

@@ -16,6 +16,7 @@ from trainer.matching.targets import TrainTarget, build_target, ground_truth_tar
 from trainer.modeling.prompts import PromptEncoder
 from trainer.rollout.codec import RolloutCodec
 from trainer.rollout.types import RolloutRequest, RolloutResult, check_prompt_alignment
+from trainer.sft.mismatch import kept_engine_logprobs
 from trainer.telemetry import PhaseTimers
 
 
@@ -58,6 +59,8 @@ class Stage2Pipeline(RolloutCodec):
                                       self.eos_id, self.encode_with_offsets, self.coord_bin_by_id,
                                       s.sinkhorn_epsilon, s.sinkhorn_iters)
             target.stats["truncated"] = int(res.truncated or parsed.truncated)
+            target.engine_logprobs = kept_engine_logprobs(len(req.prompt_token_ids), res.response_token_ids,
+                                                          parsed.prefix_token_ids, res.logprobs)
             target.mm_inputs = dict(req.mm_inputs)
             out.append(target)
         return out

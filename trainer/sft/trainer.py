@@ -54,7 +54,9 @@ from trainer.profiling import profile_region
 from trainer.rollout.base import RolloutEngine
 from trainer.rollout.types import DecodingParams
 from trainer.sft.checkpoint_files import checkpoint_folders, rollout_state_name
-from trainer.sft.forward import forward_loss
+from trainer.sft.forward import LOSS_KEYS, forward_loss
+from trainer.sft.mismatch import MismatchStats
+from trainer.sft.mismatch import summary as mismatch_summary
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.sync.update_check import NonFiniteWeightsError, check_learner_weights
 from trainer.telemetry import (
@@ -85,6 +87,10 @@ AFTER_STEP_PHASES = ("optimizer", "step_wall")
 #: model inputs the forward reads on the host: the vision encoder's metadata is made from the image grid there
 HOST_INPUTS = ("image_grid_thw",)
 LEDGER = "ledger.jsonl"
+#: ``rollout_matching.mismatch.warn_mean_abs_diff``'s default (nats a kept rollout token)
+DEFAULT_MISMATCH_WARN = 0.05
+#: logged steps between two mismatch warnings
+MISMATCH_WARN_EVERY = 50
 
 
 def ledger_name(rank: int) -> str:
@@ -143,7 +149,8 @@ class RolloutMatchingTrainer(Trainer):
                  eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None,
                  pixels_during_decode: bool = False, profile_steps: Sequence[int] = (), profile_trace: bool = False,
                  memory_settings: MemorySettings | None = None, micro_batch_rows: int | None = None,
-                 phase_timing: str = "events", host_vision_metadata: bool = True, **kwargs: Any):
+                 phase_timing: str = "events", host_vision_metadata: bool = True,
+                 mismatch_warn: float | None = DEFAULT_MISMATCH_WARN, **kwargs: Any):
         if target_source not in ("rollout", "ground_truth"):
             raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
         if target_source == "rollout" and engine is None:
@@ -167,6 +174,11 @@ class RolloutMatchingTrainer(Trainer):
         self.pipeline = pipeline
         self.engine = engine
         self.decoding = decoding
+        #: ``rollout_matching.mismatch``: the engine returns its log-probabilities and each logged step reports
+        #: ``mismatch/*`` (``trainer.sft.mismatch``), warning above this mean |Δ log p|; None: not measured
+        self.mismatch_warn = mismatch_warn if target_source == "rollout" else None
+        self._mismatch = MismatchStats()
+        self._mismatch_warned_at: int | None = None
         self.loss_weights = loss_weights
         self.target_source = target_source
         self.image_token_id = image_token_id
@@ -268,7 +280,8 @@ class RolloutMatchingTrainer(Trainer):
         d = self.decoding
         step = self.state.global_step if step is None else step
         seed = None if d.seed is None else d.seed + step
-        return DecodingParams(d.max_new_tokens, d.temperature, d.top_p, d.top_k, d.repetition_penalty, seed)
+        logprobs = 0 if self.mismatch_warn is not None else d.logprobs
+        return DecodingParams(d.max_new_tokens, d.temperature, d.top_p, d.top_k, d.repetition_penalty, seed, logprobs)
 
     def make_targets(self, samples: Sequence[Sample]) -> list[TrainTarget]:
         """The step's training targets; the engine and the weight sync record their sub-phases (``sync_collect``,
@@ -298,6 +311,9 @@ class RolloutMatchingTrainer(Trainer):
             with self.timers.phase("weight_sync"), self._timeline("sync"), profiled:
                 if self.weight_sync.ensure_fresh(self.accelerator.unwrap_model(self.model), step):
                     self.counters.add({"weight_syncs": 1})
+                    lost = getattr(self.weight_sync, "pop_merge_lost", lambda: None)()
+                    if lost is not None:
+                        self.counters.add({"merge_lost_sum": lost, "merge_lost_syncs": 1})
         with self.timers.phase("rollout"):
             if prefetched is not None:
                 results, version = prefetched[0], prefetched[1]
@@ -512,11 +528,20 @@ class RolloutMatchingTrainer(Trainer):
 
     def _prepare_inputs(self, inputs):
         """HF's, with the inputs read on the host left there (``HOST_INPUTS`` when ``host_grid``, in batches that
-        carry their own ``position_ids``: without them the model derives the mRoPE positions from the grid itself)."""
-        kept = ({k: inputs[k] for k in HOST_INPUTS if k in inputs}
-                if self.host_grid and isinstance(inputs, dict) and "position_ids" in inputs else {})
-        prepared = super()._prepare_inputs({k: v for k, v in inputs.items() if k not in kept} if kept else inputs)
-        return {**prepared, **kept} if kept else prepared
+        carry their own ``position_ids``: without them the model derives the mRoPE positions from the grid itself),
+        and the loss inputs (``LOSS_KEYS``: coord targets, engine log-probabilities, indices) moved in their own
+        dtype: under DeepSpeed HF casts every float input to the engine's 16-bit dtype, where bf16 would move coord
+        bins above 256 by up to 2."""
+        if not isinstance(inputs, dict):
+            return super()._prepare_inputs(inputs)
+        kept = ({k: inputs[k] for k in HOST_INPUTS if k in inputs} if self.host_grid and "position_ids" in inputs
+                else {})
+        exact = {k: v for k, v in inputs.items() if k in LOSS_KEYS and isinstance(v, torch.Tensor) and k not in kept}
+        prepared = super()._prepare_inputs({k: v for k, v in inputs.items() if k not in kept and k not in exact})
+        device = self.args.device
+        moved = {k: (v.pin_memory().to(device, non_blocking=True) if v.device.type == "cpu" and device.type == "cuda"
+                     else v.to(device)) for k, v in exact.items()}
+        return {**prepared, **moved, **kept}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         unwrapped = self.accelerator.unwrap_model(model)
@@ -538,7 +563,9 @@ class RolloutMatchingTrainer(Trainer):
         positions = deepstack_positions(self._deepstack_owner, inputs.get("image_positions"))
         with self.timers.phase("forward", device_time=self.phase_timing), layout, positions:
             loss, terms, outputs = forward_loss(model, inputs, self._coord_ids_on(self.args.device), self.loss_weights,
-                                                self.supervised_logits, unwrapped, self.logit_chunk_rows)
+                                                self.supervised_logits, unwrapped, self.logit_chunk_rows,
+                                                self._mismatch if self.mismatch_warn is not None else None,
+                                                0.0 if self.decoding.greedy else self.decoding.temperature)
         self._loss_terms.append(terms)
         self._record_ledger(inputs.get("sample_ids"), inputs.get("rollout_steps"), inputs.get("decode_steps"))
         return (loss, outputs) if return_outputs else loss
@@ -780,6 +807,32 @@ class RolloutMatchingTrainer(Trainer):
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         return summed.tolist()
 
+    def _pop_mismatch(self) -> dict[str, float]:
+        """The ``mismatch/*`` values since the last logged step over every data-parallel rank (sums all-reduced, the
+        max taken over ranks); a warning when the mean exceeds ``mismatch_warn``."""
+        import torch.distributed as dist
+
+        abs_sum, abs_max, k3_sum, tokens = self._mismatch.totals()
+        self._mismatch = MismatchStats()
+        abs_sum, k3_sum, tokens = self._sum_over_ranks([abs_sum, k3_sum, tokens])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            top = torch.tensor([abs_max], dtype=torch.float64, device=self.args.device)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            abs_max = float(top.item())
+        out = mismatch_summary(abs_sum, abs_max, k3_sum, tokens)
+        mean = out.get("mismatch/logp_abs_diff_mean", 0.0)
+        step = self.state.global_step
+        if mean > self.mismatch_warn and self.is_world_process_zero() and (
+                self._mismatch_warned_at is None or step - self._mismatch_warned_at >= MISMATCH_WARN_EVERY):
+            self._mismatch_warned_at = step
+            logger.warning(
+                "step %d: the rollout engine's log-probabilities differ from the learner's by %.3f nats a token on "
+                "average (max %.3f; threshold rollout_matching.mismatch.warn_mean_abs_diff = %.3f): the engine is not "
+                "decoding with the policy being trained. Check that the weight sync ran (sync/weight_syncs), that a "
+                "LoRA adapter reaches the engine (vllm.sync.mode), and the engine dtype (docs: reference/metrics, "
+                "mismatch/*)", step, mean, out["mismatch/logp_abs_diff_max"], self.mismatch_warn)
+        return out
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """HF's log record, with the step's loss terms (``loss/*``: the means over every rank's tokens, as ``loss``
         is; ``tokens/*``: every rank's counts), ``compile/recompiles_after_first_step`` (every rank's) and this rank's
@@ -818,6 +871,10 @@ class RolloutMatchingTrainer(Trainer):
                     logs[f"rollout/{key}"] = value
             if c.get("weight_syncs"):
                 logs["sync/weight_syncs"] = c["weight_syncs"]
+            if c.get("merge_lost_syncs"):
+                logs["sync/merge_lost_fraction"] = c["merge_lost_sum"] / c["merge_lost_syncs"]
+            if self.mismatch_warn is not None:
+                logs.update(self._pop_mismatch())
             if c.get("buffer_fresh", 0) + c.get("buffer_replay", 0):
                 logs["buffer/replayed_steps"] = c.get("buffer_replay", 0.0)
                 logs["buffer/max_staleness_steps"] = float(self._max_staleness)

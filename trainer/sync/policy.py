@@ -20,13 +20,15 @@ from typing import Literal, Protocol
 import torch
 
 from trainer.sync.update_check import check_learner_weights
-from trainer.sync.weights import adapter_kind
+from trainer.sync.weights import adapter_kind, adapter_on_vision_tower, merge_lost_fraction
 from trainer.telemetry import phase
 
 log = logging.getLogger(__name__)
 
 RequestedMode = Literal["full", "adapter", "auto"]
 EffectiveMode = Literal["full", "adapter"]
+#: a merged sync warns (once) when it loses more than this fraction of the LoRA update's elements
+MERGE_LOST_WARN = 0.1
 
 
 class SyncModeError(ValueError):
@@ -40,18 +42,31 @@ class SyncDecision:
 
 
 def resolve_sync_mode(requested: RequestedMode, model_adapter: str | None, engine_supports_adapter: bool,
-                      fallback_to_full: bool, key: str = "custom.extra.rollout_matching.vllm.sync.mode") -> SyncDecision:
-    """Pick the effective mode. ``model_adapter`` is ``"lora"``, ``"dora"`` or None (see ``adapter_kind``)."""
+                      fallback_to_full: bool, key: str = "custom.extra.rollout_matching.vllm.sync.mode",
+                      tower_adapter: bool = False) -> SyncDecision:
+    """Pick the effective mode. ``model_adapter`` is ``"lora"``, ``"dora"`` or None (see ``adapter_kind``);
+    ``tower_adapter``: the adapter wraps vision-tower layers, which a served vLLM adapter never reaches."""
     if requested == "full":
         return SyncDecision("full", "requested")
-    servable = model_adapter == "lora"
+    servable = model_adapter == "lora" and not tower_adapter
     if requested == "auto":
         if servable and engine_supports_adapter:
             return SyncDecision("adapter", "auto: LoRA model and the engine serves adapters")
-        why = "no LoRA adapter on the model" if not servable else "the engine does not serve adapters (enable_lora off)"
+        why = ("no LoRA adapter on the model" if model_adapter is None
+               else "vLLM cannot serve DoRA adapters" if model_adapter == "dora"
+               else "the adapter covers the vision tower (tuner.freeze_vit: false), which a served vLLM adapter "
+                    "does not reach" if tower_adapter
+               else "the engine does not serve adapters (enable_lora off)")
         return SyncDecision("full", f"auto: {why}")
     if model_adapter is None:
         raise SyncModeError(f"{key}: adapter needs a LoRA model (tuner.train_type: lora); set it to full or auto")
+    if tower_adapter and model_adapter == "lora":
+        if fallback_to_full:
+            return SyncDecision("full", "fallback: the adapter covers the vision tower (tuner.freeze_vit: false), "
+                                        "which a served vLLM adapter does not reach; merged weights sent")
+        raise SyncModeError(f"{key}: adapter, but the adapter covers the vision tower (tuner.freeze_vit: false) and "
+                            "vLLM applies a served adapter to the language model only; set sync.mode: full or auto, "
+                            "or tuner.freeze_vit: true")
     if model_adapter == "dora":
         if fallback_to_full:
             return SyncDecision("full", "fallback: vLLM cannot serve DoRA adapters, merged weights sent")
@@ -106,11 +121,16 @@ class WeightSync:
         self.decision = decision
         self.last_step: int | None = None
         self.history: list[tuple[int, str]] = []
+        #: the last merged sync of a LoRA learner: the fraction of its update that rounding into the engine's 16-bit
+        #: weights lost (``trainer.sync.weights.merge_lost_fraction``; ``sync/merge_lost_fraction``), until read
+        self.merge_lost: float | None = None
+        self._merge_warned = False
 
     @classmethod
     def for_model(cls, target: SyncTarget, model: torch.nn.Module, requested: RequestedMode = "full",
                   fallback_to_full: bool = True) -> WeightSync:
-        decision = resolve_sync_mode(requested, adapter_kind(model), target.supports_adapter_sync(), fallback_to_full)
+        decision = resolve_sync_mode(requested, adapter_kind(model), target.supports_adapter_sync(), fallback_to_full,
+                                     tower_adapter=adapter_on_vision_tower(model))
         log.info("weight sync: effective mode %s (%s)", decision.mode, decision.reason)
         return cls(target, decision)
 
@@ -128,6 +148,7 @@ class WeightSync:
                 if self.decision.mode == "full":
                     self.target.sync_full(model)
                     kind = "full"
+                    self._measure_merge(model)
                 else:
                     if first:
                         self.target.sync_full(model, merge_adapter=False)
@@ -139,6 +160,26 @@ class WeightSync:
         _barrier()
         self.last_step = global_step
         return True
+
+    def _measure_merge(self, model: torch.nn.Module) -> None:
+        dtype = getattr(self.target, "engine_dtype", None) or torch.bfloat16
+        if dtype not in (torch.bfloat16, torch.float16):
+            return
+        lost = merge_lost_fraction(model, dtype)
+        if lost is None:
+            return
+        self.merge_lost = lost
+        if lost > MERGE_LOST_WARN and not self._merge_warned:
+            self._merge_warned = True
+            log.warning("weight sync: merging the LoRA update into the engine's %s weights rounds away %.0f%% of its "
+                        "elements, so the engine decodes with less of the update than the learner trains: serve the "
+                        "adapter instead (colocate: vllm.enable_lora: true; servers: --enable-lora and "
+                        "vllm.sync.mode: auto) (%s)", str(dtype).removeprefix("torch."), 100 * lost,
+                        self.decision.reason)
+
+    def pop_merge_lost(self) -> float | None:
+        lost, self.merge_lost = self.merge_lost, None
+        return lost
 
     def metadata(self) -> dict[str, object]:
         return {"sync_mode": self.decision.mode, "sync_mode_reason": self.decision.reason,

@@ -339,11 +339,18 @@ def unmerged_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, m
         try:
             out = _unmerged(plan, _lora_deltas(plan), dtype, merge_precision)
         except _DoraNeedsMerge:
+            # peft merges DoRA in place; its unmerge divides the merged 16-bit weight back, which does not give the
+            # base back (in bf16 a few percent of elements move per sync and the drift compounds). The base
+            # weights of the adapter layers are kept aside and written back bit for bit instead.
+            bases = [layer.module.get_base_layer().weight for layer in plan.lora_layers]
+            kept = [w.detach().clone() for w in bases]
             model.merge_adapter()
             try:
                 out = UnmergedWeights({k: v.clone() for k, v in _collect(plan, {}, dtype).items()}, {})
             finally:
                 model.unmerge_adapter()
+                for w, original in zip(bases, kept):
+                    w.data.copy_(original)
     else:
         out = _unmerged(plan, {}, dtype)
     if _ties_embeddings(model) and "lm_head.weight" not in out.base:
@@ -388,6 +395,14 @@ def adapter_kind(model: torch.nn.Module) -> str | None:
         return None
     cfg = model.peft_config[getattr(model, "active_adapter", "default")]
     return "dora" if getattr(cfg, "use_dora", False) else "lora"
+
+
+def adapter_on_vision_tower(model: torch.nn.Module) -> bool:
+    """Whether the model's adapter wraps a layer of the vision tower (``tuner.freeze_vit: false``): vLLM applies a
+    served LoRA adapter to the language model only, so such an adapter reaches the engine only merged."""
+    if not is_peft_model(model):
+        return False
+    return any(".visual." in f".{layer.key}" or layer.key.startswith("visual.") for layer in _plan(model).lora_layers)
 
 
 def peft_config_dict(model: torch.nn.Module, adapter_name: str | None = None) -> dict[str, Any]:
@@ -457,3 +472,30 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
 def tensor_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """``tensor_checksum`` of each tensor, by name (``/rm/weights_checksum/`` answers this for the served model)."""
     return {name: tensor_checksum(t) for name, t in tensors.items()}
+
+
+@torch.no_grad()
+def merge_lost_fraction(model: torch.nn.Module, engine_dtype: torch.dtype = torch.bfloat16,
+                        rows: int = 64) -> float | None:
+    """The fraction of a LoRA update's non-zero elements that a merge into ``engine_dtype`` weights rounds away
+    (``round(W + s·B@A) == W``), estimated on the first ``rows`` output rows of every plain LoRA layer; None for a
+    model without plain LoRA layers or an update that is zero so far (B starts at zero)."""
+    if not is_peft_model(model):
+        return None
+    lost = total = 0
+    for layer in _plan(model).lora_layers:
+        module = layer.module
+        if module.merged:
+            continue
+        for adapter in module.active_adapters:
+            factors = layer.adapters.get(adapter)
+            if factors is None or not factors.linear:
+                continue
+            b, a = factors.b.weight, factors.a.weight
+            delta = float(module.scaling[adapter]) * (b[:rows].float() @ a.float())
+            base = module.get_base_layer().weight[:rows].to(engine_dtype)
+            changed = delta != 0
+            merged = (base.float() + delta).to(engine_dtype)
+            lost += int(((merged == base) & changed).sum())
+            total += int(changed.sum())
+    return lost / total if total else None

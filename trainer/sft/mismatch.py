@@ -1,0 +1,98 @@
+"""Train-inference mismatch: does the rollout engine decode with the learner's policy?
+
+Every stage-2 step compares, at each rollout token the target keeps (the rollout prefix, up to the first token the
+parser re-encoded), the log-probability the engine sampled it with and the learner's, from the teacher-forced forward
+the step already runs. With ``d = log p_learner - log p_engine`` per token:
+
+- ``mismatch/logp_abs_diff_mean`` and ``mismatch/logp_abs_diff_max``: mean and max of ``|d|`` (nats);
+- ``mismatch/kl_k3``: the k3 estimate of KL(engine || learner), the mean of ``exp(d) - 1 - d`` (>= 0; tokens were
+  drawn from the engine);
+- ``mismatch/tokens``: the tokens compared.
+
+Both sides are the distribution the token was sampled from: the learner's logits divided by the decoding
+temperature when sampling, the raw logits when greedy (top-k, top-p and the repetition penalty are not applied to the
+learner's side). A stale engine, a weight sync that lost the update or an adapter that never arrived shows here; a
+healthy bf16 engine stays within a few hundredths of a nat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: the batch keys ``loss_indices`` adds for the mismatch: ``(row, col)`` of each kept rollout token, and the engine's
+#: log-probability of the token there
+MISMATCH_KEYS = ("logp_index", "logp_engine")
+
+
+def kept_engine_logprobs(prompt_len: int, response_ids: Sequence[int], prefix_ids: Sequence[int],
+                         logprobs: Sequence[dict[int, float]] | None) -> list[tuple[int, float]]:
+    """``(position in prompt + response, engine log-probability)`` of each rollout token the target keeps: the
+    target's prefix tokens that equal the response's, up to the first that differs (the parser re-encodes a token it
+    cuts). Empty without log-probabilities."""
+    if logprobs is None:
+        return []
+    out = []
+    for i, (kept, sampled) in enumerate(zip(prefix_ids, response_ids)):
+        if kept != sampled or i >= len(logprobs) or sampled not in logprobs[i]:
+            break
+        out.append((prompt_len + i, float(logprobs[i][sampled])))
+    return out
+
+
+def learner_logprobs(hidden: torch.Tensor, head: torch.nn.Module | None, input_ids: torch.Tensor,
+                     index: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The learner's log-probability of the token at each ``(row, col)`` of ``index``: from the final hidden states
+    ``[B, T, H]`` projected by ``head`` at ``(row, col - 1)``, or, with ``head`` None, from ``hidden`` as logits
+    ``[B, T, V]``. ``temperature`` > 0 divides the logits (the sampling distribution); 0 leaves them raw."""
+    index = index.to(hidden.device)
+    rows = hidden[index[:, 0], index[:, 1] - 1]
+    logits = (head(rows) if head is not None else rows).float()
+    if temperature > 0:
+        logits = logits / temperature
+    tokens = input_ids.to(hidden.device)[index[:, 0], index[:, 1]]
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+
+
+@dataclass
+class MismatchStats:
+    """Sums over compared tokens (kept as tensors: nothing here waits for the device until ``summary``)."""
+
+    abs_sum: torch.Tensor | float = 0.0
+    abs_max: torch.Tensor | float = 0.0
+    k3_sum: torch.Tensor | float = 0.0
+    tokens: int = 0
+
+    @staticmethod
+    def of(learner: torch.Tensor, engine: torch.Tensor) -> MismatchStats:
+        d = learner.float() - engine.to(learner.device).float()
+        if not d.numel():
+            return MismatchStats()
+        a = d.abs()
+        return MismatchStats(a.sum(), a.max(), (torch.expm1(d) - d).sum(), int(d.numel()))
+
+    def add(self, other: MismatchStats) -> None:
+        if not other.tokens:
+            return
+        self.abs_sum = self.abs_sum + other.abs_sum
+        self.k3_sum = self.k3_sum + other.k3_sum
+        self.abs_max = other.abs_max if not self.tokens else torch.maximum(torch.as_tensor(self.abs_max),
+                                                                          torch.as_tensor(other.abs_max))
+        self.tokens += other.tokens
+
+    def totals(self) -> list[float]:
+        """``[abs_sum, abs_max, k3_sum, tokens]`` as floats (one device read)."""
+        values = [self.abs_sum, self.abs_max, self.k3_sum]
+        if any(isinstance(v, torch.Tensor) for v in values):
+            values = torch.stack([torch.as_tensor(v, dtype=torch.float64).to("cpu") for v in values]).tolist()
+        return [float(v) for v in values] + [float(self.tokens)]
+
+
+def summary(abs_sum: float, abs_max: float, k3_sum: float, tokens: float) -> dict[str, float]:
+    """The logged ``mismatch/*`` values of summed totals (``{}`` when no token was compared)."""
+    if not tokens:
+        return {}
+    return {"mismatch/logp_abs_diff_mean": abs_sum / tokens, "mismatch/logp_abs_diff_max": abs_max,
+            "mismatch/kl_k3": k3_sum / tokens, "mismatch/tokens": tokens}
