@@ -61,7 +61,7 @@ def test_a_containers_cpu_quota_bounds_the_cores(tmp_path):
     assert cgroup_cpu_limit(tmp_path / "absent") is None
 
 
-def test_one_rank_without_the_variable_changes_nothing(monkeypatch):
+def test_one_rank_without_the_variable_on_a_gpu_machine_changes_nothing(monkeypatch):
     import os
 
     import torch
@@ -69,9 +69,44 @@ def test_one_rank_without_the_variable_changes_nothing(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     before = torch.get_num_threads()
-    applied = apply_cpu_threads("auto")
+    applied = apply_cpu_threads("auto", cuda=True)
     assert applied.threads == before == torch.get_num_threads() and applied.reason == "torch's default"
     assert "OMP_NUM_THREADS" not in os.environ, "a plain run's environment is left as it was"
+
+
+def test_auto_without_a_gpu_is_one_thread_per_rank_unless_a_count_says_otherwise():
+    from trainer.sft.cpu_threads import CPU_DEFAULT
+
+    for ranks, omp, bound in ((1, None, False), (2, "1", False), (4, None, True), (2, "lots", False)):
+        c = choose_cpu_threads("auto", ranks, 16, omp, 16, bound=bound, cuda=False)
+        assert (c.threads, c.reason) == (1, CPU_DEFAULT), (ranks, omp, bound)
+    assert choose_cpu_threads("auto", 1, 16, "4", 16, cuda=False).threads == 4, "the user's OMP_NUM_THREADS wins"
+    assert choose_cpu_threads(3, 1, 16, None, 16, cuda=False).threads == 3, "an explicit count wins"
+    assert choose_cpu_threads("auto", 1, 16, None, 16, cuda=True).threads == 16, "a GPU machine: torch's default"
+
+
+def test_a_cpu_run_takes_one_thread_as_an_explicit_1_does(monkeypatch):
+    import os
+
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "unset below")  # recorded, so the 1 exported here is undone after
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        applied = apply_cpu_threads("auto", cuda=False)
+        assert applied.threads == torch.get_num_threads() == 1 and "no CUDA GPU" in applied.reason
+        assert os.environ["OMP_NUM_THREADS"] == "1", "what an explicit cpu_threads_per_rank: 1 exports"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_keys_description_says_the_cpu_default():
+    description = TrainingConfig.model_fields["cpu_threads_per_rank"].description
+    assert TrainingConfig().cpu_threads_per_rank == "auto"
+    assert "without a CUDA GPU, 1 thread per rank" in description
 
 
 def _hyperthreaded_sysfs(root, packages: int = 2, cores: int = 8):

@@ -6,7 +6,8 @@ multi-rank learner runs its host-side tensor work (the image processor's resize 
 pixel concatenation, ~0.8 GB a step at 64 records of 1024² images) on one thread, where a one-rank run uses every
 core (2 × H200, 2026-11-28: the packing part of a colocate-2 rank's ``target`` phase 0.85 s against colocate-1's
 0.3 s, the same 64 records per rank). ``auto`` gives each rank its share of the node's cores instead, as
-``accelerate launch`` does.
+``accelerate launch`` does. On a machine without a CUDA GPU ``auto`` is one thread per rank (``CPU_DEFAULT``): the
+small models CPU runs train are fastest there, unless ``OMP_NUM_THREADS`` or a count says otherwise.
 
 Several ranks on one host also share its cores with each rank's in-process vLLM engine, whose scheduler and
 detokenizer run on one Python thread per step. ``cpu_affinity: auto`` binds each local rank (every thread of it,
@@ -36,6 +37,11 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 TORCH_DEFAULT = "torch's default"
+#: ``auto`` without a CUDA GPU: the small models CPU runs train spend more on waking threads than they gain from
+#: them (50 stage-1 and 5 stage-2 steps of configs/demo_from_stock.yaml on a 2-core machine: 39 s on one thread,
+#: 119 s on torch's default of two)
+CPU_DEFAULT = ("no CUDA GPU: one thread per rank, the fastest for the small models CPU runs train "
+               "(training.cpu_threads_per_rank or OMP_NUM_THREADS sets more)")
 
 
 @dataclass(frozen=True)
@@ -47,25 +53,29 @@ class CpuThreads:
 
 
 def choose_cpu_threads(setting: int | str, local_world_size: int, cores: int, omp_num_threads: str | None,
-                       current: int, bound: bool = False) -> CpuThreads:
+                       current: int, bound: bool = False, cuda: bool = True) -> CpuThreads:
     """The rank's thread count. ``setting``: ``training.cpu_threads_per_rank`` (a count wins). ``auto``: an
     ``OMP_NUM_THREADS`` the user set is kept, except a ``1`` beside more than one local rank (torchrun's own
-    default, which cannot be told apart from a user's; ``cpu_threads_per_rank: 1`` keeps one), which becomes
-    ``cores // local_world_size`` (at least 1); one rank without the variable keeps torch's default (``current``).
-    ``cores``: the physical cores this process may run on; ``bound``: the process is bound to its own block
-    (``training.cpu_affinity``), so ``cores`` is already its share: a thread per core of it."""
+    default, which cannot be told apart from a user's; ``cpu_threads_per_rank: 1`` keeps one); without a CUDA GPU
+    (``cuda`` false) every other case is one thread (``CPU_DEFAULT``); with one, torchrun's ``1`` becomes
+    ``cores // local_world_size`` (at least 1) and one rank without the variable keeps torch's default
+    (``current``). ``cores``: the physical cores this process may run on; ``bound``: the process is bound to its
+    own block (``training.cpu_affinity``), so ``cores`` is already its share: a thread per core of it."""
     if setting != AUTO:
         return CpuThreads(int(setting), "training.cpu_threads_per_rank")
     ranks = max(1, local_world_size)
     share = max(1, cores if bound else cores // ranks)
     whose = f"the {cores} cores this rank is bound to" if bound else f"{cores} cores / {ranks} ranks"
     raw = (omp_num_threads or "").strip()
+    users = raw.isdigit() and int(raw) > 0 and not (raw == "1" and ranks > 1)
+    if users:
+        return CpuThreads(int(raw), "OMP_NUM_THREADS")
+    if not cuda:
+        return CpuThreads(1, CPU_DEFAULT)
     if raw:
-        if raw == "1" and ranks > 1:
+        if raw == "1":
             return CpuThreads(share, f"OMP_NUM_THREADS=1 (torchrun's default with {ranks} local ranks) replaced by "
                                      f"{whose}; training.cpu_threads_per_rank: 1 keeps one")
-        if raw.isdigit() and int(raw) > 0:
-            return CpuThreads(int(raw), "OMP_NUM_THREADS")
         return CpuThreads(share, f"OMP_NUM_THREADS={raw!r} is no thread count: {whose}")
     if ranks == 1 and not bound:
         return CpuThreads(current, TORCH_DEFAULT)
@@ -297,11 +307,15 @@ def usable_physical_cores(sysfs_cpu: Path = SYSFS_CPU) -> int:
     return max(1, min(physical, cgroup_cpu_limit() or physical))
 
 
-def apply_cpu_threads(setting: int | str, bound: bool = False) -> CpuThreads:
+def apply_cpu_threads(setting: int | str, bound: bool = False, cuda: bool | None = None) -> CpuThreads:
     """Choose this rank's count (``choose_cpu_threads``; ``LOCAL_WORLD_SIZE`` from torchrun; ``bound``: after
-    ``apply_cpu_affinity`` bound it), set it on torch and, unless it is torch's default, in ``OMP_NUM_THREADS`` (for
-    processes this one starts); return it, with ``threads`` read back from torch."""
+    ``apply_cpu_affinity`` bound it; ``cuda``: whether torch sees a CUDA GPU, asked when None), set it on torch
+    and, unless it is torch's default, in ``OMP_NUM_THREADS`` (for processes this one starts); return it, with
+    ``threads`` read back from torch."""
     import torch
+
+    if cuda is None:
+        cuda = torch.cuda.is_available()
 
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = usable_physical_cores()
@@ -309,7 +323,7 @@ def apply_cpu_threads(setting: int | str, bound: bool = False) -> CpuThreads:
     if bound and quota is not None:  # the container's quota is every rank's together
         cores = max(1, min(cores, quota // max(1, ranks)))
     choice = choose_cpu_threads(setting, ranks, cores, os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(),
-                                bound)
+                                bound, cuda)
     if choice.threads != torch.get_num_threads():
         torch.set_num_threads(choice.threads)
     if choice.reason != TORCH_DEFAULT:
