@@ -103,6 +103,7 @@ def test_helm_install_renders_as_written_from_the_repository_root(command):
     assert len(servers) == n_servers and flag(args_of(learner), "--nproc-per-node") == str(ranks)
     gpus = [pod_spec(d)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] for d in [*servers, learner]]
     assert sum(gpus) == node
+    assert all(pod_spec(d)["hostNetwork"] for d in [*servers, learner]), "one node's network, servers on its loopback"
     urls = [f"http://127.0.0.1:{flag(args_of(s), '--port')}" for s in servers]
     if urls:
         assert flag(args_of(learner), "--wait-for-servers").split(",") == urls
