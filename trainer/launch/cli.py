@@ -238,7 +238,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--gpus", help="GPU indices for CUDA_VISIBLE_DEVICES, e.g. 0,1,2,3,4,5")
     s.add_argument("--model", help="local model directory (default: the config's model.path)")
     s.add_argument("--tensor-parallel-size", type=int)
-    s.add_argument("--data-parallel-size", type=int, help="swift only: engine replicas in this server")
+    s.add_argument("--data-parallel-size", type=int,
+                   help="swift: engine replicas in this server; scripted: counted in its /get_world_size/")
     s.add_argument("--gpu-memory-utilization", type=float)
     s.add_argument("--max-model-len", type=int)
     s.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)

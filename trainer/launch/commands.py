@@ -96,8 +96,9 @@ def swift_rollout_command(opts: ServerOptions, config: TrainConfig | None = None
 
 def trainer_serve_command(opts: ServerOptions, config: TrainConfig | None = None) -> LaunchCommand:
     """``python -m trainer serve`` (our rollout server) with the engine flags it understands; a config supplies
-    the endpoint (GRPO rollout server) and ``model.path`` for engines that load a model."""
-    if opts.data_parallel_size not in (None, 1):
+    the endpoint (GRPO rollout server), ``model.path`` for engines that load a model and, for the scripted stub,
+    the world size of the ``swift rollout`` server it stands in for (``custom.extra.rollout_server``: TP × DP)."""
+    if opts.data_parallel_size not in (None, 1) and opts.engine != "scripted":
         raise ConfigError("--data-parallel-size", f"trainer serve has no data parallelism (got "
                                                   f"{opts.data_parallel_size}); run one server per GPU group, or "
                                                   "use --engine swift")
@@ -115,6 +116,14 @@ def trainer_serve_command(opts: ServerOptions, config: TrainConfig | None = None
             argv += ["--max-model-len", str(opts.max_model_len)]
         if opts.enable_lora is not None:
             argv += ["--enable-lora" if opts.enable_lora else "--no-enable-lora"]
+    if opts.engine == "scripted":  # the stub reports the world size of the server it stands in for: the flags, else
+        rs = config.custom.extra.rollout_server if config is not None else None  # the GRPO config's swift rollout
+        tp = opts.tensor_parallel_size or (rs.vllm_tensor_parallel_size if rs is not None else None)
+        dp = opts.data_parallel_size or (rs.vllm_data_parallel_size if rs is not None else None)
+        if tp is not None:
+            argv += ["--tensor-parallel-size", str(tp)]
+        if dp is not None:
+            argv += ["--data-parallel-size", str(dp)]
     return LaunchCommand(argv + list(opts.extra), _gpu_env(opts.gpus))
 
 

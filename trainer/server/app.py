@@ -368,6 +368,9 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
     async def init_communicator(body: InitCommunicatorBody):
         if body.world_size != engine.world_size + 1:
             raise EngineRequestError(f"world_size must be this server's world size + 1 = {engine.world_size + 1}")
+        refusal = getattr(engine, "nccl_refusal", None)  # an engine that cannot join this group says so now
+        if refusal:
+            raise EngineRequestError(refusal)
         if body.backend is None:  # ms-swift's call (PyNccl): engines keep their three-argument nccl_init
             runner.fire(lambda: engine.nccl_init(body.host, body.port, body.world_size))
         else:

@@ -56,7 +56,8 @@ def register(subparsers) -> None:
                         "refused with 422; a non-floating dtype for a floating weight is always refused)")
     v = p.add_argument_group("vllm engine")
     v.add_argument("--max-model-len", type=int, help="required with --engine vllm")
-    v.add_argument("--tensor-parallel-size", type=int, default=1)
+    v.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vllm: GPUs per engine; scripted: counted in /get_world_size/ (tensor x data parallel)")
     v.add_argument("--gpu-memory-utilization", type=float, default=0.45,
                    help="fraction of GPU memory (of RAM on the CPU backend) vLLM may use")
     v.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False)
@@ -68,6 +69,10 @@ def register(subparsers) -> None:
     s = p.add_argument_group("scripted engine")
     s.add_argument("--responses", type=Path, help="JSON {uuid: text or token ids} of answers to replay")
     s.add_argument("--delay-s", type=float, default=0.0, help="sleep before each answer (stalled-server tests)")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="the engine replicas of the server this one stands in for (swift rollout's "
+                        "--vllm_data_parallel_size): /get_world_size/ answers --tensor-parallel-size x this, as a "
+                        "swift rollout server does (NCCL weight updates need world size 1; in-band ones any)")
     s.add_argument("--die-after-calls", type=int, default=None, metavar="N",
                    help="fault injection (tests): generate calls after the first N raise a fatal engine error, as a "
                         "dead vLLM engine does (the server answers 503 and exits with code 75)")
@@ -93,10 +98,16 @@ def build_engine(args: argparse.Namespace):
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype, None)
         if args.dtype != "auto" and not isinstance(dtype, torch.dtype):
             raise SystemExit(f"serve --dtype {args.dtype}: not a torch dtype (e.g. float32, bfloat16)")
+        if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
+            raise SystemExit("serve --tensor-parallel-size and --data-parallel-size must be >= 1")
         return ScriptedEngine(args.model, responses=responses, delay_s=args.delay_s, enable_lora=True, dtype=dtype,
-                              allow_dtype_cast=args.allow_dtype_cast, die_after_calls=args.die_after_calls)
+                              allow_dtype_cast=args.allow_dtype_cast, die_after_calls=args.die_after_calls,
+                              world_size=args.tensor_parallel_size * args.data_parallel_size)
     if args.die_after_calls is not None:
         raise SystemExit("serve --die-after-calls is a fault-injection aid of the scripted engine only")
+    if args.data_parallel_size != 1:
+        raise SystemExit(f"serve --data-parallel-size: the {args.engine} engine serves one engine per server; run one "
+                         "server per GPU group (or launch server --engine swift for data parallelism)")
     if not args.model:
         raise SystemExit(f"serve --engine {args.engine} needs --model DIR (a local HF model directory)")
     if args.engine == "hf":

@@ -15,6 +15,10 @@
   Adapters are checked for finite values.
 - Fault injection: with ``die_after_calls`` N, every ``generate`` after the first N raises ``FatalEngineError``
   (a dead engine: the server answers 503 and exits, ``trainer.server.fatal``).
+- ``world_size``: what ``/get_world_size/`` answers, tensor × data parallel of the server it stands in for
+  (``serve --engine scripted --tensor-parallel-size T --data-parallel-size D``; 1 by default), as ``swift rollout``
+  answers for its engines. Its NCCL receive is one rank, so NCCL weight updates need world size 1; the in-band
+  transports take updates at any world size.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
-from trainer.server.codec import PromptCodec, load_codec
+from trainer.server.codec import EngineRequestError, PromptCodec, load_codec
 from trainer.server.engines import LocalNcclMixin
 from trainer.server.fatal import FatalEngineError
 from trainer.server.protocol import RolloutInferRequestIn
@@ -78,7 +82,11 @@ class ScriptedEngine(LocalNcclMixin):
 
     def __init__(self, model_dir: str | Path | None = None, responses: dict[str, str | list[int]] | None = None,
                  delay_s: float = 0.0, enable_lora: bool = True, spec: dict[str, TensorSpec] | None = None,
-                 dtype: torch.dtype | None = None, allow_dtype_cast: bool = False, die_after_calls: int | None = None):
+                 dtype: torch.dtype | None = None, allow_dtype_cast: bool = False, die_after_calls: int | None = None,
+                 world_size: int = 1):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
         self.codec: PromptCodec | ByteCodec = load_codec(model_dir) if model_dir else ByteCodec()
         self.model_name = str(model_dir) if model_dir else "scripted"
         self.responses = dict(responses or {})
@@ -106,6 +114,20 @@ class ScriptedEngine(LocalNcclMixin):
         self.updates: list[dict[str, Any]] = []
         self.generate_calls = 0
         self.die_after_calls = die_after_calls
+
+    @property
+    def nccl_refusal(self) -> str | None:
+        """Why ``/init_communicator/`` is refused (answered at once, before the learner joins the group), or None."""
+        if self.world_size == 1:
+            return None
+        return (f"this scripted server reports world size {self.world_size} (--tensor-parallel-size x "
+                "--data-parallel-size) but receives NCCL weight updates as one rank: serve it with world size 1 for "
+                "NCCL syncs, or sync in band (sync.transport: inband)")
+
+    def nccl_init(self, host: str, port: int, world_size: int, backend: str = "pynccl") -> None:
+        if self.nccl_refusal:
+            raise EngineRequestError(self.nccl_refusal)
+        super().nccl_init(host, port, world_size, backend)
 
     @property
     def weights_version(self) -> str:
