@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+
 def run_prepare(args: argparse.Namespace) -> int:
     from trainer.modeling.prepare import PrepareRefused, prepare_checkpoint
 
