@@ -1,4 +1,5 @@
-"""Rank-local timers, counters and run metadata; metrics go to JSONL and TensorBoard via the trainer's log."""
+"""Rank-local timers, counters and run metadata; metrics go to JSONL (mirrored to W&B / MLflow: ``mirror_rows``) and
+TensorBoard via the trainer's log."""
 
 from __future__ import annotations
 
@@ -202,16 +203,55 @@ def gpu_memory_snapshot(timers: PhaseTimers | None = None) -> dict[str, float]:
     }
 
 
+#: what places a metrics row (not a metric): its phase, optimizer step and Unix time
+ROW_FIELDS = ("phase", "step", "time")
+#: the loggers each metrics file is mirrored to (``mirror_rows``), by the file's resolved path
+_MIRRORS: dict[Path, list[Any]] = {}
+
+
+def metric_values(row: dict[str, Any]) -> dict[str, float]:
+    """A metrics row's metrics: its numbers (what ``JsonlWriter`` writes as a number: a float or int, a numpy or
+    one-element torch scalar; booleans, text, lists and None are not), ``ROW_FIELDS`` left out."""
+    out = {}
+    for k, v in row.items():
+        if k in ROW_FIELDS or v is None or isinstance(v, (bool, str, list, tuple, dict)):
+            continue
+        if isinstance(v, (int, float)) or hasattr(v, "__float__"):
+            out[k] = float(v)
+    return out
+
+
+@contextmanager
+def mirror_rows(path: str | Path, loggers: list[Any]) -> Iterator[None]:
+    """Within the block, every row any ``JsonlWriter`` appends to ``path`` is also handed to each logger's
+    ``log_row(row)`` (``trainer.loggers``: W&B, MLflow), the same dict, after it is written: the loggers see the
+    file's rows, names and all, whichever part of the run wrote them."""
+    key = Path(path).resolve()
+    _MIRRORS.setdefault(key, []).extend(loggers)
+    try:
+        yield
+    finally:
+        mirrored = _MIRRORS.get(key, [])
+        for logger in loggers:
+            if logger in mirrored:
+                mirrored.remove(logger)
+        if not mirrored:
+            _MIRRORS.pop(key, None)
+
+
 class JsonlWriter:
-    """Append-only JSONL metrics file (one object per log call)."""
+    """Append-only JSONL metrics file (one object per log call), mirrored to the loggers ``mirror_rows`` names."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._key = self.path.resolve()
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(record, sort_keys=True, default=float) + "\n")
+        for logger in _MIRRORS.get(self._key, ()):
+            logger.log_row(record)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

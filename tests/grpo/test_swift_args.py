@@ -52,6 +52,14 @@ def test_learner_arguments_carry_connectivity_and_plugin(summary_cfg):
     assert "external_plugins" not in rlhf_arguments(validate_config(summary_cfg))
 
 
+def test_wandb_and_mlflow_reach_ms_swift_as_hf_report_to_names(summary_cfg):
+    """ms-swift's trainer is HF's: its own callbacks log there; jsonl (ours, stage-2 SFT only) is left out."""
+    summary_cfg["training"]["report_to"] = ["jsonl", "wandb", "mlflow"]
+    assert rlhf_arguments(validate_config(summary_cfg))["report_to"] == ["wandb", "mlflow"]
+    summary_cfg["training"]["report_to"] = ["jsonl"]
+    assert rlhf_arguments(validate_config(summary_cfg))["report_to"] == ["none"]
+
+
 def test_model_path_and_dataset_required(summary_cfg):
     summary_cfg["model"] = {"tiny": "vl"}
     with pytest.raises(ConfigError, match="model.path"):

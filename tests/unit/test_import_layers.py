@@ -8,7 +8,8 @@ strictly lower layers (never sideways, never up):
 0. foundation — ``trainer`` (the root package), ``trainer.extras``, ``trainer.telemetry``, ``trainer.profiling``: no
    trainer imports
 1. ``trainer.config`` — loader, errors and the typed schema of *every* section (deploy, grpo, vllm, deepspeed
-   presets included); the only place that knows config key paths
+   presets included); the only place that knows config key paths. ``trainer.loggers`` — the W&B / MLflow
+   loggers of ``training.report_to``, mirrors of ``metrics.jsonl``
 2. ``trainer.data``, ``trainer.sync``, ``trainer.buffering``, ``trainer.memory`` — records/synthetic data, weight-update transports,
    the rollout buffer and offload
 3. ``trainer.matching``, ``trainer.losses`` — parse / match / targets, loss terms (pure functions)
@@ -38,7 +39,7 @@ PACKAGE = ROOT / "trainer"
 
 LAYERS: list[tuple[str, ...]] = [
     ("trainer", "trainer.extras", "trainer.telemetry", "trainer.profiling"),
-    ("trainer.config",),
+    ("trainer.config", "trainer.loggers"),
     ("trainer.data", "trainer.sync", "trainer.buffering", "trainer.memory"),
     ("trainer.matching", "trainer.losses"),
     ("trainer.modeling", "trainer.packing"),

@@ -167,7 +167,17 @@ class TrainingConfig(Section):
         "graphs: the fallback where aten's private flash signatures differ). The one that ran is the first metrics "
         "row's train/packed_attention")
     dataloader_num_workers: int = Field(0, ge=0)
-    report_to: list[Literal["tensorboard", "jsonl"]] = Field(default_factory=lambda: ["jsonl", "tensorboard"])
+    report_to: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["jsonl", "tensorboard"], description="where the metrics go (docs/reference/"
+        "metrics.md). jsonl: <output_dir>/metrics.jsonl, written whatever this says. tensorboard: HF Trainer's "
+        "writer (<output_dir>/stage1/runs and stage2/runs, keys prefixed train/) and the eval scalars under "
+        "<output_dir>/eval. "
+        "wandb (extra wandb: Weights & Biases; WANDB_PROJECT, WANDB_MODE=offline, WANDB_DIR, default output_dir) "
+        "and mlflow (extra mlflow: mlflow-skinny with SQLAlchemy; MLFLOW_TRACKING_URI, a tracking server or "
+        "sqlite:///mlflow.db, not a file: store; MLFLOW_EXPERIMENT_NAME): one run each, every "
+        "metrics.jsonl row (setup, stage1, stage2, eval) logged as it is written, under the same names at the "
+        "row's step (MLflow turns characters it refuses, such as @, into _); rank 0 only. Summary GRPO passes these "
+        "to ms-swift's trainer (HF's own callbacks)")
     deepspeed: str | None = None
     disable_tqdm: bool = False
     packing: bool = False

@@ -56,6 +56,8 @@ def _training_arguments(cfg: TrainConfig) -> dict[str, Any]:
     else:
         out["save_strategy"] = "no"
     out["bf16"] = t.bf16
+    # tensorboard, wandb and mlflow are HF's report_to names too: ms-swift's trainer logs through HF's callbacks
+    # (its own logging.jsonl, no metrics.jsonl of ours to mirror)
     report = [r for r in t.report_to if r != "jsonl"]
     out["report_to"] = report or ["none"]
     out["eval_strategy"] = "no"

@@ -19,6 +19,7 @@ from trainer.config.schema import TrainConfig
 from trainer.data.records import JsonlDataset, LoadReport, index_jsonl
 from trainer.data.synthetic import SYNTHETIC_JSONL, generate
 from trainer.extras import require
+from trainer.loggers import close_loggers, open_loggers, require_loggers
 from trainer.losses.objective import LossWeights
 from trainer.memory.oom import memory_settings
 from trainer.modeling.checkpointing import training_arguments_kwargs
@@ -38,6 +39,7 @@ from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
 from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
 from trainer.sft.trainer import JsonlMetricsCallback, RolloutMatchingTrainer, SampleDataset
 from trainer.sync.policy import build_weight_sync
+from trainer.telemetry import mirror_rows
 
 log = logging.getLogger(__name__)
 
@@ -259,15 +261,27 @@ def periodic_eval(cfg: TrainConfig, pipeline: Stage2Pipeline, engine, weight_syn
 
 def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) -> RunSummary:
     """``resume_from_checkpoint``: a stage-2 checkpoint folder or "latest"; the stage-1 warm-up is skipped."""
-    rm = cfg.rollout_matching
     if cfg.training.deepspeed:
         require("deepspeed", f"training.deepspeed ({cfg.training.deepspeed})")
+    require_loggers(cfg.training.report_to)  # a missing W&B / MLflow library fails before anything starts
     start_distributed()
     cpu_affinity = apply_cpu_affinity(cfg.training.cpu_affinity)
     cpu_threads = apply_cpu_threads(cfg.training.cpu_threads_per_rank, bound=bool(cpu_affinity.cpus))
     out = Path(cfg.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "resolved_config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    resolved = cfg.model_dump(mode="json")
+    (out / "resolved_config.json").write_text(json.dumps(resolved, indent=2))
+    # training.report_to's wandb / mlflow: every row of metrics.jsonl, whoever writes it, goes to them as written
+    loggers = open_loggers(cfg.training.report_to, out, resolved)
+    try:
+        with mirror_rows(out / "metrics.jsonl", loggers):
+            return _train(cfg, out, resume_from_checkpoint, cpu_threads, cpu_affinity)
+    finally:
+        close_loggers(loggers)
+
+
+def _train(cfg: TrainConfig, out: Path, resume_from_checkpoint: str | None, cpu_threads, cpu_affinity) -> RunSummary:
+    rm = cfg.rollout_matching
     torch.manual_seed(cfg.training.seed)
     samples = load_samples(cfg)
     with node_writes_first():  # the embedded tiny model is saved under output_dir once per node
@@ -286,7 +300,7 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
             model, cfg.training.compile_activation_memory_budget))
     pipeline = build_pipeline(cfg, loaded)
     dataset = SampleDataset(samples)
-    report = [r for r in cfg.training.report_to if r != "jsonl"]
+    report = [r for r in cfg.training.report_to if r == "tensorboard"]  # HF's writer; jsonl, wandb, mlflow: ours
     metrics_path = out / "metrics.jsonl"
     lw = rm.loss
     weights = LossWeights(lw.text_ce_weight, lw.coord_softce_weight, lw.coord_w1_weight, lw.coord_gate_weight,
