@@ -313,3 +313,15 @@ def test_the_other_tables_config_rows_are_one_line_and_exit_2(row, sections, com
     errors = [line.removeprefix("launch: ") for line in err.splitlines() if "error:" in line]
     assert "Traceback" not in err and len(errors) == 1, err
     assert fragments_in_order(row, errors[0]), errors[0]
+
+
+def test_launch_learner_reports_once_before_torchrun_starts_its_ranks(tmp_path):
+    """The real process with two ranks asked for: the launcher's check ends it, one line, before any rank exists
+    (torchrun would otherwise add its own ChildFailedError report to every rank's)."""
+    cfg, _ = case_train_jsonl(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "trainer", "launch", "learner", "--config", str(cfg),
+                           "--nproc-per-node", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("launch: error: data.train_jsonl data/train.jsonl does not exist")
+    assert "torch.distributed.run" not in proc.stderr, "torchrun never started"
