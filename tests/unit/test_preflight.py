@@ -269,12 +269,14 @@ def test_the_extras_a_config_needs():
 
 def test_a_visible_gpu_is_a_driver_device_not_hidden_by_cuda_visible_devices(tmp_path):
     (tmp_path / "nvidia0").write_text("")
-    devices = str(tmp_path / "nvidia[0-9]*")
-    assert cuda_gpus_visible({}, devices)
-    assert cuda_gpus_visible({"CUDA_VISIBLE_DEVICES": "0"}, devices)
-    assert not cuda_gpus_visible({"CUDA_VISIBLE_DEVICES": ""}, devices)
-    assert not cuda_gpus_visible({"CUDA_VISIBLE_DEVICES": "-1"}, devices)
-    assert not cuda_gpus_visible({}, str(tmp_path / "none[0-9]*"))
+    (tmp_path / "gpus" / "0000:18:00.0").mkdir(parents=True)
+    devices, none, proc = str(tmp_path / "nvidia[0-9]*"), str(tmp_path / "none[0-9]*"), str(tmp_path / "gpus" / "*")
+    assert cuda_gpus_visible({}, devices, none)
+    assert cuda_gpus_visible({"CUDA_VISIBLE_DEVICES": "0"}, devices, none)
+    assert cuda_gpus_visible({}, none, proc), "the driver's /proc entries count too"
+    assert not cuda_gpus_visible({"CUDA_VISIBLE_DEVICES": ""}, devices, proc)
+    assert not cuda_gpus_visible({"CUDA_VISIBLE_DEVICES": "-1"}, devices, proc)
+    assert not cuda_gpus_visible({}, none, none)
     machine = Machine(cuda=False)
     assert machine.importable("json") and not machine.importable("no_such_module_here")
     assert machine.installed("pyyaml") and not machine.installed("no-such-distribution-here")

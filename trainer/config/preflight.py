@@ -55,14 +55,15 @@ def _distribution_installed(name: str) -> bool:
     return True
 
 
-def cuda_gpus_visible(environ: dict[str, str] | None = None, device_glob: str = "/dev/nvidia[0-9]*") -> bool:
-    """Whether this process can see an NVIDIA GPU: the driver's device files exist and ``CUDA_VISIBLE_DEVICES``
-    does not hide them all (empty or ``-1``)."""
+def cuda_gpus_visible(environ: dict[str, str] | None = None, device_glob: str = "/dev/nvidia[0-9]*",
+                      proc_gpus: str = "/proc/driver/nvidia/gpus/*") -> bool:
+    """Whether this process can see an NVIDIA GPU: the driver's device files (or its ``/proc`` entries) exist and
+    ``CUDA_VISIBLE_DEVICES`` does not hide them all (empty or ``-1``)."""
     env = os.environ if environ is None else environ
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return False
-    return bool(glob.glob(device_glob))
+    return bool(glob.glob(device_glob) or glob.glob(proc_gpus))
 
 
 @dataclass(frozen=True)
