@@ -5,8 +5,8 @@ optional extras it needs import, and its rollout backend fits the machine (vLLM 
 ``preflight(cfg)`` returns every ``Problem`` (key path, value, what to do; one line each) and changes nothing;
 ``python -m trainer validate``, ``train`` and ``launch learner`` print them and exit 2. The machine is a
 ``Machine`` (``this_machine()`` by default), so the checks run against any machine the tests describe. Nothing
-here imports torch or an extra: a package counts as importable when Python finds it (``importlib.util.find_spec``),
-and the GPU count is the driver's device files.
+here imports torch or an extra (vLLM alone takes seconds): an extra counts as installed when Python finds its module
+(``importlib.util.find_spec``), and a GPU as visible when the driver's device files or ``/proc`` entries show one.
 """
 
 from __future__ import annotations
