@@ -1,5 +1,6 @@
 """``python -m trainer validate CONFIG``: resolve, validate and print the config, after checking what it needs of
-this machine (``trainer.config.preflight``: paths, extras, the backend); ``--schema-only`` skips that check."""
+this machine (``trainer.config.preflight``: paths, installed extras, the backend); ``--schema-only`` skips that
+check."""
 
 from __future__ import annotations
 
@@ -58,9 +59,9 @@ def run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("validate", help="resolve extends, validate, check this machine, print the config",
                               description="Resolve extends, validate every key and rule, check what the config needs "
-                              "of this machine (the data, image and model paths exist, the extras it needs import, "
-                              "the rollout backend fits the machine), then print the resolved config. Each problem "
-                              "is one line; exit code 2.")
+                              "of this machine (the data, image and model paths exist, the extras it needs are "
+                              "installed, the rollout backend fits the machine), then print the resolved config. Each "
+                              "problem is one line; exit code 2.")
     p.add_argument("config")
     p.add_argument("--schema-only", action="store_true",
                    help="check the keys and rules only, not this machine (a config for another machine, e.g. a "
