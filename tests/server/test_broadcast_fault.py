@@ -37,10 +37,10 @@ def test_bounded_broadcast_aborts_a_broadcast_a_peer_never_joins(get_free_port):
         group = StoreGroup.create("127.0.0.1", port, 1, 2, 60)
         comm = TorchStatelessCommunicator(group)
         assert peer.stdout.readline().strip() == "joined"
-        t0 = time.monotonic()
-        with pytest.raises(BroadcastTimeout):
+        # bounded by timeout_s: the error names the bound that ended the wait (the process group's own 1,800 s
+        # would end it with no BroadcastTimeout, half an hour later)
+        with pytest.raises(BroadcastTimeout, match=r"(within|after) 2 s"):
             bounded_broadcast(comm, torch.ones(64 * 2**20 // 4), timeout_s=2.0)  # 64 MiB: no socket buffer holds it
-        assert time.monotonic() - t0 < 30, "bounded by the timeout, not by the process group's 1,800 s"
     finally:
         peer.kill()
         peer.wait(10)
@@ -71,17 +71,14 @@ def test_server_killed_mid_broadcast_is_dropped_and_readmitted_with_current_weig
                 stopped.append(time.monotonic())
 
         transport.client.event_hooks["response"].append(stall_b_mid_update)
-        t0 = time.monotonic()
         try:
             failed = transport.push_full(tensors, servers)
         finally:
-            took = time.monotonic() - t0
             if stopped:  # a stopped process ignores SIGTERM: never leave it for the fixture's clean-up
                 os.kill(proc_b.pid, signal.SIGKILL)
         assert stopped, "server B was stopped between its bucket's metadata and the broadcast"
         assert list(failed) == [url_b], failed
         assert BROADCAST_TIMEOUT_KEY in failed[url_b] and "=3 s" in failed[url_b]
-        assert took < 45, f"the push took {took:.0f} s: bounded by broadcast_timeout_s, not hung"
         assert url_b not in transport.comms, "the failed server's communicator was dropped"
         want = tensor_checksums(tensors)
         assert {n: c for n, c in _served(http, url_a).items() if n in want} == want, "A got the whole update"

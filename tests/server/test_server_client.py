@@ -124,9 +124,9 @@ def test_stalled_server_times_out_naming_it(scripted_server, tiny_tok, chat_requ
             "the client must give up at its timeout, while the server is still stalled"
 
 
-#: a 1 s health wait (1 s of polls, each probe at most 1 s) ends within this on a loaded 2-core machine; a wait that
-#: ignored ``timeout_s`` (the 240 s default, or none) does not
-HEALTH_BOUND_S = 15.0
+#: a hang guard, not a speed bound: a wait that ignored ``timeout_s`` (the 240 s default, or none) is still waiting
+#: here, while a 1 s health wait (1 s of polls, each probe at most 1 s) has long ended however loaded the machine
+HEALTH_BOUND_S = 120.0
 
 
 def test_server_down_at_start(scripted_server, get_free_port, tiny_tok, chat_requests, monkeypatch):
@@ -148,7 +148,7 @@ def test_server_down_at_start(scripted_server, get_free_port, tiny_tok, chat_req
     assert not waiter.is_alive(), f"timeout_s=1 was not honoured: the health wait still ran after {took:.0f}s"
     assert len(raised) == 1 and isinstance(raised[0], RolloutServerError), raised
     assert re.search(rf"not healthy after 1s.*{url}", str(raised[0])), raised[0]
-    assert 1.0 <= took < HEALTH_BOUND_S, f"the 1 s health wait took {took:.1f}s"
+    assert took >= 1.0, f"the 1 s health wait gave up after {took:.1f}s"
 
     # the server starts only once the client's health check has been refused: the client must keep polling
     refused = threading.Event()

@@ -76,7 +76,6 @@ def test_stalled_server_mid_training_loses_no_sample(serve, tmp_path):
         finally:
             client_log.removeHandler(collect)
             client_log.setLevel(level)
-        elapsed = time.monotonic() - t0
     assert summary.stage2_steps == 4
     rows = [json.loads(line) for line in (Path(summary.output_dir) / "stage2" / "ledger.jsonl").read_text().splitlines()]
     counts = Counter(r["sample_id"] for r in rows)
@@ -93,4 +92,3 @@ def test_stalled_server_mid_training_loses_no_sample(serve, tmp_path):
     held = stalled.weights_checksums()
     assert held == engines[0].weights_checksums(), "the re-admitted server holds the learner's current weights"
     assert set(held) == set(stalled.spec), "every weight of the checkpoint was pushed"
-    assert elapsed < 60
