@@ -23,6 +23,9 @@ EXTRAS = {
     "kubernetes": ("kubernetes", "pip install -e '.[kubernetes]'"),
     "liger": ("liger_kernel.transformers",
               "pip install 'rollout-matching[liger]' (liger-kernel==0.8.5; needs Triton and a CUDA GPU)"),
+    # training.report_to's loggers (trainer.loggers imports them)
+    "wandb": ("wandb", "pip install -e '.[wandb]'"),
+    "mlflow": ("mlflow", "pip install -e '.[mlflow]'"),
 }
 
 

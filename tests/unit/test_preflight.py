@@ -265,6 +265,15 @@ def test_the_extras_a_config_needs():
     server["custom"]["extra"]["rollout_matching"]["vllm"]["sync"] = {"transport": "nccl", "nccl_backend": "pynccl"}
     assert needs({**base, **server}) == ["vllm"]
     assert needs({**base, **HF, "training": {"deepspeed": "zero2", "use_liger_kernel": True}}) == ["deepspeed", "liger"]
+    assert needs({**base, **HF, "training": {"report_to": ["jsonl", "wandb", "tensorboard", "mlflow"]}}) == [
+        "wandb", "mlflow"]
+
+
+def test_a_logger_that_is_not_installed_names_its_place_in_report_to(tmp_path):
+    cfg = load_config(write(tmp_path, config(tmp_path, training={"report_to": ["jsonl", "mlflow"]})))
+    (problem,) = preflight(cfg, everything(missing=("mlflow",)))
+    assert str(problem).startswith("training.report_to[1] mlflow needs the optional extra 'mlflow'")
+    assert str(problem).endswith("install it: pip install -e '.[mlflow]'")
 
 
 def test_a_visible_gpu_is_a_driver_device_not_hidden_by_cuda_visible_devices(tmp_path):
