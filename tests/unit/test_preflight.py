@@ -122,6 +122,11 @@ def case_liger(tmp_path):
     return write(tmp_path, config(tmp_path, training={"use_liger_kernel": True})), everything()
 
 
+def case_logger(tmp_path):
+    return (write(tmp_path, config(tmp_path, training={"report_to": ["jsonl", "wandb"]})),
+            everything(missing=("wandb",)))
+
+
 #: the start of each row's message → the case that produces it
 CASES = {
     "error: data.train_jsonl": case_train_jsonl,
@@ -133,6 +138,7 @@ CASES = {
     "error: training.deepspeed": case_deepspeed,
     "error: custom.trainer_variant grpo_summary": case_swift,
     "error: training.use_liger_kernel": case_liger,
+    "error: training.report_to": case_logger,
 }
 
 
