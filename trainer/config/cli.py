@@ -37,12 +37,15 @@ def load_or_report(path: str, quiet: bool = False) -> TrainConfig | None:
         return None
 
 
-def preflight_or_report(cfg: TrainConfig, quiet: bool = False) -> bool:
-    """``True`` when this machine can run ``cfg``; else print every problem (one line each) and return ``False``."""
+def preflight_or_report(cfg: TrainConfig, quiet: bool = False, note: str = "") -> bool:
+    """``True`` when this machine can run ``cfg``; else print every problem (one line each), then ``note`` when a
+    path is among them, and return ``False``."""
     from trainer.config.preflight import preflight
 
     problems = preflight(cfg)
     report([str(p) for p in problems], quiet)
+    if note and not quiet and any(p.kind == "path" for p in problems):
+        print(f"note: {note}", file=sys.stderr)
     return not problems
 
 
@@ -50,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_or_report(args.config)
     if cfg is None:
         return 2
-    if not args.schema_only and not preflight_or_report(cfg):
+    if not args.schema_only and not preflight_or_report(
+            cfg, note="a config for another machine (a pod's mounts): validate --schema-only checks its keys only"):
         return 2
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True), end="")
     return 0
