@@ -28,10 +28,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer.extras import MissingExtraError
+from trainer.extras import EXTRAS, MissingExtraError, require
 from trainer.telemetry import ROW_FIELDS, metric_values
 
-#: report_to value → (the module it needs, the extra that installs it)
+#: report_to value → (the module it needs, the extra that installs it), where ``trainer.extras.EXTRAS`` lacks it
 LIBRARIES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 DEFAULT_PROJECT = "rollout-matching"
 
@@ -42,6 +42,9 @@ def require_loggers(report_to: Iterable[str], key: str = "training.report_to") -
     out = {}
     for name in report_to:
         if name not in LIBRARIES:
+            continue
+        if name in EXTRAS:  # the extras table names it: its message and install command
+            out[name] = require(name, f"{key}: {name}")
             continue
         module, extra = LIBRARIES[name]
         try:
