@@ -28,12 +28,23 @@ from trainer.config.vllm import VllmConfig
 log = logging.getLogger(__name__)
 
 
+class TinyShapeConfig(Section):
+    """``model.tiny_shape``: the sizes of the embedded tiny model (``trainer.modeling.fixtures.TinyShape``); the
+    defaults are the test fixture's, ``configs/demo.yaml`` sets a larger detector."""
+
+    hidden_size: int = Field(128, ge=64, le=2048, multiple_of=64)
+    num_hidden_layers: int = Field(2, ge=1, le=32)
+    vision_hidden_size: int = Field(64, ge=64, le=2048, multiple_of=64)
+    vision_depth: int = Field(2, ge=1, le=32)
+
+
 class ModelConfig(Section):
     """Exactly one of ``path`` (a local HF model directory) or ``tiny`` (build the embedded tiny model)."""
 
     path: str | None = None
     tiny: Literal["text", "vl"] | None = None
     tiny_seed: int = 0
+    tiny_shape: TinyShapeConfig = Field(default_factory=TinyShapeConfig)
     torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
 
@@ -575,7 +586,7 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
                 errs.append(ConfigError("custom.extra.rollout_matching.vllm.server.servers",
                                         "server mode needs at least one server: servers: [{base_url: http://127.0.0.1:8000}]"))
             if (v.mode == "colocate" and cfg.tuner.train_type == "lora" and v.sync.mode == "adapter"
-                    and not v.enable_lora):
+                    and v.enable_lora is False):
                 errs.append(ConfigError("custom.extra.rollout_matching.vllm.enable_lora",
                                         "must be true with sync.mode: adapter so the LoRA adapter syncs to the "
                                         "colocated engine; or sync.mode: full (merged weights, no LoRA kernels in "
