@@ -160,14 +160,26 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     plt.close(fig)
 
 
-def pin_determinism(threads: int) -> None:
+def pin_determinism(threads: int, deterministic_algorithms: bool = True) -> None:
     """What can be pinned across machines: intra-op threads (reduction splits), deterministic algorithms, and
     (in run_training / the HF Trainer) the seeds. CPU kernels still differ by instruction set and library build;
-    docs/quickstart/cpu-demo.md says what varies and why."""
+    docs/quickstart/cpu-demo.md says what varies and why. ``deterministic_algorithms`` is off for a vLLM backend:
+    vLLM compiles its model with Inductor, which refuses to start in torch's deterministic mode."""
     import torch
 
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    if deterministic_algorithms:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def apply_seed(cfg, seed: int) -> None:
+    """One seed for everything a run draws: the training seed, the tiny model's initial weights and the synthetic
+    data (its held-out split is ``seed + 1``), so that runs at seeds 0, 1, 2 are independent replicates."""
+    cfg.training.seed = seed
+    if cfg.model.tiny is not None:
+        cfg.model.tiny_seed = seed
+    if cfg.data.synthetic is not None:
+        cfg.data.synthetic.seed = seed
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,9 +189,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_or_report(args.config)
     if cfg is None:
         return 2
-    pin_determinism(args.threads)
+    rm = cfg.custom.extra.rollout_matching
+    pin_determinism(args.threads, deterministic_algorithms=rm is None or rm.rollout_backend == "hf")
     if args.output_dir:
         cfg.training.output_dir = args.output_dir
+    if getattr(args, "seed", None) is not None:
+        apply_seed(cfg, args.seed)
     out = Path(cfg.training.output_dir)
     metrics = out / "metrics.jsonl"
     if metrics.exists():
@@ -208,6 +223,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run the embedded default on CPU and print a report")
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--output-dir", default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="run at this seed: training.seed, model.tiny_seed and data.synthetic.seed (held-out: seed + 1) "
+                        "all set to it, so seeds 0, 1, 2 are independent replicates (default: the config's)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads, pinned so runs on machines with different core counts split "
                         "reductions alike and no OpenMP spin-waits on a busy machine (default 1)")

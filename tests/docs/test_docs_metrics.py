@@ -14,7 +14,7 @@ from tests.docs.docs_helpers import REPO
 
 DOC = REPO / "docs" / "reference" / "metrics.md"
 NAMESPACES = ("loss", "rollout", "time", "mem", "batch", "buffer", "sync", "train", "gc", "compile", "eval", "packing",
-              "tokens", "speed")
+              "tokens", "speed", "mismatch")
 METRIC_KEY = re.compile(rf"^(?:{'|'.join(NAMESPACES)})/[\w@.]+$")
 ROW_KEYS = ("phase", "step", "time")  # every row's own fields, described in the page's opening
 

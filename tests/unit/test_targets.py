@@ -59,6 +59,20 @@ def test_prefix_plus_fn_append_is_valid_json_with_continued_keys(tokenizer, voca
     assert t.stats["matched"] == 1 and t.stats["fn_appended"] == 2 and t.stats["fp"] == 1
 
 
+def test_tail_desc_ce_labels_the_appended_descriptions_and_nothing_else(tokenizer, vocab, helpers):
+    pred = [DetObject("red square", "bbox_2d", (110, 105, 290, 310))]
+    ids = vocab.encode(serialize_objects(pred)) + [tokenizer.eos_token_id]
+    parsed = parse_rollout(ids, vocab)
+    m = match_objects([o.to_det() for o in parsed.objects], GTS, 0.3)
+    args = ("s", [1, 2, 3], parsed, m, GTS, tokenizer.eos_token_id, helpers, dict(vocab.coord_bin_by_id))
+    off, on = build_target(*args), build_target(*args, desc_ce=True)
+    assert off.input_ids == on.input_ids and off.coord_positions == on.coord_positions
+    added = [i for i, (a, b) in enumerate(zip(off.labels, on.labels)) if a != b]
+    assert added and all(off.labels[i] == IGNORE_INDEX and on.labels[i] == on.input_ids[i] for i in added)
+    added_text = "".join(tokenizer.decode([on.input_ids[i]]) for i in added)
+    assert "blue" in added_text and "green" in added_text and "red" not in added_text, "tail descs only, not the prefix"
+
+
 def test_label_masks_cover_exactly_the_intended_tokens(tokenizer, vocab, helpers):
     pred = [DetObject("red square", "bbox_2d", (110, 105, 290, 310))]
     parsed, m, t = build(tokenizer, vocab, helpers, serialize_objects(pred))

@@ -93,14 +93,15 @@ def build_target(sample_id: str, prompt_ids: Sequence[int], parse: ParseResult, 
                  gts: Sequence[DetObject], eos_id: int,
                  encode_with_offsets: Callable[[str], tuple[list[int], list[tuple[int, int]]]],
                  coord_bin_by_id: dict[int, int], sinkhorn_epsilon: float = 0.05,
-                 sinkhorn_iters: int = 50) -> TrainTarget:
-    """Assemble ids, CE labels and coord supervision; raises ``TargetError`` on a broken invariant."""
+                 sinkhorn_iters: int = 50, desc_ce: bool = False) -> TrainTarget:
+    """Assemble ids, CE labels and coord supervision; raises ``TargetError`` on a broken invariant. ``desc_ce``:
+    the appended tail's ``desc`` value tokens get CE too (``loss.tail_desc_ce``)."""
     prompt = list(prompt_ids)
     prefix = list(parse.prefix_token_ids)
     p_len = len(prompt)
     fn = [gts[g] for g in match.false_negatives]
     start_index = parse.max_object_index + 1
-    tail = encode_tail(fn, start_index, parse.prefix_last_char, encode_with_offsets, coord_bin_by_id)
+    tail = encode_tail(fn, start_index, parse.prefix_last_char, encode_with_offsets, coord_bin_by_id, desc_ce)
     input_ids = prompt + prefix + tail.ids + [eos_id]
     labels = [IGNORE_INDEX] * (p_len + len(prefix))
     labels += [tid if ce else IGNORE_INDEX for tid, ce in zip(tail.ids, tail.ce_mask)]

@@ -230,7 +230,8 @@ def build_pipeline(cfg: TrainConfig, loaded: LoadedModel) -> Stage2Pipeline:
     encoder = PromptEncoder(loaded.tokenizer, loaded.image_processor, cfg.data.system_prompt,
                             pixel_dtype=weights if weights in (torch.bfloat16, torch.float16) else None)
     settings = MatchingSettings(rm.matching.mask_iou_threshold, rm.matching.candidate_top_k,
-                                rm.matching.mask_resolution, rm.poly.sinkhorn_epsilon, rm.poly.sinkhorn_iters)
+                                rm.matching.mask_resolution, rm.poly.sinkhorn_epsilon, rm.poly.sinkhorn_iters,
+                                rm.loss.tail_desc_ce)
     return Stage2Pipeline(encoder, settings)
 
 

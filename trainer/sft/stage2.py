@@ -27,6 +27,7 @@ class MatchingSettings:
     resolution: int = 256
     sinkhorn_epsilon: float = 0.05
     sinkhorn_iters: int = 50
+    tail_desc_ce: bool = False
 
 
 class Stage2Pipeline(RolloutCodec):
@@ -57,7 +58,7 @@ class Stage2Pipeline(RolloutCodec):
             with timers.phase("build_target"):
                 target = build_target(sample.sample_id, req.prompt_token_ids, parsed, matched, sample.objects,
                                       self.eos_id, self.encode_with_offsets, self.coord_bin_by_id,
-                                      s.sinkhorn_epsilon, s.sinkhorn_iters)
+                                      s.sinkhorn_epsilon, s.sinkhorn_iters, s.tail_desc_ce)
             target.stats["truncated"] = int(res.truncated or parsed.truncated)
             target.engine_logprobs = kept_engine_logprobs(len(req.prompt_token_ids), res.response_token_ids,
                                                           parsed.prefix_token_ids, res.logprobs)
