@@ -187,6 +187,23 @@ def _decode(source, name: str, unreadable: str):
         raise ImageRefError(f"image {name}: {exc}") from None
 
 
+def plain_rgb_file(path: str) -> bool:
+    """Whether a plain decoder (``Image.open(path).convert("RGB")``, what ``swift rollout`` runs) sees the pixels
+    ``load_image(path)`` gives: an 8-bit RGB file without transparency or an EXIF rotation (from the header)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.mode == "RGB" and "transparency" not in im.info and orientation_of(im) == 1
+
+
+def canonical_png_base64(path: str) -> str:
+    """``load_image(path)`` (EXIF orientation applied, alpha composited on white) as base64 PNG bytes, for a reader
+    that decodes images plainly."""
+    buf = io.BytesIO()
+    load_image(path).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 def image_size(ref: str) -> tuple[int, int]:
     """The displayed ``(width, height)`` of the image ``load_image(ref)`` returns, from its header alone (EXIF
     orientation applied); ``ImageRefError`` as ``load_image``."""

@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import torch
 
+from trainer.data.images import canonical_png_base64, plain_rgb_file
 from trainer.rollout.server_fleet import ServerFleet, servers_for_rank  # noqa: F401 - part of this module's API
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 from trainer.sync.http import server_http_client
@@ -91,6 +92,21 @@ def _content_to_swift(content: Any) -> tuple[Any, list[str]]:
     return "".join(text), images
 
 
+def _as_sent(ref: str, inline: bool) -> str:
+    """An image as the servers get it: its path (or, with ``inline``, its bytes as base64), unless a plain decoder
+    (``swift rollout``'s ``Image.open().convert("RGB")``) would see other pixels than the learner trains on (an EXIF
+    rotation, transparency, 16-bit grey): then the learner's pixels as base64 PNG, so every server decodes exactly
+    them (the prompt's token count matches either way, so only this keeps the pixels alike)."""
+    if not os.path.isfile(ref):
+        return ref
+    if not plain_rgb_file(ref):
+        return canonical_png_base64(ref)
+    if inline:
+        with open(ref, "rb") as fh:
+            return base64.b64encode(fh.read()).decode("ascii")
+    return ref
+
+
 def infer_request(req: RolloutRequest, inline_images: bool = False) -> dict[str, Any]:
     """ms-swift ``RolloutInferRequest`` payload for ``req`` (JSON-serialisable)."""
     messages, inline = [], []
@@ -99,8 +115,7 @@ def infer_request(req: RolloutRequest, inline_images: bool = False) -> dict[str,
         messages.append({"role": m["role"], "content": content})
         inline.extend(imgs)
     images = inline  # exactly the images the messages place (a text model's prompt places none)
-    if inline_images:
-        images = [base64.b64encode(open(p, "rb").read()).decode("ascii") if os.path.isfile(p) else p for p in images]
+    images = [_as_sent(p, inline_images) for p in images]
     return {"messages": messages, "images": images, "audios": [], "videos": [], "tools": None, "objects": {},
             "chat_template_kwargs": {}, "data_dict": {}, "uuid": req.sample_id}
 
