@@ -7,13 +7,14 @@ PIP := $(PY) -m pip
 export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 
-.PHONY: setup demo test test-fast lint bench clean pip-check docs
+.PHONY: setup demo test test-fast lint bench clean pip-check docs docs-reference
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo   - CPU demo: tiny model + synthetic data, stage-1 warm-up then stage-2 rollout-matching"
 	@echo "make test   - the full test suite (sets everything up first), the docs site included"
 	@echo "make docs   - build the docs site (mkdocs.yml, --strict: a warning or a broken link fails) into build/site"
+	@echo "make docs-reference - regenerate the committed reference pages (docs/reference/) from the code"
 	@echo "make lock   - regenerate locks/cpu-test.txt and locks/gpu-runtime.txt (uv; mk/lock.mk)"
 	@echo "make lint   - ruff"
 	@echo "make bench  - the CPU benchmark table end to end (benchmarks/cpu.yaml); GPU tables: python -m trainer bench run benchmarks/<table>.yaml"
@@ -78,6 +79,10 @@ test: setup
 # the docs site: reference pages generated from the code (docs/_hooks/reference.py); warnings and broken links fail
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+# the committed reference pages (docs/reference/*.md) regenerated from the schema, the CLI and the chart values
+docs-reference: $(VENV)/.core
+	$(PY) -m docs._hooks.reference
 
 test-fast: setup
 	$(PY) -m pytest -q tests/unit

@@ -5,7 +5,8 @@
 #   make images IMAGE_BASE=official       the GPU images on the official vLLM base (needs a registry), tagged
 #                                         <IMAGE_TAG>: rollout-matching/learner:0.1.0 (what the chart runs)
 #   make job CONFIG=configs/x.yaml        render the Jobs and submit them (DRY_RUN=1: print the YAML instead)
-#   make presets                          write presets/<name>.yaml from presets/<name>.values.yaml
+#   make presets                          write presets/<name>.yaml from presets/<name>.values.yaml, and the
+#                                         root values-6v2.yaml, values-3v1.yaml, values-colocate.yaml
 #   make chart-test                       chart lint/render + job rendering checks (no Docker needed)
 
 .PHONY: base-image images job job-config chart-test docker-context presets
