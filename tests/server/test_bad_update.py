@@ -384,7 +384,8 @@ def test_train_cli_reports_non_finite_weights_with_exit_code_3(monkeypatch, tmp_
         raise NonFiniteWeightsError("model.w", 5, 4, "/out/stage2/checkpoint-4")
 
     monkeypatch.setattr(run_module, "run_training", boom)
-    monkeypatch.setattr(cli, "load_or_report", lambda path: argparse.Namespace(training=argparse.Namespace()))
+    monkeypatch.setattr(cli, "load_or_report", lambda path, quiet=False: argparse.Namespace(training=argparse.Namespace()))
+    monkeypatch.setattr(cli, "preflight_or_report", lambda cfg, quiet=False: True)
     rc = cli.run(argparse.Namespace(config="x.yaml", output_dir=None, max_steps=None, resume_from_checkpoint=None))
     assert rc == 3
     err = capsys.readouterr().err

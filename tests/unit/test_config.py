@@ -110,7 +110,8 @@ def test_missing_base_file_named(tmp_path):
         ({"custom": {"extra": {"rollout_matching": {"vllm": {"server": {"host": ["127.0.0.1"], "port": [1, 2]}}}}}},
          "custom.extra.rollout_matching.vllm.server", "same length"),
         ({"tuner": {"train_type": "lora"}, "custom": {"extra": {"rollout_matching": {
-            "rollout_backend": "vllm", "vllm": {"max_model_len": 4096, "sync": {"mode": "adapter"}}}}}},
+            "rollout_backend": "vllm", "vllm": {"max_model_len": 4096, "enable_lora": False,
+                                                "sync": {"mode": "adapter"}}}}}},
          "custom.extra.rollout_matching.vllm.enable_lora", "must be true with sync.mode: adapter"),
         ({"custom": {"extra": {"rollout_matching": {"loss": {"supervised_logits_only": False,
                                                              "logit_chunk_rows": 512}}}}},

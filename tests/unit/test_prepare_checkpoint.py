@@ -200,8 +200,9 @@ def test_demo_config_keeps_its_explicit_stage1_values():
 
     from trainer.config.schema import validate_config
 
-    demo = validate_config(yaml.safe_load((Path(__file__).parents[2] / "configs" / "demo.yaml").read_text()))
-    assert demo.stage1.learning_rate == 3e-3
+    raw = yaml.safe_load((Path(__file__).parents[2] / "configs" / "demo.yaml").read_text())
+    demo = validate_config(raw)
+    assert demo.stage1.learning_rate == float(raw["stage1"]["learning_rate"]) != Stage1Config().learning_rate
 
 
 def test_the_trainer_loads_the_prepared_vl_checkpoint(prepared_vl, tmp_path):
