@@ -20,6 +20,7 @@ from trainer.data.synthetic import generate
 from trainer.launch.ports import listen_port
 from trainer.modeling.fixtures import build_tiny_model
 from trainer.packing.buffer import PackingBuffer
+from trainer.sft.settings import LayoutSettings
 from trainer.sft.trainer import RolloutMatchingTrainer, ledger_name
 
 WORLD = 2
@@ -70,7 +71,7 @@ def _train(out: Path, samples, tuner: str, layout: str, per_device: int, micro_b
     trainer = tiny_stage2_trainer(out, model=_model(tuner), samples=samples, per_device=per_device,
                                   target_source="ground_truth", trainer_class=CountingTrainer,
                                   args={"max_grad_norm": 0.0, "seed": 0}, packing=packing,
-                                  micro_batch_rows=micro_batch_rows, callbacks=[capture])
+                                  layout=LayoutSettings(micro_batch_rows=micro_batch_rows), callbacks=[capture])
     trainer.train()
     record = next(r for r in trainer.state.log_history if "loss" in r)
     ledger = Path(trainer.args.output_dir) / ledger_name(trainer.args.process_index)

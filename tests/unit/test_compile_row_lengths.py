@@ -22,6 +22,7 @@ from trainer.modeling.compile import LENGTH_AGNOSTIC_INDUCTOR, compile_decoder_l
 from trainer.modeling.fixtures import build_tiny_model
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.varlen_attention import register_varlen_attention
+from trainer.sft.settings import LayoutSettings
 from trainer.sft.trainer import RolloutMatchingTrainer
 
 
@@ -91,7 +92,7 @@ def test_a_filler_row_after_the_first_step_compiles_nothing_and_adds_no_gradient
     final = FinalGradients()
     trainer = tiny_stage2_trainer(tmp_path, model=model, records=3, max_steps=3, per_device=1,
                                   target_source="ground_truth", packing=PackingBuffer(1024, 64),
-                                  packed_attn_implementation=register_varlen_attention("op"),
+                                  layout=LayoutSettings(packed_attn_implementation=register_varlen_attention("op")),
                                   args={"max_grad_norm": 0.0}, callbacks=[final])
     trainer.train()
     assert [w for _, w in frames] == [1.0, 1.0, 0.0, 1.0, 0.0], frames

@@ -14,8 +14,9 @@ import torch
 from tests.tiny_trainer import tiny_stage2_trainer
 from trainer.data.output_format import serialize_objects
 from trainer.modeling.fixtures import build_tiny_model, tiny_tokenizer
-from trainer.rollout.types import RolloutResult
+from trainer.rollout.types import DecodingParams, RolloutResult
 from trainer.sft.mismatch import MismatchStats, kept_engine_logprobs, learner_logprobs, summary
+from trainer.sft.settings import RolloutSettings
 from trainer.telemetry import read_jsonl
 
 
@@ -90,7 +91,8 @@ def _train(tmp_path, stale: bool, caplog):
     samples = load_jsonl(generate(tmp_path / "data", 6, seed=0, max_objects=2))
     model = build_tiny_model("text", seed=0)[0]
     trainer = tiny_stage2_trainer(tmp_path, model=model, samples=samples, max_steps=3, per_device=2,
-                                  args={"learning_rate": 3e-3}, mismatch_warn=0.05)
+                                  args={"learning_rate": 3e-3},
+                                  rollout=RolloutSettings(decoding=DecodingParams(max_new_tokens=8), mismatch_warn=0.05))
     trainer.engine = ScoringEngine(copy.deepcopy(model).eval() if stale else model, samples)
     with caplog.at_level(logging.WARNING, logger="trainer.sft.trainer"):
         trainer.train()

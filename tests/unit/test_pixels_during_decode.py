@@ -10,13 +10,13 @@ from transformers import TrainingArguments
 
 from trainer.data.records import DatasetError, load_jsonl
 from trainer.data.synthetic import generate
-from trainer.losses.objective import LossWeights
 from trainer.modeling.coord_vocab import stop_token_ids
 from trainer.modeling.fixtures import build_tiny_image_processor, build_tiny_model, tiny_tokenizer
 from trainer.modeling.prompts import PromptEncoder
 from trainer.packing.buffer import PackingBuffer
 from trainer.rollout.hf import HFRolloutEngine
 from trainer.rollout.types import DecodingParams
+from trainer.sft.settings import LayoutSettings, RolloutSettings, TrainerSettings
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.sft.trainer import RolloutMatchingTrainer, SampleDataset
 
@@ -90,10 +90,12 @@ def _train(tmp_path, samples, during: bool):
                              learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=0,
                              remove_unused_columns=False, disable_tqdm=True, use_cpu=True)
     trainer = RolloutMatchingTrainer(model=model, args=args, train_dataset=SampleDataset(samples), pipeline=pipe,
-                                     engine=engine, decoding=DecodingParams(max_new_tokens=12),
-                                     loss_weights=LossWeights(), target_source="rollout", processing_class=tok,
-                                     packing=PackingBuffer(2048, 16), image_token_id=model.config.image_token_id,
-                                     packed_attn_implementation="sdpa", pixels_during_decode=during)
+                                     engine=engine, processing_class=tok, packing=PackingBuffer(2048, 16),
+                                     settings=TrainerSettings(
+                                         rollout=RolloutSettings(DecodingParams(max_new_tokens=12),
+                                                                 pixels_during_decode=during),
+                                         layout=LayoutSettings(packed_attn_implementation="sdpa",
+                                                               image_token_id=model.config.image_token_id)))
     assert trainer.pixels_during_decode == during
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
@@ -118,6 +120,7 @@ def test_an_engine_that_reads_pixels_keeps_them_first(tmp_path, caplog):
     hf = HFRolloutEngine(model, tok.pad_token_id, sorted(stop_token_ids(tok)), 1)
     with caplog.at_level("WARNING"):
         trainer = RolloutMatchingTrainer(model=model, args=args, train_dataset=SampleDataset([]), pipeline=pipe,
-                                         engine=hf, decoding=DecodingParams(max_new_tokens=4),
-                                         loss_weights=LossWeights(), processing_class=tok, pixels_during_decode=True)
+                                         engine=hf, processing_class=tok, settings=TrainerSettings(
+                                             rollout=RolloutSettings(DecodingParams(max_new_tokens=4),
+                                                                     pixels_during_decode=True)))
     assert not trainer.pixels_during_decode and "pixels are made before the decode" in caplog.text

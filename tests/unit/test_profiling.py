@@ -25,6 +25,7 @@ from trainer.profiling import (
     is_plumbing,
     summarize,
 )
+from trainer.sft.settings import LayoutSettings, RuntimeSettings
 from trainer.sync.policy import SyncDecision, WeightSync
 from trainer.sync.weights import full_weights
 
@@ -183,9 +184,10 @@ class CopyIntoShadow:
 def test_the_listed_step_is_profiled_once_and_no_other(tmp_path):
     model, _ = build_tiny_model("text", seed=0)
     target = CopyIntoShadow(build_tiny_model("text", seed=1)[0])
-    trainer = tiny_stage2_trainer(tmp_path, model=model, records=6, max_steps=3, profile_steps=[2],
-                                  profile_trace=True, weight_sync=WeightSync(target, SyncDecision("full", "test")),
-                                  micro_batch_rows=1)
+    trainer = tiny_stage2_trainer(tmp_path, model=model, records=6, max_steps=3,
+                                  runtime=RuntimeSettings(profile_steps=(2,), profile_trace=True),
+                                  weight_sync=WeightSync(target, SyncDecision("full", "test")),
+                                  layout=LayoutSettings(micro_batch_rows=1))
     trainer.train()
     assert target.synced == 3
     prof = tmp_path / "out" / "profile"

@@ -16,13 +16,13 @@ from transformers import TrainingArguments
 from trainer import telemetry
 from trainer.data.records import load_jsonl
 from trainer.data.synthetic import generate
-from trainer.losses.objective import LossWeights
 from trainer.modeling.coord_vocab import stop_token_ids
 from trainer.modeling.fixtures import build_tiny_model, tiny_tokenizer
 from trainer.modeling.prompts import PromptEncoder
 from trainer.rollout.hf import HFRolloutEngine
 from trainer.rollout.types import DecodingParams
 from trainer.sft import trainer as trainer_module
+from trainer.sft.settings import RolloutSettings, TrainerSettings
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.sft.trainer import STEP_PHASES, RolloutMatchingTrainer, SampleDataset
 
@@ -88,8 +88,8 @@ def test_step_phases_are_disjoint_and_sum_to_the_step(tmp_path, monkeypatch):
     engine = SlowEngine(HFRolloutEngine(model, tok.pad_token_id, sorted(stop_token_ids(tok)), 2))
     trainer = RolloutMatchingTrainer(model=model, args=args, train_dataset=SampleDataset(samples),
                                      pipeline=SlowPipeline(PromptEncoder(tok)), engine=engine,
-                                     decoding=DecodingParams(max_new_tokens=8), loss_weights=LossWeights(),
-                                     target_source="rollout", weight_sync=SlowSync(), processing_class=tok)
+                                     settings=TrainerSettings(rollout=RolloutSettings(DecodingParams(max_new_tokens=8))),
+                                     weight_sync=SlowSync(), processing_class=tok)
     trainer.train()
     logged = next(r for r in trainer.state.log_history if "time/step_s" in r)
     t = {p: logged[f"time/{p}_s"] for p in STEP_PHASES}

@@ -27,6 +27,10 @@ import torch
 MISMATCH_KEYS = ("logp_index", "logp_engine")
 
 
+#: ``rollout_matching.mismatch.warn_mean_abs_diff``'s default (nats a kept rollout token)
+DEFAULT_MISMATCH_WARN = 0.05
+
+
 def kept_engine_logprobs(prompt_len: int, response_ids: Sequence[int], prefix_ids: Sequence[int],
                          logprobs: Sequence[dict[int, float]] | None) -> list[tuple[int, float]]:
     """``(position in prompt + response, engine log-probability)`` of each rollout token the target keeps: the

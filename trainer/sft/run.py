@@ -20,8 +20,6 @@ from trainer.data.records import JsonlDataset, LoadReport, index_jsonl
 from trainer.data.synthetic import SYNTHETIC_JSONL, generate
 from trainer.extras import require
 from trainer.loggers import close_loggers, open_loggers, require_loggers
-from trainer.losses.objective import LossWeights
-from trainer.memory.oom import memory_settings
 from trainer.modeling.checkpointing import training_arguments_kwargs
 from trainer.modeling.compile import compile_decoder_layers
 from trainer.modeling.levers import apply_model_levers
@@ -36,6 +34,7 @@ from trainer.sft.checkpoint_files import STAGE2_DIR
 from trainer.sft.cpu_threads import apply_cpu_affinity, apply_cpu_threads, omp_wait_policy_in_effect
 from trainer.sft.heap import freeze_setup_objects, install_first_step_freeze
 from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
+from trainer.sft.settings import decoding_params, stage1_settings, stage2_settings
 from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
 from trainer.sft.trainer import JsonlMetricsCallback, RolloutMatchingTrainer, SampleDataset
 from trainer.sync.policy import build_weight_sync
@@ -303,16 +302,8 @@ def _train(cfg: TrainConfig, out: Path, resume_from_checkpoint: str | None, cpu_
     dataset = SampleDataset(samples)
     report = [r for r in cfg.training.report_to if r == "tensorboard"]  # HF's writer; jsonl, wandb, mlflow: ours
     metrics_path = out / "metrics.jsonl"
-    lw = rm.loss
-    weights = LossWeights(lw.text_ce_weight, lw.coord_softce_weight, lw.coord_w1_weight, lw.coord_gate_weight,
-                          lw.coord_sigma)
-    d = rm.decoding
-    decoding = DecodingParams(d.max_new_tokens, d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.seed)
-    common = dict(pipeline=pipeline, decoding=decoding, loss_weights=weights, image_token_id=loaded.image_token_id,
-                  supervised_logits=lw.supervised_logits_only,
-                  logit_chunk_rows=lw.logit_chunk_rows, phase_timing=cfg.training.phase_timing,
-                  host_vision_metadata=cfg.training.host_vision_metadata,
-                  train_dataset=dataset, processing_class=loaded.tokenizer)
+    decoding = decoding_params(cfg)
+    common = dict(pipeline=pipeline, train_dataset=dataset, processing_class=loaded.tokenizer)
     engine = build_rollout_engine(rm, loaded, model)
     weight_sync = build_weight_sync(rm, engine, model)
     write_run_metadata(out, cfg, engine, weight_sync)
@@ -336,9 +327,8 @@ def _train(cfg: TrainConfig, out: Path, resume_from_checkpoint: str | None, cpu_
                                                  batch_size=s1.batch_size, report_to=report,
                                                  logging_steps=s1.logging_steps, step_records=True,
                                                  bf16=s1.resolved_bf16(cfg.training.bf16, cfg.model.torch_dtype)),
-            engine=None, target_source="ground_truth", callbacks=[StepRateCallback(s1.batch_size), *stage1_callbacks],
-            micro_batch_rows=s1.batch_size, packing=packing_buffer(cfg), packed_attn_implementation=packed_attn,
-            memory_settings=memory_settings(cfg, stage1=True), **common)
+            engine=None, settings=stage1_settings(cfg, loaded.image_token_id, packed_attn),
+            packing=packing_buffer(cfg), callbacks=[StepRateCallback(s1.batch_size), *stage1_callbacks], **common)
         warm.train()
     t = cfg.training
     packing = packing_buffer(cfg)
@@ -349,18 +339,8 @@ def _train(cfg: TrainConfig, out: Path, resume_from_checkpoint: str | None, cpu_
                                                  batch_size=cfg.training.per_device_train_batch_size,
                                                  report_to=report, step_records=True,
                                                  records_per_step=cfg.training.records_per_step),
-            micro_batch_rows=cfg.training.per_device_train_batch_size,
-            engine=engine, target_source="rollout", packing=packing,
-            rollout_buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1,
-            packed_attn_implementation=packed_attn,  # chosen once above (training.packed_varlen_kernel)
-            offload=(rm.offload.offload_model, rm.offload.offload_optimizer) if rm.offload.enabled else None,
-            weight_sync=weight_sync, callbacks=stage2_callbacks,
-            eager_rollouts=cfg.training.compile_decoder_layers and rm.rollout_backend == "hf" and not rm.hf.compile,
-            async_rollouts=((True, rm.vllm.server.async_rollouts.max_staleness_steps)
-                            if rm.vllm.server.async_rollouts.enabled else None),
-            pixels_during_decode=rm.vllm.pixels_during_decode,  # validated: vllm backend, not with async rollouts
-            profile_steps=t.profile_steps, profile_trace=t.profile_trace, memory_settings=memory_settings(cfg),
-            **common)
+            engine=engine, settings=stage2_settings(cfg, loaded.image_token_id, packed_attn),
+            packing=packing, weight_sync=weight_sync, callbacks=stage2_callbacks, **common)
         if t.freeze_heap_after_first_step:
             install_first_step_freeze(trainer)
         freeze_setup_objects()

@@ -32,10 +32,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trainer.buffering.rollout_buffer import RepeatingLoader, RolloutBuffer, repeated_length
 from trainer.data.records import Sample
-from trainer.losses.objective import LossTerms, LossWeights
+from trainer.losses.objective import LossTerms
 from trainer.matching.targets import TrainTarget
 from trainer.memory.offload import offload_for_rollout
-from trainer.memory.oom import MemorySettings, TrainingOutOfMemory
+from trainer.memory.oom import TrainingOutOfMemory
 from trainer.memory.oom import explain as explain_out_of_memory
 from trainer.modeling.adapter_casts import adapter_layers, uncast_adapter_inputs
 from trainer.modeling.compile import compiled_graphs, eager_rollouts
@@ -57,6 +57,7 @@ from trainer.sft.checkpoint_files import checkpoint_folders, rollout_state_name
 from trainer.sft.forward import LOSS_KEYS, forward_loss
 from trainer.sft.mismatch import MismatchStats
 from trainer.sft.mismatch import summary as mismatch_summary
+from trainer.sft.settings import TrainerSettings
 from trainer.sft.stage2 import Stage2Pipeline
 from trainer.sync.update_check import NonFiniteWeightsError, check_learner_weights
 from trainer.telemetry import (
@@ -87,8 +88,6 @@ AFTER_STEP_PHASES = ("optimizer", "step_wall")
 #: model inputs the forward reads on the host: the vision encoder's metadata is made from the image grid there
 HOST_INPUTS = ("image_grid_thw",)
 LEDGER = "ledger.jsonl"
-#: ``rollout_matching.mismatch.warn_mean_abs_diff``'s default (nats a kept rollout token)
-DEFAULT_MISMATCH_WARN = 0.05
 #: logged steps between two mismatch warnings
 MISMATCH_WARN_EVERY = 50
 
@@ -141,18 +140,14 @@ class RolloutMatchingTrainer(Trainer):
     """Stage-2 rollout-matching SFT (``target_source='rollout'``) or its GT warm-up (``'ground_truth'``)."""
 
     def __init__(self, *args: Any, pipeline: Stage2Pipeline, engine: RolloutEngine | None,
-                 decoding: DecodingParams, loss_weights: LossWeights, target_source: str = "rollout",
-                 image_token_id: int | None = None, packing: PackingBuffer | None = None,
-                 rollout_buffer_m_steps: int = 1, packed_attn_implementation: str | None = None,
-                 offload: tuple[bool, bool] | None = None, weight_sync: Any = None, supervised_logits: bool = True,
-                 logit_chunk_rows: int | None = None,
-                 eager_rollouts: bool = False, async_rollouts: tuple[bool, int] | None = None,
-                 pixels_during_decode: bool = False, profile_steps: Sequence[int] = (), profile_trace: bool = False,
-                 memory_settings: MemorySettings | None = None, micro_batch_rows: int | None = None,
-                 phase_timing: str = "events", host_vision_metadata: bool = True,
-                 mismatch_warn: float | None = DEFAULT_MISMATCH_WARN, **kwargs: Any):
-        if target_source not in ("rollout", "ground_truth"):
-            raise ValueError(f"target_source must be 'rollout' or 'ground_truth', got {target_source!r}")
+                 settings: TrainerSettings | None = None, packing: PackingBuffer | None = None,
+                 weight_sync: Any = None, **kwargs: Any):
+        """``settings``: what the trainer runs with (``trainer.sft.settings``; default: stage 2 with the defaults);
+        ``pipeline``, ``engine``, ``packing`` (the rows' buffer, None: padded micro-batches) and ``weight_sync``:
+        its collaborators; the rest goes to ``transformers.Trainer``."""
+        settings = settings if settings is not None else TrainerSettings()
+        target_source, rollout, layout, runtime = (settings.target_source, settings.rollout, settings.layout,
+                                                   settings.runtime)
         if target_source == "rollout" and engine is None:
             raise ValueError("a rollout engine is required for stage-2 training")
         kwargs.setdefault("data_collator", identity_collator)
@@ -169,50 +164,52 @@ class RolloutMatchingTrainer(Trainer):
                 "gradient_accumulation_steps=1) with per_device_train_batch_size = this rank's records per optimizer "
                 "step (trainer.sft.run.training_arguments folds training.gradient_accumulation_steps in)")
         #: padded layout: targets per micro-batch (default: all of the step's records in one)
-        self.micro_batch_rows = micro_batch_rows or self.args.per_device_train_batch_size
+        self.settings = settings
+        self.micro_batch_rows = layout.micro_batch_rows or self.args.per_device_train_batch_size
         self.model_accepts_loss_kwargs = False
         self.pipeline = pipeline
         self.engine = engine
-        self.decoding = decoding
+        self.decoding = rollout.decoding
         #: ``rollout_matching.mismatch``: the engine returns its log-probabilities and each logged step reports
         #: ``mismatch/*`` (``trainer.sft.mismatch``), warning above this mean |Δ log p|; None: not measured
-        self.mismatch_warn = mismatch_warn if target_source == "rollout" else None
+        self.mismatch_warn = rollout.mismatch_warn if target_source == "rollout" else None
         self._mismatch = MismatchStats()
         self._mismatch_warned_at: int | None = None
-        self.loss_weights = loss_weights
+        self.loss_weights = settings.loss.weights
         self.target_source = target_source
-        self.image_token_id = image_token_id
+        self.image_token_id = layout.image_token_id
         self.packing = packing
-        self.offload = offload
+        self.offload = runtime.offload
         self.weight_sync = weight_sync
-        self.supervised_logits = supervised_logits
-        self.logit_chunk_rows = logit_chunk_rows  # ``loss.logit_chunk_rows`` (``trainer.losses.chunked_objective``)
+        self.supervised_logits = settings.loss.supervised_logits
+        self.logit_chunk_rows = settings.loss.logit_chunk_rows  # ``loss.logit_chunk_rows`` (``trainer.losses.chunked_objective``)
         #: ``training.phase_timing``: how a row's forward is timed (``PhaseTimers.phase``'s ``device_time``, which
         #: validates it)
-        self.phase_timing = phase_timing
+        self.phase_timing = runtime.phase_timing
         #: ``training.host_vision_metadata``: ``image_grid_thw`` stays on the host and the vision encoder's metadata is
         #: made there (``trainer.modeling.vision_metadata``)
-        self.host_grid = host_vision_metadata and install_host_vision_metadata(self.model)
+        self.host_grid = layout.host_vision_metadata and install_host_vision_metadata(self.model)
         self._deepstack_owner = deepstack_owner(self.model) if self.host_grid else None
-        self.eager_rollouts = eager_rollouts
+        self.eager_rollouts = rollout.eager
         #: ``vllm.pixels_during_decode``: the training pixels are made on ``_pixel_pool``'s thread while the engine decodes
-        self.pixels_during_decode = pixels_during_decode and self._can_defer_pixels(engine, pipeline)
+        self.pixels_during_decode = rollout.pixels_during_decode and self._can_defer_pixels(engine, pipeline)
         self._pixel_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._layout_stack: contextlib.ExitStack | None = None
         #: what an out-of-memory error in a step advises (``trainer.memory.oom``)
-        self.memory_settings = memory_settings if memory_settings is not None else MemorySettings()
+        self.memory_settings = runtime.memory
         #: ``training.profile_steps``: optimizer steps whose weight sync and rows (forward + backward) run under
         #: torch.profiler
-        self.profile_steps = set(profile_steps)
-        self.profile_trace = profile_trace
+        self.profile_steps = set(runtime.profile_steps)
+        self.profile_trace = runtime.profile_trace
         self._sync_profiled: set[int] = set()
         self._adapter_layers: list[torch.nn.Module] | None = None  # peft tuner layers, found at the first forward
         self._resume_skip = 0
         self._steps_per_epoch = 1
-        self.packed_attn = (choose_packed_attention(packed_attn_implementation, image_token_id is not None)
+        self.packed_attn = (choose_packed_attention(layout.packed_attn_implementation,
+                                                    layout.image_token_id is not None)
                             if packing is not None else None)
-        self.rollout_buffer = (RolloutBuffer(self.args.gradient_accumulation_steps, rollout_buffer_m_steps)
-                               if rollout_buffer_m_steps > 1 else None)
+        self.rollout_buffer = (RolloutBuffer(self.args.gradient_accumulation_steps, rollout.buffer_m_steps)
+                               if rollout.buffer_m_steps > 1 else None)
         self.coord_ids = torch.tensor(sorted(pipeline.coord_bin_by_id, key=pipeline.coord_bin_by_id.get))
         self._coord_ids_device: torch.Tensor | None = None
         self.timers = PhaseTimers()
@@ -229,12 +226,12 @@ class RolloutMatchingTrainer(Trainer):
         self._max_staleness = 0
         #: ``async_rollouts``: the next micro-batch is decoded while this one trains (``trainer.rollout.prefetch``)
         self.prefetcher = None
-        if async_rollouts is not None and async_rollouts[0] and target_source == "rollout":
+        if rollout.async_max_staleness is not None and target_source == "rollout":
             from trainer.rollout.prefetch import RolloutPrefetcher
 
             if not hasattr(engine, "generate_async"):
                 raise ValueError("async_rollouts needs a rollout-server engine (generate_async)")
-            self.prefetcher = RolloutPrefetcher(engine, async_rollouts[1])
+            self.prefetcher = RolloutPrefetcher(engine, rollout.async_max_staleness)
         self._lookahead: tuple[Any, Any] | None = None  # (epoch iterator, the micro-batch read ahead of it)
         self._plan: list[tuple[int, list[Sample]]] = []  # micro-batches still to come, with their optimizer step
         self._staleness: list[int] = []
