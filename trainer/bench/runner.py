@@ -10,6 +10,11 @@ check, ``recompiles_after_first_step``, busy % and peak memory of every GPU from
 ``<out>/<table>.json`` as soon as it is measured, with the date, machine, versions and the command that reproduces
 it. A variant that fails is recorded with its error and log; the others still run.
 
+A learning table (``kind: learning``, ``trainer.bench.learning``) runs each variant at each of its seeds the same
+way; its record is what the run learned (held-out metrics after stage 1 and after stage 2, times, mismatch) and
+``<table>.json`` adds ``summary``: each variant's mean and spread over the seeds. A learning variant with servers
+first writes its model (``model.tiny`` at the seed) to a folder that the servers and the learner both load.
+
 Without a GPU the table must train the ``tiny`` model with the HF backend (and ``server: {engine: hf}``); the
 learner's ranks then use gloo.
 """
@@ -30,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from trainer.bench import learning
 from trainer.bench.measure import Work, measure, recomputed_fraction, stage2_steps, summarise_steps, trl_over_ours
 from trainer.bench.models import peak_bf16_tflops
 from trainer.bench.processes import start_group, stop_group
@@ -202,22 +208,46 @@ def trl_peer_args(cfg: dict[str, Any], work: Work, model_dir: Path, data: Path, 
             "--liger"]
 
 
-def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path, root: Path, cuda: bool
-                ) -> dict[str, Any]:
-    """One variant: servers, learner, measurement (and TRL's side); errors are recorded, never raised."""
-    rec: dict[str, Any] = {"name": variant.name, "model": variant.model or table.model, "gpus": variant.gpus,
+def save_learning_model(table: Table, variant: Variant, where: Path, root: Path, seed: int) -> Path | None:
+    """The folder a learning variant's servers and learner load: its ``model.tiny`` at ``seed`` written there (in a
+    subprocess); its ``model.path`` as given; None without servers (the learner builds its own)."""
+    if not variant.servers:
+        return None
+    from trainer.config.schema import validate_config as _validate
+
+    m = _validate(variant_config(table, variant, where, seed=seed)).model
+    if m.path is not None:
+        return Path(m.path)
+    out = root / "models" / f"{variant.name}-seed{seed}"
+    code = ("from pathlib import Path; from trainer.modeling.fixtures import TinyShape, save_tiny_model; "
+            f"save_tiny_model(Path({str(out)!r}), {m.tiny!r}, {m.tiny_seed!r}, "
+            f"shape=TinyShape(**{m.tiny_shape.model_dump()!r}))")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    return out
+
+
+def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path | None, root: Path, cuda: bool,
+                seed: int | None = None) -> dict[str, Any]:
+    """One variant (a learning table's: at ``seed``): servers, learner, measurement (and TRL's side); errors are
+    recorded, never raised."""
+    learns = table.kind == "learning"
+    name = f"{variant.name}@seed{seed}" if learns else variant.name
+    rec: dict[str, Any] = {"name": name, "model": variant.model or table.model, "gpus": variant.gpus,
                            "learner_gpus": variant.learner_gpus, "servers": variant.servers,
                            "baseline": variant.baseline or variant.name}
+    if learns:
+        rec.update(variant=variant.name, seed=seed,
+                   backend=learning.backend_of(variant_config(table, variant, where, seed=seed)))
     if variant.servers:
         rec["server"] = server_settings(table, variant).model_dump()
-    run_dir, logs = root / "runs" / variant.name, root / "logs" / variant.name
+    run_dir, logs = root / "runs" / name, root / "logs" / name
     for d in (run_dir, logs):
         shutil.rmtree(d, ignore_errors=True)
     logs.mkdir(parents=True)
     servers: list[subprocess.Popen] = []
     learner: subprocess.Popen | None = None
     sampler = GpuSampler() if cuda else None
-    learner_gpus = list(range(variant.servers, variant.gpus)) if cuda else None
+    learner_gpus = (([0] if variant.share_gpu else list(range(variant.servers, variant.gpus))) if cuda else None)
     try:
         if cuda:
             wait_for_free_gpus(list(range(variant.gpus)))
@@ -236,7 +266,8 @@ def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path, ro
 
             rec["servers_ready_s"] = max(wait_until_healthy(urls, table.timeout_s, interval_s=1.0,
                                                             abort=abort).values())
-        cfg = variant_config(table, variant, where, model_dir=str(model_dir), output_dir=str(run_dir), urls=urls)
+        cfg = variant_config(table, variant, where, model_dir=str(model_dir) if model_dir else None,
+                             output_dir=str(run_dir), urls=urls, seed=seed)
         validate_config(cfg, source=variant.name)
         rec["config"] = cfg
         (logs / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -254,6 +285,9 @@ def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path, ro
         rec["learner_wall_s"] = time.perf_counter() - t0
         if rc != 0:
             raise RuntimeError(f"learner exited with {rc}")
+        if learns:
+            rec.update(learning.learning_record(run_dir))
+            return rec
         work = work_of(variant.model or table.model, cfg, variant.learner_gpus)
         rec.update(measure(run_dir, records_per_step(cfg["training"], variant.learner_gpus), table.warmup_steps))
         steps = stage2_steps(read_jsonl(run_dir / "metrics.jsonl"))
@@ -331,7 +365,7 @@ def run(table: Table, table_path: Path, out_dir: Path, only: str | None = None, 
     names = gpu_names()
     cuda = bool(names)
     variants = select(table, only)
-    if not cuda and (big := sorted({v.model or table.model for v in variants} - {"tiny"})):
+    if not cuda and table.kind == "speed" and (big := sorted({v.model or table.model for v in variants} - {"tiny"})):
         raise SystemExit(f"bench run: {table_path} trains a random Qwen3-VL-{', '.join(big).upper()} and needs CUDA "
                          "GPUs; on a CPU run a table of the tiny model (benchmarks/cpu.yaml)")
     fits = [v for v in variants if not cuda or v.gpus <= len(names)]
@@ -348,6 +382,8 @@ def run(table: Table, table_path: Path, out_dir: Path, only: str | None = None, 
     result: dict[str, Any] = {"table": str(table_path), **stamp, "records": [], "skipped": skipped}
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{table_path.stem}.json"
+    if table.kind == "learning":
+        return _run_learning(table, table_path, fits, root, cuda, stamp, result, path)
     for v in fits:
         print(f"bench run: {v.name} ({v.gpus} GPU(s)) ...", flush=True)
         model_dir = save_model(v.model or table.model, root, cuda)
@@ -359,4 +395,29 @@ def run(table: Table, table_path: Path, out_dir: Path, only: str | None = None, 
         print(f"bench run: {v.name}: " + (rec.get("error") or
               f"{rec['trained_samples_per_s']:.2f} samples/s, step {rec['step_wall_s']:.2f} s, recompiles after the "
               f"first step {rec['recompiles_after_first_step']}"), flush=True)
+    return result
+
+
+def _run_learning(table: Table, table_path: Path, variants: list[Variant], root: Path, cuda: bool,
+                  stamp: dict[str, Any], result: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Every variant at every seed (seed-major, so a cut-short run has each variant at its first seeds), the summary
+    rewritten after each record."""
+    for seed in table.seeds:
+        for v in variants:
+            print(f"bench run: {v.name} at seed {seed} ({v.gpus} GPU(s)) ...", flush=True)
+            try:
+                model_dir = save_learning_model(table, v, table_path.parent, root, seed)
+            except subprocess.CalledProcessError as exc:
+                rec = {"name": f"{v.name}@seed{seed}", "variant": v.name, "seed": seed, "backend": None,
+                       "error": f"writing its model failed: {exc}"}
+            else:
+                rec = run_variant(table, v, table_path.parent, model_dir, root, cuda, seed=seed)
+            rec.update(stamp, command=f"python -m trainer bench run {table_path} --only {v.name}")
+            result["records"].append(rec)
+            result["summary"] = learning.summarise(result["records"])
+            path.write_text(json.dumps(result, indent=2))
+            print(f"bench run: {rec['name']}: " + (rec.get("error") or
+                  f"F1@0.5 {rec['after_stage1'].get('f1@50', float('nan')):.3f} -> "
+                  f"{rec['after_stage2'].get('f1@50', float('nan')):.3f}"), flush=True)
+    print(learning.markdown(result.get("summary", {})), flush=True)
     return result

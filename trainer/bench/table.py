@@ -16,6 +16,18 @@
       - name: shipped
         extends: ../presets/colocate-4-2b-full.values.yaml#learner.config  # merged before ``config``; ``#a.b``: a key path
 
+A learning table (``kind: learning``, ``trainer.bench.learning``) runs every variant at every one of its ``seeds``
+(stage 1, stage 2, the held-out split scored after each); it has no ``model``: each variant's config names it
+(``model.tiny`` or ``model.path``), and the runner writes no ``data.synthetic.num_samples``.
+
+    kind: learning
+    seeds: [0, 1, 2]
+    base: {extends: ../configs/demo.yaml}
+    variants:
+      - name: hf
+      - name: colocate
+        config: {custom: {extra: {rollout_matching: {rollout_backend: vllm}}}}
+
 A variant's config is ``base``, then its ``extends`` in order, then its ``config`` (mappings merge, everything else
 replaces), then the keys the runner owns (``RUNNER_KEYS``). Every variant is validated by the training schema when
 the table loads, before anything runs; a problem is one line naming the table, the variant and the key.
@@ -69,14 +81,26 @@ class Variant(_Strict):
     config: dict[str, Any] = Field({}, description="trainer config keys deep-merged over the base")
     server: ServerSettings | None = Field(None, description="its rollout servers' engine settings (default: the "
                                                             "table's `server`), e.g. a values file's `rolloutServer`")
+    share_gpu: bool = Field(False, description="one server and a one-GPU learner on the same GPU (the server's "
+                                               "gpu_memory_utilization leaves the learner its room)")
+
+    @pydantic.model_validator(mode="after")
+    def _sharing_fits(self):
+        if self.share_gpu and (self.servers != 1 or self.learner_gpus != 1):
+            raise ValueError("share_gpu: one server and one learner GPU share a GPU; set servers: 1, learner_gpus: 1")
+        return self
 
     @property
     def gpus(self) -> int:
-        return self.learner_gpus + self.servers
+        return 1 if self.share_gpu else self.learner_gpus + self.servers
 
 
 class Table(_Strict):
-    model: Literal["tiny", "2b", "4b", "8b"]
+    kind: Literal["speed", "learning"] = Field("speed", description="speed: a random model's throughput; "
+                                               "learning: held-out metrics before and after stage 2 over seeds")
+    model: Literal["tiny", "2b", "4b", "8b"] | None = Field(
+        None, description="the random Qwen3-VL a speed table trains (a learning table's configs name their model)")
+    seeds: list[int] = Field([], description="a learning table: every variant runs at each of these seeds")
     base: dict[str, Any]
     fragments: dict[str, dict[str, Any]] = Field({}, description="named config overrides (`extends: '#name'`)")
     variants: list[Variant] = Field(min_length=1)
@@ -84,6 +108,20 @@ class Table(_Strict):
     server: ServerSettings = ServerSettings()
     timeout_s: float = Field(900.0, gt=0, description="the most one variant's server start and learner may take")
     warmup_steps: int = Field(1, ge=1, description="optimizer steps left out of every mean")
+
+    @pydantic.model_validator(mode="after")
+    def _kind_fits(self):
+        if self.kind == "speed" and self.model is None:
+            raise ValueError("model: a speed table names the random Qwen3-VL it trains (tiny, 2b, 4b or 8b)")
+        if self.kind == "learning":
+            if self.model is not None:
+                raise ValueError("model: a learning table trains the model its configs name (model.tiny or "
+                                 "model.path); remove the table's model")
+            if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+                raise ValueError("seeds: a learning table runs every variant at distinct seeds, e.g. [0, 1, 2]")
+        elif self.seeds:
+            raise ValueError("seeds: only a learning table (kind: learning) runs seeds")
+        return self
 
 
 def server_settings(table: Table, variant: Variant) -> ServerSettings:
@@ -125,9 +163,11 @@ def records_per_step(training: dict[str, Any], learner_gpus: int) -> int:
                * training.get("gradient_accumulation_steps", 1) * learner_gpus)
 
 
-def variant_config(table: Table, variant: Variant, where: Path, *, model_dir: str = "model",
-                   output_dir: str = "out", urls: list[str] | None = None) -> dict[str, Any]:
-    """``variant``'s trainer config as a plain mapping (not validated), the runner's keys filled in."""
+def variant_config(table: Table, variant: Variant, where: Path, *, model_dir: str | None = None,
+                   output_dir: str = "out", urls: list[str] | None = None, seed: int | None = None) -> dict[str, Any]:
+    """``variant``'s trainer config as a plain mapping (not validated), the runner's keys filled in. A learning
+    table's: at ``seed`` (default: its first), ``model.path`` only where ``model_dir`` is given (the model its
+    servers load), its own sample counts."""
     refs = [variant.extends] if isinstance(variant.extends, str) else variant.extends
     cfg = copy.deepcopy(table.base)
     base_refs = cfg.pop("extends", [])
@@ -136,13 +176,23 @@ def variant_config(table: Table, variant: Variant, where: Path, *, model_dir: st
     for ref in refs:
         cfg = deep_merge(cfg, read_ref(ref, where, table.fragments))
     cfg = deep_merge(cfg, variant.config)
-    _set(cfg, "model.path", model_dir)
+    learning = table.kind == "learning"
+    if learning:
+        from trainer.bench.learning import seed_config
+
+        cfg = seed_config(cfg, table.seeds[0] if seed is None else seed)
+    if model_dir is None and not learning:
+        model_dir = "model"
+    if model_dir is not None:
+        _set(cfg, "model.path", model_dir)
+        if learning:
+            cfg["model"].pop("tiny", None)
     _set(cfg, "training.output_dir", output_dir)
     if variant.servers:
         urls = urls or [f"http://127.0.0.1:{8000 + i}" for i in range(variant.servers)]
         _set(cfg, "custom.extra.rollout_matching.vllm.server.servers", [{"base_url": u} for u in urls])
     training = cfg.get("training", {})
-    if "synthetic" in cfg.get("data", {}):
+    if "synthetic" in cfg.get("data", {}) and not learning:
         records = records_per_step(training, variant.learner_gpus)
         _set(cfg, "data.synthetic.num_samples", records * (int(training.get("max_steps", 1)) + 1))
     return cfg
@@ -157,6 +207,20 @@ def _placement_errors(variant: Variant, cfg: TrainConfig) -> list[str]:
     if server_mode and not variant.servers:
         return ["custom.extra.rollout_matching.vllm.mode: server needs `servers: N` (N >= 1) on the variant"]
     return []
+
+
+def _learning_errors(variant: Variant, cfg: TrainConfig) -> list[str]:
+    lines = []
+    if variant.model is not None:
+        lines.append("model: a learning variant trains the model its config names (model.tiny or model.path)")
+    if not cfg.data.has_eval_split or not cfg.training.eval_steps:
+        lines.append("training.eval_steps: a learning run scores a held-out split after stage 1 and after stage 2: "
+                     "set data.synthetic.eval_num_samples (or data.eval_jsonl) and training.eval_steps")
+    if cfg.stage1.steps <= 0:
+        lines.append("stage1.steps: a learning run starts stage 2 from a warm-up; set stage1.steps > 0")
+    if variant.servers and cfg.model.tiny is None and cfg.model.path is None:
+        lines.append("model: its servers load the variant's model; set model.tiny or model.path")
+    return lines
 
 
 def _pydantic_lines(exc: pydantic.ValidationError, prefix: str, known: Any) -> list[str]:
@@ -214,6 +278,8 @@ def load_table(path: str | Path) -> Table:
             lines.extend(f"{where}{e}" for e in exc.errors)
             continue
         lines.extend(where + line for line in _placement_errors(v, cfg))
+        if table.kind == "learning":
+            lines.extend(where + line for line in _learning_errors(v, cfg))
     if lines:
         raise BenchTableError(lines)
     return table
