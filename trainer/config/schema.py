@@ -36,6 +36,9 @@ class TinyShapeConfig(Section):
     num_hidden_layers: int = Field(2, ge=1, le=32)
     vision_hidden_size: int = Field(64, ge=64, le=2048, multiple_of=64)
     vision_depth: int = Field(2, ge=1, le=32)
+    max_pixels: int = Field(128 * 128, ge=32 * 32, le=2048 * 2048, description=(
+        "the image processor's largest image in pixels (larger ones are scaled down); the vision tower's position grid "
+        "follows it"))
 
 
 class ModelConfig(Section):
@@ -74,11 +77,23 @@ class SyntheticDataConfig(Section):
     poly_fraction: float = Field(0.0, ge=0.0, le=1.0)
     eval_num_samples: int = Field(0, ge=0, description="held-out synthetic eval split size (0: none)")
     eval_seed: int | None = Field(None, description="seed of the eval split (default: seed + 1; must differ from seed)")
+    min_object_px: int | None = Field(None, ge=1, description="an object's smallest side in pixels (None: image_size // 8)")
+    max_object_px: int | None = Field(None, ge=1, description="an object's largest side in pixels (None: image_size // 3)")
+    max_overlap: float = Field(1.0, ge=0.0, le=1.0, description=(
+        "largest share of an object's box that another object's box may cover (one that cannot be placed is left out; "
+        "1.0: no bound)"))
+    clutter: int = Field(0, ge=0, description="unannotated grey strokes and dots drawn in each image")
+    varied_background: bool = Field(False, description="a random light background colour per image")
 
     @model_validator(mode="after")
     def _held_out(self) -> SyntheticDataConfig:
         if self.eval_seed is not None and self.eval_seed == self.seed:
             raise ValueError("eval_seed must differ from seed (the eval split must be held out)")
+        lo = self.min_object_px if self.min_object_px is not None else self.image_size // 8
+        hi = self.max_object_px if self.max_object_px is not None else self.image_size // 3
+        if not 1 <= lo <= hi < self.image_size - 1:
+            raise ValueError(f"object sizes {lo}..{hi} px (min_object_px..max_object_px) must satisfy 1 <= min <= max "
+                             f"< image_size - 1 ({self.image_size - 1})")
         return self
 
 
@@ -319,6 +334,11 @@ class Stage1Config(Section):
     bf16: bool | Literal["auto"] = Field(
         "auto", description="bf16 mixed precision in the warm-up; auto: on where training.bf16 is or the model is "
                             "loaded in bfloat16 (model.torch_dtype)")
+    target_workers: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
+        "auto", description="data-loader worker processes per rank that build the warm-up's ground-truth targets "
+        "(prompt tokens, pixels, answer tokens) ahead of the step that trains them; 0: in the step. auto: 0 without "
+        "a CUDA device, else up to 4, leaving each rank one core of its share (the count is logged as the warm-up "
+        "starts)")
 
     def resolved_learning_rate(self, num_parameters: int, train_type: str) -> float:
         """``learning_rate``, with ``auto`` looked up in ``AUTO_LEARNING_RATES``."""

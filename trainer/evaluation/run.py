@@ -24,7 +24,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from trainer.data.records import LoadReport, Sample, load_jsonl
-from trainer.data.synthetic import generate
+from trainer.data.synthetic import generate, scene_style
 from trainer.evaluation.metrics import (
     DEFAULT_RESOLUTION,
     DetectionMetrics,
@@ -94,7 +94,7 @@ def load_eval_samples(cfg: Any, split: str | None = None) -> EvalSplit:
     if s is not None and s.eval_num_samples:
         seed = s.eval_seed if s.eval_seed is not None else s.seed + 1
         path = generate(Path(cfg.training.output_dir) / "data-eval", s.eval_num_samples, seed, s.min_objects,
-                        s.max_objects, s.image_size, s.poly_fraction, filename="eval.jsonl")
+                        s.max_objects, s.image_size, s.poly_fraction, filename="eval.jsonl", style=scene_style(s))
         return load_split(path)
     raise EvalSetupError("no eval split: pass --split FILE.jsonl, or set data.eval_jsonl, or (synthetic data) "
                          "data.synthetic.eval_num_samples")

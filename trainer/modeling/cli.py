@@ -32,11 +32,19 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_tiny(args: argparse.Namespace) -> int:
-    from trainer.modeling.fixtures import save_tiny_model
+    from trainer.modeling.fixtures import TinyShape, save_tiny_model
     from trainer.modeling.prepare import prepare_command
 
+    try:
+        given = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers,
+                 "vision_hidden_size": args.vision_hidden_size, "vision_depth": args.vision_depth,
+                 "max_pixels": args.max_pixels}
+        shape = TinyShape(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        print(f"error: model tiny: {exc}", file=sys.stderr)
+        return 2
     out = save_tiny_model(args.out, "vl" if args.vl else "text", args.seed, stock=True, vocab_rows=args.vocab_rows,
-                          tied=not args.untied)
+                          tied=not args.untied, shape=shape)
     print(f"wrote a tiny stock {'Qwen3-VL' if args.vl else 'Qwen3'} checkpoint (no coord tokens) to {out}; next: "
           + prepare_command(out))
     return 0
@@ -66,4 +74,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tiny.add_argument("--vocab-rows", type=int, default=None, metavar="N",
                       help="at least N embedding rows (spare rows beyond the tokenizer, as Qwen's padded vocabularies)")
     tiny.add_argument("--untied", action="store_true", help="a separate LM head (tie_word_embeddings: false)")
+    for flag, what in (("--hidden-size", "the language model's hidden size, a multiple of 64"),
+                       ("--layers", "the language model's layers"),
+                       ("--vision-hidden-size", "the vision tower's hidden size, a multiple of 64 (--vl)"),
+                       ("--vision-depth", "the vision tower's blocks (--vl)"),
+                       ("--max-pixels", "the image processor's largest image in pixels (--vl)")):
+        tiny.add_argument(flag, type=int, default=None, metavar="N",
+                          help=f"{what} (default: the embedded test fixture's, as model.tiny_shape)")
     tiny.set_defaults(func=run_tiny)

@@ -10,6 +10,7 @@ prepare`` turns into a trainable one.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from functools import lru_cache
@@ -46,6 +47,14 @@ class TinyShape:
     num_hidden_layers: int = 2
     vision_hidden_size: int = 64
     vision_depth: int = 2
+    #: the image processor's largest image, in pixels (Qwen2-VL's ``max_pixels``); larger images are scaled down
+    max_pixels: int = 128 * 128
+
+    @property
+    def num_position_embeddings(self) -> int:
+        """The vision tower's learned position grid: one cell per 16 px patch of the largest image side (at least
+        8 x 8; vLLM and transformers interpolate it to each image's grid)."""
+        return max(8, math.isqrt(self.max_pixels) // 16) ** 2
 
     def __post_init__(self):
         for name in ("hidden_size", "vision_hidden_size"):
@@ -53,11 +62,15 @@ class TinyShape:
                 raise ValueError(f"model.tiny_shape.{name} must be a multiple of {HEAD_DIM}, got {getattr(self, name)}")
         if self.num_hidden_layers < 1 or self.vision_depth < 1:
             raise ValueError("model.tiny_shape: num_hidden_layers and vision_depth must be >= 1")
+        if self.max_pixels < 32 * 32:
+            raise ValueError(f"model.tiny_shape.max_pixels must be >= {32 * 32}, got {self.max_pixels}")
 
     @property
     def stamp(self) -> str:
-        return "" if self == TinyShape() else f":{self.hidden_size}x{self.num_hidden_layers}" \
-            f"/{self.vision_hidden_size}x{self.vision_depth}"
+        if self == TinyShape():
+            return ""
+        pixels = "" if self.max_pixels == TinyShape.max_pixels else f"@{self.max_pixels}"
+        return f":{self.hidden_size}x{self.num_hidden_layers}/{self.vision_hidden_size}x{self.vision_depth}{pixels}"
 
 
 def tokenizer_corpus(n: int = 400, seed: int = 1234) -> list[str]:
@@ -130,7 +143,8 @@ def build_tiny_model(kind: TinyKind, seed: int = 0, stock: bool = False, vocab_r
                                intermediate_size=2 * shape.vision_hidden_size,
                                num_heads=shape.vision_hidden_size // HEAD_DIM, patch_size=16,
                                spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=shape.hidden_size,
-                               num_position_embeddings=64, deepstack_visual_indexes=[0]),
+                               num_position_embeddings=shape.num_position_embeddings,
+                               deepstack_visual_indexes=[0]),
             image_token_id=tok.convert_tokens_to_ids(IMAGE_PAD),
             video_token_id=tok.convert_tokens_to_ids(VIDEO_PAD),
             vision_start_token_id=tok.convert_tokens_to_ids(VISION_START),
@@ -145,12 +159,13 @@ def build_tiny_model(kind: TinyKind, seed: int = 0, stock: bool = False, vocab_r
     return model.eval(), tok
 
 
-def build_tiny_image_processor():
-    """The Qwen2/3-VL image processor (PIL backend: torchvision cannot load beside the CPU torch here)."""
+def build_tiny_image_processor(max_pixels: int = TinyShape.max_pixels):
+    """The Qwen2/3-VL image processor (PIL backend: torchvision cannot load beside the CPU torch here); images above
+    ``max_pixels`` are scaled down."""
     from transformers import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
-                                    size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128})
+                                    size={"shortest_edge": 32 * 32, "longest_edge": max_pixels})
 
 
 def save_tiny_model(out_dir: str | Path, kind: TinyKind = "text", seed: int = 0, stock: bool = False,
@@ -168,6 +183,6 @@ def save_tiny_model(out_dir: str | Path, kind: TinyKind = "text", seed: int = 0,
     model.save_pretrained(out)
     tok.save_pretrained(out)
     if kind == "vl":
-        build_tiny_image_processor().save_pretrained(out)
+        build_tiny_image_processor(shape.max_pixels).save_pretrained(out)
     marker.write_text(stamp)
     return out

@@ -17,7 +17,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from trainer.config.schema import TrainConfig
 from trainer.data.records import JsonlDataset, LoadReport, index_jsonl
-from trainer.data.synthetic import SYNTHETIC_JSONL, generate
+from trainer.data.synthetic import SYNTHETIC_JSONL, generate, scene_style
 from trainer.extras import require
 from trainer.loggers import close_loggers, open_loggers, require_loggers
 from trainer.modeling.checkpointing import training_arguments_kwargs
@@ -36,6 +36,7 @@ from trainer.sft.heap import freeze_setup_objects, install_first_step_freeze
 from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
 from trainer.sft.settings import decoding_params, stage1_settings, stage2_settings
 from trainer.sft.stage2 import MatchingSettings, Stage2Pipeline
+from trainer.sft.target_workers import GroundTruthCollator, resolve_target_workers
 from trainer.sft.trainer import JsonlMetricsCallback, RolloutMatchingTrainer, SampleDataset
 from trainer.sync.policy import build_weight_sync
 from trainer.telemetry import mirror_rows
@@ -125,7 +126,7 @@ def load_samples(cfg: TrainConfig) -> JsonlDataset:
         data_dir = Path(cfg.training.output_dir) / "data"
         with node_writes_first() as writer:
             path = (generate(data_dir, s.num_samples, s.seed, s.min_objects, s.max_objects, s.image_size,
-                             s.poly_fraction) if writer else data_dir / SYNTHETIC_JSONL)
+                             s.poly_fraction, style=scene_style(s)) if writer else data_dir / SYNTHETIC_JSONL)
         return index_jsonl(path)
     report = LoadReport()
     samples = index_jsonl(d.train_jsonl, d.image_root, on_bad_record=d.on_bad_record, report=report)
@@ -161,11 +162,12 @@ def records_per_rank(records_per_step: int | None, batch_size: int, accumulation
 def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, learning_rate: float,
                        batch_size: int, report_to: list[str], logging_steps: int | None = None,
                        step_records: bool = False, records_per_step: int | None = None,
-                       bf16: bool | None = None) -> TrainingArguments:
+                       bf16: bool | None = None, dataloader_workers: int | None = None) -> TrainingArguments:
     """HF's arguments; ``step_records``: for ``RolloutMatchingTrainer``, which gets a step's records
     (``records_per_step`` over all ranks, default ``batch_size`` x accumulation per rank) as HF's one micro-batch
     (``gradient_accumulation_steps`` 1) and accumulates the rows they fill itself. ``bf16``: None follows
-    ``training.bf16`` (the warm-up passes its own, ``stage1.bf16``). Checkpointing follows
+    ``training.bf16`` (the warm-up passes its own, ``stage1.bf16``); ``dataloader_workers``: None follows
+    ``training.dataloader_num_workers`` (the warm-up passes ``stage1.target_workers``). Checkpointing follows
     ``training.gradient_checkpointing_policy`` (``auto`` resolved first: ``trainer.modeling.levers``; the keyword is
     ``activation_checkpointing`` from transformers 5.2x), ``optim`` is ``training.optim``."""
     t = cfg.training
@@ -193,7 +195,7 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         **training_arguments_kwargs(t, TrainingArguments.__dataclass_fields__),
         optim=t.optim,
         remove_unused_columns=False,
-        dataloader_num_workers=t.dataloader_num_workers,
+        dataloader_num_workers=t.dataloader_num_workers if dataloader_workers is None else dataloader_workers,
         report_to=report_to,
         disable_tqdm=t.disable_tqdm,
         deepspeed=deepspeed_config.resolve(t.deepspeed),
@@ -321,14 +323,19 @@ def _train(cfg: TrainConfig, out: Path, resume_from_checkpoint: str | None, cpu_
     if cfg.stage1.steps > 0 and not resume_from_checkpoint:
         s1 = cfg.stage1
         lr = s1.resolved_learning_rate(parameter_count(loaded.model), cfg.tuner.train_type)
-        log.info("stage 1: %d steps at learning rate %g (stage1.learning_rate: %s)", s1.steps, lr, s1.learning_rate)
+        workers = resolve_target_workers(s1.target_workers, torch.cuda.is_available(),
+                                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")), len(os.sched_getaffinity(0)))
+        log.info("stage 1: %d steps at learning rate %g (stage1.learning_rate: %s), targets built %s", s1.steps, lr,
+                 s1.learning_rate, f"by {workers} loader workers" if workers else "in the step")
         warm = RolloutMatchingTrainer(
             model=model, args=training_arguments(cfg, out / "stage1", max_steps=s1.steps, learning_rate=lr,
                                                  batch_size=s1.batch_size, report_to=report,
                                                  logging_steps=s1.logging_steps, step_records=True,
-                                                 bf16=s1.resolved_bf16(cfg.training.bf16, cfg.model.torch_dtype)),
+                                                 bf16=s1.resolved_bf16(cfg.training.bf16, cfg.model.torch_dtype),
+                                                 dataloader_workers=workers),
             engine=None, settings=stage1_settings(cfg, loaded.image_token_id, packed_attn),
-            packing=packing_buffer(cfg), callbacks=[StepRateCallback(s1.batch_size), *stage1_callbacks], **common)
+            packing=packing_buffer(cfg), callbacks=[StepRateCallback(s1.batch_size), *stage1_callbacks],
+            **({"data_collator": GroundTruthCollator(pipeline)} if workers else {}), **common)
         warm.train()
     t = cfg.training
     packing = packing_buffer(cfg)

@@ -59,6 +59,7 @@ from trainer.sft.mismatch import MismatchStats
 from trainer.sft.mismatch import summary as mismatch_summary
 from trainer.sft.settings import TrainerSettings
 from trainer.sft.stage2 import Stage2Pipeline
+from trainer.sft.target_workers import split_prepared
 from trainer.sync.update_check import NonFiniteWeightsError, check_learner_weights
 from trainer.telemetry import (
     Counters,
@@ -433,7 +434,11 @@ class RolloutMatchingTrainer(Trainer):
 
     def _step_micro_batches(self, samples: list[Sample]) -> list[dict[str, Any]]:
         """This rank's micro-batches for the optimizer step of ``samples`` (fresh, or replayed by the rollout
-        buffer's M-steps)."""
+        buffer's M-steps); records the data loader's workers prepared (``trainer.sft.target_workers``) come with their
+        targets."""
+        samples, targets = split_prepared(samples)
+        if targets is not None:
+            return self._build_batch(samples, targets)
         if self.rollout_buffer is not None:
             prepared, fresh, staleness = self.rollout_buffer.prepare(
                 [s.sample_id for s in samples], lambda: self._build_batch(samples))
@@ -471,10 +476,11 @@ class RolloutMatchingTrainer(Trainer):
             ce, coord = counts.tolist()
         return step_denominators([ce], [coord]), float(dist.get_world_size())
 
-    def _build_batch(self, samples: list[Sample]) -> list[dict[str, Any]]:
-        """Rollout → targets → packed rows (or padded micro-batches), each with the step's loss denominators; what an
-        E-step caches."""
-        targets = self.make_targets(samples)
+    def _build_batch(self, samples: list[Sample], targets: list[TrainTarget] | None = None) -> list[dict[str, Any]]:
+        """Rollout → targets (or the ``targets`` given) → packed rows (or padded micro-batches), each with the step's
+        loss denominators; what an E-step caches."""
+        if targets is None:
+            targets = self.make_targets(samples)
         with self.timers.phase("target"):  # packing / padding the targets into the step's rows
             if self.packing is None:
                 groups = [[targets[i] for i in c] for c in chunk_rows(len(targets), self.micro_batch_rows)]
