@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 
-.PHONY: setup demo demo-gpu test test-fast lint bench clean pip-check docs docs-reference
+.PHONY: setup demo demo-gpu demo-gpu-model test test-fast lint bench clean pip-check docs docs-reference
 .DEFAULT_GOAL := help
 
 help:
@@ -72,10 +72,12 @@ demo: $(VENV)/.core
 # user's checkpoint is, then stage 1 and stage 2 (configs/demo_gpu.yaml) at SEED.
 SEED ?= 0
 DEMO_GPU := runs/demo-gpu
-demo-gpu:
+demo-gpu-model:
 	$(PYTHON) -m trainer model tiny --vl --out $(DEMO_GPU)/stock --hidden-size 640 --layers 8 \
 		--vision-hidden-size 384 --vision-depth 6 --max-pixels 102400
 	$(PYTHON) -m trainer model prepare --from $(DEMO_GPU)/stock --out $(DEMO_GPU)/stock-coord
+
+demo-gpu: demo-gpu-model
 	$(PYTHON) -m trainer demo --config configs/demo_gpu.yaml --seed $(SEED) --output-dir $(DEMO_GPU)/train-seed$(SEED)
 
 # `pip check` (the only problems it may report are the removals in locks/overrides.txt), and the venv == the lock.
