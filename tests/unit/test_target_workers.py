@@ -79,7 +79,7 @@ def test_a_warm_up_with_loader_workers_trains_as_one_without(tmp_path):
     assert inline[0] != inline[-1], "the steps trained"
 
 
-def test_the_config_key_reaches_the_warm_up(tmp_path):
+def test_the_config_key_takes_a_count_or_auto():
     from trainer.config.schema import validate_config
 
     base = {"model": {"tiny": "vl"}, "data": {"synthetic": {}},

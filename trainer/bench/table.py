@@ -218,8 +218,6 @@ def _learning_errors(variant: Variant, cfg: TrainConfig) -> list[str]:
                      "set data.synthetic.eval_num_samples (or data.eval_jsonl) and training.eval_steps")
     if cfg.stage1.steps <= 0:
         lines.append("stage1.steps: a learning run starts stage 2 from a warm-up; set stage1.steps > 0")
-    if variant.servers and cfg.model.tiny is None and cfg.model.path is None:
-        lines.append("model: its servers load the variant's model; set model.tiny or model.path")
     return lines
 
 

@@ -32,10 +32,10 @@ CLUTTER_COLORS = ((150, 150, 150), (170, 140, 110), (120, 130, 140))
 @dataclass(frozen=True)
 class SceneStyle:
     """How a synthetic scene looks (``COLORS`` x ``SHAPES``). ``min_object_px``/``max_object_px``: an object's side
-    in pixels (None: 1/8 and 1/3 of the image); ``max_overlap``: the largest share of an object's box that an
-    earlier one may cover, or it of that one (an object that cannot be placed in 20 draws is left out; 1.0: no bound); ``clutter``: unannotated grey strokes and
-    dots per image; ``varied_background``: a random light background per image. The default draws exactly what the
-    CPU demo always drew, from the same random draws."""
+    in pixels (None: 1/8 and 1/3 of the image); ``max_overlap``: the largest share of either box that the other may
+    cover, checked against every earlier object (one that cannot be placed in 20 draws is left out; 1.0: no bound);
+    ``clutter``: unannotated grey strokes and dots per image; ``varied_background``: a random light background per
+    image. The default draws exactly what the CPU demo always drew, from the same random draws."""
 
     min_object_px: int | None = None
     max_object_px: int | None = None

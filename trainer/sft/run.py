@@ -31,7 +31,12 @@ from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
 from trainer.sft import deepspeed_config
 from trainer.sft.checkpoint_files import STAGE2_DIR
-from trainer.sft.cpu_threads import apply_cpu_affinity, apply_cpu_threads, omp_wait_policy_in_effect
+from trainer.sft.cpu_threads import (
+    apply_cpu_affinity,
+    apply_cpu_threads,
+    omp_wait_policy_in_effect,
+    usable_physical_cores,
+)
 from trainer.sft.heap import freeze_setup_objects, install_first_step_freeze
 from trainer.sft.metrics import LearnerMetrics, PrometheusCallback
 from trainer.sft.settings import decoding_params, stage1_settings, stage2_settings
@@ -323,8 +328,11 @@ def _train(cfg: TrainConfig, out: Path, resume_from_checkpoint: str | None, cpu_
     if cfg.stage1.steps > 0 and not resume_from_checkpoint:
         s1 = cfg.stage1
         lr = s1.resolved_learning_rate(parameter_count(loaded.model), cfg.tuner.train_type)
+        # a rank bound to its CPUs (training.cpu_affinity) spares workers from its own block; else from its share
+        bound = cpu_affinity.cpus
         workers = resolve_target_workers(s1.target_workers, torch.cuda.is_available(),
-                                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")), len(os.sched_getaffinity(0)))
+                                         1 if bound else int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                         len(bound) if bound else usable_physical_cores())
         log.info("stage 1: %d steps at learning rate %g (stage1.learning_rate: %s), targets built %s", s1.steps, lr,
                  s1.learning_rate, f"by {workers} loader workers" if workers else "in the step")
         warm = RolloutMatchingTrainer(

@@ -11,7 +11,6 @@ not what is trained.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -53,14 +52,14 @@ def split_prepared(inputs: Sequence[object]) -> tuple[list[Sample], list[TrainTa
     return list(inputs), None
 
 
-def resolve_target_workers(setting: int | Literal["auto"], cuda: bool, local_world_size: int = 1,
-                           cpus: int | None = None) -> int:
+def resolve_target_workers(setting: int | Literal["auto"], cuda: bool, local_world_size: int, cores: int) -> int:
     """``stage1.target_workers``: a count as given; ``auto``: none without a CUDA device (on a CPU the workers take
-    the cores the training needs), else up to ``AUTO_MAX_WORKERS`` per rank, leaving the rank one core of its
-    share."""
+    the cores the training needs), else up to ``AUTO_MAX_WORKERS`` per rank, leaving the rank one of its share of
+    ``cores`` (the node's usable cores split over ``local_world_size`` ranks; a rank bound to its own CPUs passes
+    them with 1)."""
     if setting != "auto":
         return int(setting)
     if not cuda:
         return 0
-    share = (cpus if cpus is not None else (os.cpu_count() or 1)) // max(local_world_size, 1)
+    share = cores // max(local_world_size, 1)
     return max(0, min(AUTO_MAX_WORKERS, share - 1))
