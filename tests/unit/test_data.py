@@ -92,7 +92,9 @@ def test_all_bad_lines_reported_at_once_or_dropped_and_counted(tmp_path, caplog)
     with pytest.raises(DatasetError) as exc:
         load_jsonl(p)
     msg = str(exc.value)
-    assert f"{p}:2:" in msg and f"{p}:3:" in msg and "2 bad record(s)" in msg and "on_bad_record: drop" in msg
+    assert msg.startswith(f"2 bad records, the first: {p}:2: not valid JSON") and "\n" not in msg
+    assert msg.endswith(f"fix them (`python -m trainer data check {p}` lists every problem) or set "
+                        "data.on_bad_record: drop to train on the rest (each drop is logged and counted)")
     report = LoadReport()
     with caplog.at_level("WARNING"):
         samples = load_jsonl(p, on_bad_record="drop", report=report)

@@ -176,7 +176,8 @@ def test_training_load_refuses_a_size_mismatch_with_the_check_message(dataset, l
     (problem,) = check_lines(path, path.parent).examples["size_mismatch"]
     with pytest.raises(DatasetError) as exc:
         loader(path)
-    assert str(exc.value) == str(problem) and str(problem).startswith(f"{path}:2: images[0] ")
+    assert str(exc.value).startswith(f"{problem}; fix it (`python -m trainer data check {path}` lists every problem)")
+    assert str(problem).startswith(f"{path}:2: images[0] ") and "\n" not in str(exc.value)
 
 
 def test_training_run_loads_through_the_index_with_the_same_errors(dataset, tmp_path):
@@ -187,13 +188,14 @@ def test_training_run_loads_through_the_index_with_the_same_errors(dataset, tmp_
     with pytest.raises(DatasetError) as exc:
         load_samples(cfg)
     check = check_lines(dataset, dataset.parent)
+    assert str(exc.value).startswith("9 bad records, the first: ") and "\n" not in str(exc.value)
     assert str(check.examples["size_mismatch"][0]) in str(exc.value)
-    assert f"{dataset}:15: duplicate id 'good' (first at line 1)" in str(exc.value)
     data.on_bad_record = "drop"
     samples = load_samples(cfg)
     assert [s.sample_id for s in samples] == ["good", "rot-displayed", "rgba", "grey", "cmyk", "pal", "g16"]
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
     assert report["kept"] == 7 and len(report["dropped"]) == 9
+    assert f"{dataset}:15: duplicate id 'good' (first at line 1)" in report["dropped"]
     assert report["notes"] == {"exif_orientation": 1, "colour_mode:RGBA": 1, "colour_mode:L": 1,
                                "colour_mode:CMYK": 1, "colour_mode:P": 1, "colour_mode:I;16": 1}
 

@@ -13,7 +13,8 @@ decoded) and refuses a record whose image has another size, since its coordinate
 wrong size.
 
 One validator, ``check_record``, collects every ``Problem`` of a record; ``data check`` reports them all, the
-loaders raise (or drop) with the first error of each line. One rule, ``select_records``, decides what training
+loaders drop the lines with an error, or raise one ``DatasetError`` of one line (``bad_records_message``: the
+count, the first line's error and what to do). One rule, ``select_records``, decides what training
 keeps: a line with an error is dropped, and so is a valid record whose id an earlier *valid* record has; warnings
 and notes are counted over the kept records only. ``index_jsonl`` (training) and ``data check`` apply it;
 ``load_jsonl`` builds a list of ``Sample``s by the same rule; ``index_jsonl`` keeps only line offsets and parses a
@@ -355,15 +356,27 @@ def _drop(report: LoadReport, message: str, on_bad_record: str, sample_id: str |
         log.warning("dropping bad record %s", message)
 
 
+def bad_records_message(path: Path, dropped: Sequence[str]) -> str:
+    """One line for the bad records of ``path`` (``file:line: reason`` each, at least one): the reason of the only
+    one, or the count and the first one's, then what to do."""
+    n = len(dropped)
+    hint = (f"fix {'it' if n == 1 else 'them'} (`python -m trainer data check {path}` lists every problem) or set "
+            "data.on_bad_record: drop to train on the rest (each drop is logged and counted)")
+    if n == 1:
+        return f"{dropped[0]}; {hint}"
+    return f"{n} bad records, the first: {dropped[0]}; {hint}"
+
+
 def _finish(path: Path, report: LoadReport, on_bad_record: str) -> None:
+    """``DatasetError`` in one line: bad records under ``on_bad_record="error"``, or no record kept."""
     if report.dropped and on_bad_record == "error":
-        shown = "\n  ".join(report.dropped[:20])
-        more = f"\n  … and {len(report.dropped) - 20} more" if len(report.dropped) > 20 else ""
-        raise DatasetError(f"{shown}{more}\n{len(report.dropped)} bad record(s) in {path}; fix them (`python -m "
-                           "trainer data check` lists every problem) or set data.on_bad_record: drop to skip them "
-                           "(each drop is logged and counted)" if len(report.dropped) > 1 else shown)
+        raise DatasetError(bad_records_message(path, report.dropped))
+    if not report.kept and report.dropped:
+        raise DatasetError(f"{path}: no valid records, all {len(report.dropped)} were dropped as bad "
+                           f"(data.on_bad_record: drop); `python -m trainer data check {path}` lists their problems")
     if not report.kept:
-        raise DatasetError(f"{path}: no valid records")
+        raise DatasetError(f"{path}: no records (the file has no non-blank line): write one JSON record per line "
+                           "(`python -m trainer data import` writes them from COCO, LVIS or ODVG)")
 
 
 def duplicate_message(sample_id: str, first_line: int) -> str:
@@ -375,8 +388,9 @@ def load_jsonl(path: str | Path, image_root: str | Path | None = None, check_ima
     """Load and validate every line into a list. Blank lines are ignored; duplicate ids are bad records (ids key
     the ledger). ``check_images``: each image's header is read and checked against the record.
 
-    ``on_bad_record="error"`` (default): every bad line is collected and one ``DatasetError`` lists them all
-    (``file:line: reason``). ``"drop"``: bad lines are dropped, each logged and recorded in ``report.dropped``.
+    ``on_bad_record="error"`` (default): every bad line is collected (``report.dropped``: ``file:line: reason``)
+    and one ``DatasetError`` of one line names their count, the first one and what to do (``bad_records_message``).
+    ``"drop"``: bad lines are dropped, each logged and recorded in ``report.dropped``.
     """
     path, base = _open_dataset(path, image_root, on_bad_record)
     report = report if report is not None else LoadReport()

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from trainer.config.cli import is_rank_zero, load_or_report, preflight_or_report
+from trainer.config.cli import is_rank_zero, load_or_report, preflight_or_report, report
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,6 +21,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.training.max_steps = args.max_steps
     if not preflight_or_report(cfg, quiet=quiet):  # before any model loads; every rank exits 2
         return 2
+    from trainer.data.records import DatasetError
     from trainer.modeling.loading import ModelPathError
     from trainer.sft.run import run_training
     from trainer.sync.update_check import NonFiniteWeightsError
@@ -32,6 +33,9 @@ def run(args: argparse.Namespace) -> int:
         return 3
     except ModelPathError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except DatasetError as exc:  # bad records: the training records are read before the model loads
+        report([str(exc)], quiet)
         return 2
     print(f"done: {summary.stage2_steps} stage-2 steps, outputs in {summary.output_dir}")
     import torch.distributed as dist
