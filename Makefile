@@ -12,12 +12,13 @@ export VLLM_PLUGINS :=
 
 help:
 	@echo "make demo   - CPU demo: tiny model + synthetic data, stage-1 warm-up then stage-2 rollout-matching"
-	@echo "make demo-gpu SEED=0 - GPU demo (one GPU, the package installed with its vllm extra): a ~76M Qwen3-VL detector, dense scenes, stage 1 then stage 2 on vLLM colocate"
+	@echo "make demo-gpu SEED=0 - GPU demo (one GPU, the package installed with its vllm extra): a 58M Qwen3-VL detector, dense scenes, stage 1 then stage 2 on vLLM colocate"
 	@echo "make test   - the full test suite (sets everything up first), the docs site included"
 	@echo "make docs   - build the docs site (mkdocs.yml, --strict: a warning or a broken link fails) into build/site"
 	@echo "make docs-reference - regenerate the committed reference pages (docs/reference/) from the code"
 	@echo "make lock   - regenerate locks/cpu-test.txt and locks/gpu-runtime.txt (uv; mk/lock.mk)"
 	@echo "make lint   - ruff"
+	@echo "make job CONFIG=configs/<name>.yaml - render the config's Kubernetes Jobs and submit them (DRY_RUN=1: print them, YAML only on stdout)"
 	@echo "make bench  - the CPU benchmark table end to end (benchmarks/cpu.yaml); GPU tables: python -m trainer bench run benchmarks/<table>.yaml"
 
 # The dependency set is locks/cpu-test.txt (made by `make lock`, mk/lock.mk): installed with uv (from PyPI, pinned),
@@ -68,7 +69,7 @@ demo: $(VENV)/.core
 	$(PY) -m trainer demo --config configs/demo.yaml
 
 # The GPU demo runs in the environment that has the package with its GPU extras (README: the GPU lock), not the CPU
-# venv: $(PYTHON). A ~76M Qwen3-VL-architecture checkpoint built in code and saved as a stock one, prepared as a
+# venv: $(PYTHON). A 58M Qwen3-VL-architecture checkpoint built in code and saved as a stock one, prepared as a
 # user's checkpoint is, then stage 1 and stage 2 (configs/demo_gpu.yaml) at SEED.
 SEED ?= 0
 DEMO_GPU := runs/demo-gpu

@@ -49,10 +49,25 @@ images: $(IMAGE_PREREQS)
 	  echo "built $$2 in $$(( $$(date +%s) - start ))s"; \
 	done
 
+# What rendering and submitting import: the package without its dependencies, PyYAML, pydantic, Jinja2, Helm's Go
+# SDK and the kubernetes client, at the lock's versions (no torch, no test extras). `.core` and `.installed` add the
+# rest to the same venv.
+DEPLOY_DEPS := pyyaml pydantic jinja2 helm-python-sdk kubernetes
+$(VENV)/.deploy: pyproject.toml mk/deploy.mk $(CPU_LOCK) $(LOCK_OVERRIDES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q pip==$(PIP_VERSION)
+	$(PIP) install -q uv==$(UV_VERSION)
+	$(UV_INSTALL) $(DEPLOY_DEPS)
+	$(UV_INSTALL) --no-deps -e .
+	touch $@
+
 # job-config comes first so a missing CONFIG fails before any set-up work. CONFIG has no default anywhere
 # (grpo.mk's default is scoped to grpo-print): `make job` alone must never submit some other config.
-job: job-config setup
-	$(PY) -m trainer render-job --config $(CONFIG)
+# stdout is render-job's alone: the set-up and its commands go to stderr, so `DRY_RUN=1 make job ... > jobs.yaml`
+# writes YAML only.
+job: job-config
+	@$(MAKE) --no-print-directory $(VENV)/.deploy >&2
+	@$(PY) -m trainer render-job --config $(CONFIG)
 
 job-config:
 	@test -n "$(strip $(CONFIG))" || { echo "make job: no config given; pass CONFIG=configs/<name>.yaml (DRY_RUN=1 prints the Jobs instead of submitting)" >&2; exit 2; }

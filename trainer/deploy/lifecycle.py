@@ -42,8 +42,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-from trainer.server.fatal import EXIT_ENGINE_DEAD
-
 LIFECYCLE_PATH = "/lifecycle/"
 TRAINER_SUBCOMMANDS = ("launch", "serve", "train", "validate")
 RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
@@ -221,6 +219,8 @@ def learner_status(url: str, watcher: str, timeout_s: float = 3.0) -> dict[str, 
 
 def server_exit_reason(code: int) -> str:
     """What a rollout server's exit code means, for the supervisor's log line (empty when nothing to add)."""
+    from trainer.server.fatal import EXIT_ENGINE_DEAD  # imports torch: not at import, so render-job needs none
+
     if code == EXIT_ENGINE_DEAD:
         return (f": its engine died (exit {EXIT_ENGINE_DEAD}, trainer.server.fatal); exiting with it so the server is "
                 "restarted fresh (Job restartPolicy OnFailure) and the learner re-admits it with the current weights")
