@@ -8,6 +8,12 @@ Contracts:
   order; N == 0 sends nothing; any server error fails the call, naming the server;
 - requests are ms-swift ``RolloutInferRequest`` dicts (images as strings, ``<image>`` tags in the text, our
   sample id as ``uuid``) with a ``RequestConfig`` asking for token ids (``return_details``);
+- sampling seeds: each request carries its own, ``request_seed(step seed, sample id)`` (the seed the colocate engine
+  gives the same record), as ``data_dict["sampling_seed"]``, which our server decodes it with. A chunk's
+  ``request_config.seed`` is its first request's seed: stock ``swift rollout`` ignores ``data_dict`` in single-turn
+  rollouts and seeds request i of the chunk a worker gets with ``request_config.seed + i`` (its sync engine) or every
+  request with ``request_config.seed`` (``--vllm_use_async_engine``), so its seeds differ from colocate's but stay
+  deterministic per step and chunk;
 - ``timeout_s`` bounds start-up health waits and control calls, ``infer_timeout_s`` each ``/infer/`` post;
 - weight sync: rank 0 pushes to every server (``WeightSync`` adds the barrier), through our in-band HTTP
   transport or NCCL (``sync.transport``);
@@ -43,6 +49,7 @@ import torch
 from trainer.data.images import canonical_png_base64, plain_rgb_file
 from trainer.rollout.server_fleet import ServerFleet, servers_for_rank  # noqa: F401 - part of this module's API
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
+from trainer.rollout.vllm_colocate import request_seed
 from trainer.sync.http import server_http_client
 from trainer.sync.transports import InbandTransport, NcclTransport, WeightTransport, WeightTransportError
 from trainer.sync.weights import AdapterWeights, adapter_weights, changing_keys, full_weights
@@ -51,6 +58,8 @@ from trainer.telemetry import phase
 log = logging.getLogger(__name__)
 
 KEY = "custom.extra.rollout_matching.vllm.server"
+#: the ``data_dict`` key of a request's own sampling seed (ms-swift's ``data_dict`` is free-form request data)
+SEED_FIELD = "sampling_seed"
 
 
 class RolloutServerError(RuntimeError):
@@ -107,8 +116,9 @@ def _as_sent(ref: str, inline: bool) -> str:
     return ref
 
 
-def infer_request(req: RolloutRequest, inline_images: bool = False) -> dict[str, Any]:
-    """ms-swift ``RolloutInferRequest`` payload for ``req`` (JSON-serialisable)."""
+def infer_request(req: RolloutRequest, inline_images: bool = False, seed: int | None = None) -> dict[str, Any]:
+    """ms-swift ``RolloutInferRequest`` payload for ``req`` (JSON-serialisable); a ``seed`` goes in
+    ``data_dict[SEED_FIELD]``."""
     messages, inline = [], []
     for m in req.messages:
         content, imgs = _content_to_swift(m.get("content"))
@@ -117,7 +127,8 @@ def infer_request(req: RolloutRequest, inline_images: bool = False) -> dict[str,
     images = inline  # exactly the images the messages place (a text model's prompt places none)
     images = [_as_sent(p, inline_images) for p in images]
     return {"messages": messages, "images": images, "audios": [], "videos": [], "tools": None, "objects": {},
-            "chat_template_kwargs": {}, "data_dict": {}, "uuid": req.sample_id}
+            "chat_template_kwargs": {}, "data_dict": {} if seed is None else {SEED_FIELD: seed},
+            "uuid": req.sample_id}
 
 
 def request_config(params: DecodingParams) -> dict[str, Any]:
@@ -294,9 +305,12 @@ class ServerRolloutEngine:
                 time.sleep(poll_s)
 
     def _post_infer(self, server: ServerEndpoint, chunk: Sequence[RolloutRequest], cfg: dict[str, Any]) -> list[RolloutResult]:
+        """One ``/infer/`` call; ``cfg["seed"]`` is the step's seed, each request gets its ``request_seed``."""
         url = server.base_url
-        body = {"infer_requests": [infer_request(r, self.inline_images) for r in chunk], "request_config": cfg,
-                "metrics": None, "use_tqdm": None, "adapter_request": None}
+        seeds = [request_seed(cfg.get("seed"), r.sample_id) for r in chunk]
+        body = {"infer_requests": [infer_request(r, self.inline_images, s) for r, s in zip(chunk, seeds)],
+                "request_config": {**cfg, "seed": seeds[0]}, "metrics": None, "use_tqdm": None,
+                "adapter_request": None}
         try:
             resp = self.client.post(url + "/infer/", json=body, headers=server.headers(),
                                     timeout=httpx.Timeout(self.timeout_s, read=self.infer_timeout_s))

@@ -37,7 +37,9 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from trainer.rollout.server_client import SEED_FIELD
 from trainer.rollout.types import DecodingParams
+from trainer.rollout.vllm_colocate import request_seed
 from trainer.server.codec import EngineRequestError
 from trainer.server.engines import ServerEngine
 from trainer.server.fatal import EngineDead, dead_detail, fatal_engine_error
@@ -233,6 +235,23 @@ def decoding_params(cfg: RequestConfigIn | None, default_max_tokens: int) -> Dec
     )
 
 
+def request_seeds(items: list[Any], requests: list[Any], seed: int | None) -> list[int | None]:
+    """Each request's sampling seed: its ``data_dict["sampling_seed"]`` when given (an integer in [0, 2**63)),
+    else ``request_seed(seed, sample id)`` (``request_config.seed``; None stays None), as the colocate engine seeds
+    the same record. A given seed that is not such an integer is a 400 naming the request."""
+    seeds = []
+    for i, (item, req) in enumerate(zip(items, requests)):
+        given = item.data_dict.get(SEED_FIELD)
+        if given is None:
+            seeds.append(request_seed(seed, req.sample_id))
+        elif isinstance(given, int) and not isinstance(given, bool) and 0 <= given < 2**63:
+            seeds.append(given)
+        else:
+            raise EngineRequestError(f"infer_requests[{i}].data_dict.{SEED_FIELD}: {given!r} is not an integer "
+                                     "in [0, 2**63)")
+    return seeds
+
+
 def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_tokens: int = 256,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_inband_bytes: int = DEFAULT_MAX_INBAND_BYTES,
                shm_dir: str | None = None, on_engine_death: Callable[[str], None] | None = None) -> FastAPI:
@@ -347,10 +366,12 @@ def create_app(engine: ServerEngine, api_key: str | None = None, *, default_max_
                                      "log-probabilities (serve with --engine vllm or hf, or drop logprobs)")
         top = body.request_config.top_logprobs if body.request_config else None
         requests = [engine.encode(r, i) for i, r in enumerate(body.infer_requests)]
+        seeds = request_seeds(body.infer_requests, requests, params.seed)
+        seeded = {"seeds": seeds} if getattr(engine, "takes_request_seeds", False) else {}
         start = time.perf_counter()
         metrics.in_flight.inc()
         try:
-            results = await runner.call(lambda: engine.generate(requests, params)) if requests else []
+            results = await runner.call(lambda: engine.generate(requests, params, **seeded)) if requests else []
         finally:
             metrics.in_flight.dec()
             metrics.infer_latency.observe(time.perf_counter() - start)

@@ -27,6 +27,10 @@ class ServerEngine(Protocol):
     enable_lora: bool
     #: fills ``RolloutResult.logprobs`` when ``DecodingParams.logprobs`` is set, and has ``token_text(id)``
     returns_logprobs: bool
+    #: optional (absent = False): ``generate`` takes ``seeds=``, one sampling seed per request (the request's
+    #: ``data_dict["sampling_seed"]``, else derived from ``request_config.seed`` and its ``uuid``); an engine
+    #: without it decodes the call with ``params.seed`` (hf: one seeded stream per call; scripted: no sampling)
+    takes_request_seeds: bool
 
     def encode(self, request: RolloutInferRequestIn, index: int) -> RolloutRequest: ...
 

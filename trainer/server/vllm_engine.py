@@ -12,6 +12,7 @@ Weight updates, all checked before any weight changes (``InProcessVllm.load_weig
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ def _worker_nccl_close(worker) -> None:
 class VllmServerEngine(LocalNcclMixin):
     kind = "vllm"
     returns_logprobs = True  # /infer/ with request_config.logprobs: per-token log-probabilities, as sampled
+    takes_request_seeds = True
 
     def __init__(self, model_dir: str | Path, *, max_model_len: int, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.45, enable_lora: bool = False, max_lora_rank: int = 64,
@@ -97,7 +99,12 @@ class VllmServerEngine(LocalNcclMixin):
     def token_text(self, token_id: int) -> str:
         return self.codec.token_text(token_id)
 
-    def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams) -> list[RolloutResult]:
+    def generate(self, requests: Sequence[RolloutRequest], params: DecodingParams,
+                 seeds: Sequence[int | None] | None = None) -> list[RolloutResult]:
+        """Decode ``requests``, request i with sampling seed ``seeds[i]`` (None: the colocate engine's
+        ``request_seed(params.seed, sample id)``)."""
+        if seeds is not None and len(seeds) != len(requests):
+            raise ValueError(f"{len(seeds)} seeds for {len(requests)} requests")
         try:
             check_fits(requests, params.max_new_tokens, self.max_model_len)
         except ValueError as exc:
@@ -107,7 +114,11 @@ class VllmServerEngine(LocalNcclMixin):
             prompts = [self.vllm.prompt(r.prompt_token_ids, [load_image(p) for p in r.images]) for r in requests]
         except ImageRefError as exc:
             raise EngineRequestError(str(exc)) from exc
-        return results_from_outputs(requests, self.vllm.generate(prompts, sampling_params(params, self.stop_ids, requests)))
+        if seeds is None:
+            sampling = sampling_params(params, self.stop_ids, requests)
+        else:
+            sampling = [sampling_params(replace(params, seed=s), self.stop_ids) for s in seeds]
+        return results_from_outputs(requests, self.vllm.generate(prompts, sampling))
 
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
         self.vllm.load_weights(tensors)
