@@ -29,6 +29,7 @@ from trainer.data.formats.common import (
     ImportedRecord,
     ImportReport,
     SourceError,
+    image_header,
     parse_pixel_records,
 )
 from trainer.data.formats.odvg import odvg_records, parse_label_map
@@ -51,7 +52,8 @@ def write_records(records: Iterable[ImportedRecord], out: Path, base_dir: Path |
     """Stream ``records`` to ``out`` (through ``out.tmp``, renamed at the end: a failed import leaves no file).
     An emptied record is written only with ``report.keep_emptied`` (``ImportReport.admit``). ``missing``: a
     record whose image file does not exist is an error (after the pass, listing them), dropped or kept; each is
-    listed in ``report.missing_images``."""
+    listed in ``report.missing_images``. Images the importer refused as annotated on their stored pixels
+    (``report.stored_pixels``) are an error after the pass, listing them."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     try:
@@ -65,6 +67,14 @@ def write_records(records: Iterable[ImportedRecord], out: Path, base_dir: Path |
                         continue
                 fh.write(json.dumps(rec.to_json(base_dir), ensure_ascii=False) + "\n")
                 report.add(rec)
+        if report.stored_pixels:
+            shown = "; ".join(report.stored_pixels[:SHOWN_IDS])
+            more = f"; … {len(report.stored_pixels) - SHOWN_IDS} more" if len(report.stored_pixels) > SHOWN_IDS else ""
+            raise SourceError(f"{len(report.stored_pixels)} EXIF-rotated images annotated on their stored, un-rotated "
+                              f"pixels ({shown}{more}); training sees each image as displayed (EXIF orientation "
+                              "applied): rotate those annotations to the displayed image and set its displayed "
+                              "width/height, or remove the orientation tag from those files (exiftool "
+                              "-Orientation=1 -n FILE) so they display as stored")
         if report.missing_images and missing == "error":
             shown = ", ".join(report.missing_images[:SHOWN_IDS])
             raise SourceError(f"{len(report.missing_images)} image files not found ({shown}"
@@ -93,8 +103,8 @@ def import_records(args: argparse.Namespace, report: ImportReport) -> None:
         if not source.is_file():
             raise SourceError(f"{source}: ODVG file not found")
         with source.open(encoding="utf-8") as fh:
-            write_records(odvg_records(fh, str(source), images, report, label_map, args.clamp_tolerance), out,
-                          base_dir, args.missing_images, report)
+            write_records(odvg_records(fh, str(source), images, report, label_map, args.clamp_tolerance,
+                                       image_header), out, base_dir, args.missing_images, report)
         return
     if args.label_map:
         raise SourceError("--label-map is for --from odvg (COCO and LVIS name their categories)")
@@ -102,7 +112,7 @@ def import_records(args: argparse.Namespace, report: ImportReport) -> None:
     options = CocoImportOptions(args.geometry or "bbox", args.crowd or "skip", args.clamp_tolerance,
                                 args.names or ("spaces" if lvis else "raw"))
     data = load_json(source, "annotation file")
-    write_records(coco_records(data, str(source), images, options, report, lvis), out, base_dir,
+    write_records(coco_records(data, str(source), images, options, report, lvis, image_header), out, base_dir,
                   args.missing_images, report)
 
 

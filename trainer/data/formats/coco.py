@@ -14,6 +14,9 @@ images without annotations are kept with ``objects: []``; an image whose every a
   (never split: one annotation stays one object, so object counts and matching keep COCO's instances). RLE masks
   are imported as their boxes in either geometry (no contour tracing). All of these are counted with their ids.
 - the geometry rules of ``trainer.data.formats.common`` (clamp <= ``tolerance`` px, drop degenerate / outside).
+- ``width`` / ``height``: the image's *displayed* size (EXIF orientation applied, as training loads it); an
+  EXIF-rotated photo the source sizes as stored gets its displayed size when its annotations fit it, and is refused
+  when they fit only the stored frame (``trainer.data.formats.common.source_size``).
 
 LVIS is COCO-shaped: images may carry ``coco_url`` instead of ``file_name`` (the image is looked up as
 ``<split>/<file>`` under the images folder, else ``<file>``); ``not_exhaustive_category_ids``,
@@ -37,6 +40,7 @@ from urllib.parse import urlparse
 from trainer.data.formats.common import (
     DEFAULT_TOLERANCE,
     PRECISION,
+    HeaderReader,
     ImportedRecord,
     ImportReport,
     PixelObject,
@@ -46,6 +50,7 @@ from trainer.data.formats.common import (
     is_numbers,
     is_positive_int,
     json_lines,
+    source_size,
 )
 from trainer.data.objects import NUM_BINS
 
@@ -224,18 +229,26 @@ def coco_notes(data: Mapping[str, Any], names: Mapping[Any, str], options: CocoI
 
 
 def coco_records(data: Any, source: str, images_dir: Path, options: CocoImportOptions, report: ImportReport,
-                 lvis: bool = False) -> Iterator[ImportedRecord]:
-    """Validate ``data`` (a loaded COCO/LVIS instances file), then yield one record per image."""
+                 lvis: bool = False, headers: HeaderReader | None = None) -> Iterator[ImportedRecord]:
+    """Validate ``data`` (a loaded COCO/LVIS instances file), then yield one record per image. ``headers``: reads
+    each image file's header (``None`` for a missing one) to size the record as displayed (``source_size``; a
+    refused image is left out and listed in ``report.stored_pixels``); ``None``: the source's sizes, files unread."""
     validate_coco(data, source, lvis)
     index = coco_index(data)
     names = {cid: display_name(c["name"], options.names) for cid, c in index.cats.items()}
     report.notes.extend(coco_notes(data, names, options, lvis))
     for img in data["images"]:
         anns = index.imgToAnns[img["id"]]
-        objects = tuple(o for o in (annotation_object(a, names[a["category_id"]], img["width"], img["height"],
-                                                      options, report) for a in anns) if o is not None)
-        yield ImportedRecord(str(img["id"]), image_path(img, images_dir), img["width"], img["height"], objects,
-                             emptied=bool(anns) and not objects)
+        path = image_path(img, images_dir)
+        size = (img["width"], img["height"]) if headers is None else source_size(
+            str(img["id"]), path, img["width"], img["height"],
+            lambda anns=anns: [(str(a["id"]), annotation_box(a)) for a in anns], headers(path), options.tolerance,
+            report)
+        if size is None:
+            continue
+        objects = tuple(o for o in (annotation_object(a, names[a["category_id"]], *size, options, report)
+                                    for a in anns) if o is not None)
+        yield ImportedRecord(str(img["id"]), path, *size, objects, emptied=bool(anns) and not objects)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,15 @@ dropped or changed shape is counted with its source id in the ``ImportReport`` â
 An image whose every source annotation was skipped or dropped (crowd, degenerate, outside) is *emptied*: its record
 is not written unless asked (``ImportReport.admit``), since ``objects: []`` would teach that nothing is there.
 Emptied images are counted apart from images that had no annotations at all (true negatives, always written).
+
+Image sizes (``source_size``, when the importer is given a header reader): annotations are taken as drawn on the
+*displayed* image, the stored pixels with their EXIF orientation applied, as COCO tools and viewers show it and as
+training loads it (``trainer.data.images``). A source ``width`` / ``height`` that is the stored size of an image
+whose orientation swaps its sides (5-8, a phone photo taken upright) is written as the displayed size when every
+annotation fits the displayed image, counted by id; when an annotation fits only the stored frame, the annotations
+were drawn on the un-rotated pixels and the record is refused (the import writes nothing, ``write_records``). Any
+other size that is not the image's is counted (``data check`` reports it). Images with any EXIF orientation are
+counted.
 """
 
 from __future__ import annotations
@@ -16,11 +25,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer.data.images import ORIENTATION_NAMES, ImageHeader, ImageRefError, read_header
 from trainer.data.objects import GeometryKind
 from trainer.data.records import DatasetError, parse_record
 
@@ -146,6 +156,10 @@ class ImportReport:
     degenerate: list[str] = field(default_factory=list)
     outside: list[str] = field(default_factory=list)
     missing_images: list[str] = field(default_factory=list)
+    exif_oriented: list[str] = field(default_factory=list)
+    exif_displayed: list[str] = field(default_factory=list)
+    size_differs: list[str] = field(default_factory=list)
+    stored_pixels: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def keep(self, fitted: Fitted, item: str) -> bool:
@@ -188,8 +202,58 @@ class ImportReport:
             f"dropped, degenerate (width or height <= 0): {len(self.degenerate)}" + _ids(self.degenerate),
             f"dropped, more than {t} px outside the image: {len(self.outside)}" + _ids(self.outside),
             f"missing image files: {len(self.missing_images)}" + _ids(self.missing_images),
+            "images with an EXIF orientation (annotations taken as drawn on the displayed image, as training loads "
+            f"it): {len(self.exif_oriented)}" + _ids(self.exif_oriented),
+            "EXIF-rotated images the source sizes as stored, written with their displayed width/height: "
+            f"{len(self.exif_displayed)}" + _ids(self.exif_displayed),
+            "width/height unlike the image file's (data check lists them, --fix-geometry rescales): "
+            f"{len(self.size_differs)}" + _ids(self.size_differs),
         ]
         return "\n".join([f"imported {self.source}", *(f"  {r}" for r in rows), *(f"  note: {n}" for n in self.notes)])
+
+
+HeaderReader = Callable[[Path], ImageHeader | None]
+Box = tuple[float, float, float, float]
+
+
+def image_header(path: Path) -> ImageHeader | None:
+    """``read_header``, or ``None`` for a missing or unreadable file (``write_records`` and ``data check`` report
+    those)."""
+    try:
+        return read_header(path)
+    except ImageRefError:
+        return None
+
+
+def source_size(record_id: str, image: Path, width: int, height: int, boxes: Callable[[], Sequence[tuple[str, Box]]],
+                header: ImageHeader | None, tolerance: float, report: ImportReport) -> tuple[int, int] | None:
+    """The width/height to write for an image the source sizes ``width`` x ``height``, given its file's ``header``
+    (``None``: kept as is), or ``None`` when the record is refused (listed in ``report.stored_pixels``). ``boxes``:
+    the ``(source id, (x1, y1, x2, y2))`` of the image's annotations, read only for an EXIF-rotated image the
+    source sizes as stored. The module's docstring gives the rules."""
+    if header is None:
+        return width, height
+    if header.orientation != 1:
+        report.exif_oriented.append(record_id)
+    shown = header.size
+    if (width, height) == shown:
+        return shown
+    if header.transposed and (width, height) == (header.stored_width, header.stored_height):
+        w, h = shown
+        stored_only = [aid for aid, (x1, y1, x2, y2) in boxes()
+                       if (x2 > w + tolerance or y2 > h + tolerance)
+                       and x1 >= -tolerance and y1 >= -tolerance and x2 <= width + tolerance and y2 <= height + tolerance]
+        if stored_only:
+            shown_ids = ", ".join(stored_only[:SHOWN_IDS]) + (", â€¦" if len(stored_only) > SHOWN_IDS else "")
+            report.stored_pixels.append(
+                f"id {record_id} ({image}: EXIF orientation {header.orientation} "
+                f"({ORIENTATION_NAMES[header.orientation]}), stored {width}x{height}, displayed {w}x{h}; annotations "
+                f"{shown_ids} fit only the stored frame)")
+            return None
+        report.exif_displayed.append(record_id)
+        return shown
+    report.size_differs.append(record_id)
+    return width, height
 
 
 def json_lines(lines: Iterable[str], source: str, error: type[Exception]) -> Iterator[tuple[int, str, Any]]:

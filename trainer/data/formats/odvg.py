@@ -8,7 +8,8 @@ One line per image: ``{"filename", "height", "width"}`` and exactly one of
   phrase, one object per box (a phrase naming several boxes gives several objects with that phrase). The caption
   is not carried (the records have no caption field).
 
-Boxes are pixel ``x1y1x2y2`` and go through ``trainer.data.formats.common.fit``; a line whose every box is
+Boxes are pixel ``x1y1x2y2`` on the displayed image (EXIF orientation applied; ``width`` / ``height`` as for COCO,
+``trainer.data.formats.common.source_size``) and go through ``trainer.data.formats.common.fit``; a line whose every box is
 dropped is ``emptied`` (not written by default). Record ids are the filename; a filename seen again (several
 captions of one image) gets ``#2``, ``#3``, … and is reported.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 from trainer.data.formats.common import (
     DEFAULT_TOLERANCE,
+    HeaderReader,
     ImportedRecord,
     ImportReport,
     PixelObject,
@@ -29,6 +31,7 @@ from trainer.data.formats.common import (
     is_numbers,
     is_positive_int,
     json_lines,
+    source_size,
 )
 
 
@@ -96,9 +99,10 @@ def _grounding_objects(gr: Any, where: str, tag: str) -> Iterator[tuple[str, Any
 
 
 def odvg_records(lines: Iterable[str], source: str, images_dir: Path, report: ImportReport,
-                 label_map: Mapping[int, str] | None = None,
-                 tolerance: float = DEFAULT_TOLERANCE) -> Iterator[ImportedRecord]:
-    """One record per non-blank line; ``SourceError`` names ``file:line`` and the item."""
+                 label_map: Mapping[int, str] | None = None, tolerance: float = DEFAULT_TOLERANCE,
+                 headers: HeaderReader | None = None) -> Iterator[ImportedRecord]:
+    """One record per non-blank line; ``SourceError`` names ``file:line`` and the item. ``headers``: as for
+    ``coco_records`` (each image sized as displayed, ``trainer.data.formats.common.source_size``)."""
     seen: dict[str, int] = {}
     repeats = captions = 0
     for lineno, where, raw in json_lines(lines, source, SourceError):
@@ -115,16 +119,23 @@ def odvg_records(lines: Iterable[str], source: str, images_dir: Path, report: Im
         else:
             shapes = list(_grounding_objects(raw["grounding"], where, f"line {lineno}"))
             captions += bool(raw["grounding"].get("caption"))
+        name = raw["filename"]
+        seen[name] = seen.get(name, 0) + 1
+        repeats += seen[name] > 1
+        rid = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        path = images_dir / name
+        if headers is not None:
+            size = source_size(rid, path, width, height, lambda shapes=shapes: [(i, tuple(b)) for _, b, i in shapes],
+                               headers(path), tolerance, report)
+            if size is None:
+                continue
+            width, height = size
         objects = []
         for desc, box, item in shapes:
             fitted = fit("bbox_2d", box, width, height, tolerance)
             if report.keep(fitted, item):
                 objects.append(PixelObject(desc, "bbox_2d", fitted.coords))
-        name = raw["filename"]
-        seen[name] = seen.get(name, 0) + 1
-        repeats += seen[name] > 1
-        rid = name if seen[name] == 1 else f"{name}#{seen[name]}"
-        yield ImportedRecord(rid, images_dir / name, width, height, tuple(objects), emptied=bool(shapes) and not objects)
+        yield ImportedRecord(rid, path, width, height, tuple(objects), emptied=bool(shapes) and not objects)
     if repeats:
         report.notes.append(f"{repeats} lines repeat an earlier filename (ids get #2, #3, …)")
     if captions:
