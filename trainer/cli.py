@@ -28,6 +28,7 @@ COMMAND_MODULES = {"validate": "trainer.config.cli", "train": "trainer.sft.cli",
                    "data": "trainer.data.cli", "model": "trainer.modeling.cli",
                    "serve": "trainer.server.cli",
                    "launch": "trainer.launch.cli", "render-job": "trainer.deploy.cli", "supervise": "trainer.deploy.cli",
+                   "deploy": "trainer.deploy.cli",
                    "demo": "trainer.demo",
                    "bench": "trainer.bench"}
 

@@ -106,7 +106,7 @@ def trainer_argv(line: str) -> list[str] | None:
             if runner.endswith(("python", "python3")) or "torchrun" in words[:i]:
                 rest = words[i + 2:]
                 for j, w in enumerate(rest):
-                    if w in ("&", "&&", ";", "|", "||"):
+                    if w in ("&", "&&", ";", "|", "||", "<") or w.startswith((">", "2>")):
                         return rest[:j]
                 return [w.rstrip("&") for w in rest]
     return None
@@ -126,6 +126,7 @@ def test_trainer_argv_reads_shell_lines():
         ["serve", "--port", "1"]
     assert trainer_argv("torchrun --nproc_per_node 4 -m trainer train --config my.yaml") == \
         ["train", "--config", "my.yaml"]
+    assert trainer_argv("python -m trainer deploy render -f v.yaml > out.yaml") == ["deploy", "render", "-f", "v.yaml"]
     assert trainer_argv("python -m trainer.grpo.summary_data runs/x") is None
     assert trainer_argv("make demo   # = python -m trainer demo") is None
 

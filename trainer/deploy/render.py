@@ -5,6 +5,9 @@ The pod spec (args, env, volumes, probes, security, GPU assignment, ports) has O
 ``deploy:`` section onto chart values (``chart_values``), renders the chart with Helm's Go SDK (``helm-python-sdk``),
 and wraps what it rendered with ``jobs/*.j2``, which add only each object's identity (name, namespace, labels).
 
+``install_values`` and ``render_install`` are ``helm install``'s values and manifests without a cluster
+(``python -m trainer deploy render``).
+
 Order: the ConfigMap holding the training YAML, one Job per rollout server, the learner Job, then anything else the
 chart rendered for the chosen values (a JobSet replaces the Jobs under ``gang.jobSet``; a PodDisruptionBudget).
 """
@@ -12,6 +15,8 @@ chart rendered for the chosen values (a JobSet replaces the Jobs under ``gang.jo
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +102,7 @@ def _helm() -> Any:
     try:
         import helm_python
     except ImportError:
-        raise ConfigError("deploy", "render-job renders the Helm chart with helm-python-sdk, which is not installed: "
+        raise ConfigError("deploy", "rendering the Helm chart needs helm-python-sdk, which is not installed: "
                                     "pip install 'helm-python-sdk==0.2.2' (make setup installs it)") from None
     return helm_python
 
@@ -243,6 +248,73 @@ def render_manifests(topology: Topology, deploy: DeployConfig, config: dict[str,
             out.append(_load(env.get_template("job.yaml.j2").render(spec=doc["spec"], **common), "job.yaml.j2"))
         else:  # JobSet (gang.jobSet), PodDisruptionBudget: as the chart rendered them, in the job's namespace
             out.append({**doc, "metadata": {**doc["metadata"], "namespace": deploy.namespace, "labels": common["labels"]}})
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    """Helm's message on one line (a line ending in ``:`` introduces the next)."""
+    out = ""
+    for part in (p.strip(" -") for p in str(exc).splitlines()):
+        if part:
+            out += (" " if out.endswith(":") else "; " if out else "") + part
+    return out
+
+
+def install_values(files: Sequence[str], sets: Sequence[str] = ()) -> dict[str, Any]:
+    """The values ``helm install … -f FILE … --set KEY=VALUE …`` gives the chart: the files in order (later ones
+    win; mappings merge, anything else replaces), then each ``--set``. Raises ``ConfigError`` naming the file or
+    the expression."""
+    helm = _helm()
+    values: dict[str, Any] = {}
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"-f {name}", "no such file; give a values file such as values-6v2.yaml or "
+                                            "presets/<name>.values.yaml")
+        try:
+            values = deep_merge(values, helm.values_from_yaml(path.read_text(encoding="utf-8")))
+        except helm.HelmValuesError as exc:
+            raise ConfigError(f"-f {name}", f"not a YAML mapping of chart values: {_one_line(exc)}") from None
+    for expression in sets:
+        try:
+            values = deep_merge(values, helm.parse_set_string(expression))
+        except helm.HelmValuesError as exc:
+            raise ConfigError(f"--set {expression}", f"{_one_line(exc)}; write it as key.path=value") from None
+    return values
+
+
+def render_install(values: dict[str, Any], name: str, namespace: str,
+                   chart: Path | None = None) -> list[tuple[str, str]]:
+    """``(template path, manifest text)`` of every object ``helm install NAME CHART`` creates with ``values``, in
+    the chart's template order; the ``helm test`` hooks, which only ``helm test`` creates, are left out. Offline: no
+    cluster is contacted. Raises ``ConfigError`` with the chart's own message when it refuses the values."""
+    helm = _helm()
+    try:
+        helm.validate_release_name(name)
+    except helm.HelmInvalidArgError as exc:
+        raise ConfigError("--name", _one_line(exc)) from None
+    directory = chart or chart_dir()
+    if not (directory / "Chart.yaml").is_file():
+        raise ConfigError("--chart", f"{directory}: no Chart.yaml; point it at charts/rollout-matching")
+    try:
+        with helm.Chart.load(str(directory)) as loaded:
+            rendered = loaded.render(values, name=name, namespace=namespace, is_install=True)
+    except (helm.HelmValuesError, helm.HelmRenderError) as exc:
+        raise ConfigError("values", f"the chart refused them: {_one_line(exc)}") from None
+    except helm.HelmError as exc:
+        raise ConfigError("--chart", f"{directory}: {_one_line(exc)}") from None
+    out = []
+    for path, text in sorted(rendered.items()):
+        if not path.endswith((".yaml", ".yml")):
+            continue
+        for part in re.split(r"(?m)^---[ \t]*$", text):
+            doc = yaml.safe_load(part)
+            if not doc:
+                continue
+            hook = ((doc.get("metadata") or {}).get("annotations") or {}).get("helm.sh/hook", "")
+            if "test" in [h.strip() for h in hook.split(",")]:
+                continue
+            out.append((path, part.strip("\n")))
     return out
 
 
