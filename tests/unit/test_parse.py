@@ -32,8 +32,13 @@ def as_json(text: str):
     return json.loads(re.sub(r"<\|coord_(\d+)\|>", r"\1", text))
 
 
+def kept_text(vocab, result):
+    """The target's text up to the FN append: the verbatim prefix, then the junction."""
+    return decode(vocab, result.prefix_token_ids) + result.junction_text
+
+
 def y_train_text(vocab, result, fn):
-    return decode(vocab, result.prefix_token_ids) + serialize_append(fn, result.max_object_index + 1, result.prefix_last_char)
+    return kept_text(vocab, result) + serialize_append(fn, result.max_object_index + 1, result.prefix_last_char)
 
 
 def test_roundtrip_positions_point_at_coord_tokens(vocab, tokenizer):
@@ -44,22 +49,33 @@ def test_roundtrip_positions_point_at_coord_tokens(vocab, tokenizer):
     for o in r.objects:
         assert [vocab.coord_bin_by_id[ids[p]] for p in o.coord_positions] == list(o.coords)
     assert r.max_object_index == 3
-    text = decode(vocab, r.prefix_token_ids)
+    text = kept_text(vocab, r)
     assert text.endswith("]}") and as_json(text + "}") == as_json(serialize_objects(OBJS))
 
 
-def test_fused_closing_tokens_are_split_only_at_the_cut(vocab, tokenizer):
+def test_the_decision_token_is_never_kept_in_the_prefix(vocab, tokenizer):
+    """Stop (``}}``) and continue (``},``): the prefix ends before the fused token and the junction is its text up
+    to the cut, so the target re-tokenises it whole instead of keeping a lone ``}``."""
     ids = enc(vocab, serialize_objects(OBJS))
     pieces = [vocab.token_bytes[i] for i in ids]
     assert b"}," in pieces and b"}}" in pieces, "the embedded tokenizer must fuse }, and }} for this test"
     r = parse_rollout(ids, vocab)
     assert ids[-1] == tokenizer.convert_tokens_to_ids("}}")
-    assert list(r.prefix_token_ids[:-1]) == ids[:-1]
-    assert vocab.token_bytes[r.prefix_token_ids[-1]] == b"}"
+    assert list(r.prefix_token_ids) == ids[:-1] and r.junction_text == "}" and r.junction_fused
     fused = ids.index(tokenizer.convert_tokens_to_ids("},"))
     r1 = parse_rollout(ids[: fused + 1], vocab)
-    assert list(r1.prefix_token_ids[:-1]) == ids[:fused] and decode(vocab, r1.prefix_token_ids).endswith("]}")
-    assert len(r1.objects) == 1
+    assert list(r1.prefix_token_ids) == ids[:fused] and r1.junction_text == "}" and r1.junction_fused
+    assert decode(vocab, r1.prefix_token_ids).endswith("]") and len(r1.objects) == 1
+
+
+def test_a_lone_closing_brace_is_re_tokenised_too(vocab):
+    """A rollout that emitted ``}`` and ``,`` separately: the prefix still ends before the ``}``, not fused."""
+    lone = vocab.encode("}")
+    assert len(lone) == 1
+    ids = enc(vocab, serialize_objects(OBJS[:1])[:-2]) + lone + vocab.encode(",")
+    r = parse_rollout(ids, vocab)
+    assert len(r.objects) == 1 and r.junction_text == "}" and not r.junction_fused
+    assert list(r.prefix_token_ids) == ids[:-2]
 
 
 def test_every_truncation_gives_an_append_ready_prefix(vocab):
@@ -68,8 +84,8 @@ def test_every_truncation_gives_an_append_ready_prefix(vocab):
         r = parse_rollout(ids[:k], vocab)
         assert [o.to_det() for o in r.objects] == OBJS[: len(r.objects)]
         n = len(r.prefix_token_ids)
-        if r.objects:
-            assert list(r.prefix_token_ids[:-1]) == ids[: n - 1]
+        assert list(r.prefix_token_ids) == ids[:n], "the prefix is the response's own tokens"
+        assert r.junction_text == ("}" if r.objects else "{")
         fn = OBJS[len(r.objects):]
         doc = as_json(y_train_text(vocab, r, fn))
         assert list(doc) == [f"object_{i}" for i in range(1, 4)]
@@ -102,7 +118,7 @@ def test_malformed_middle_object_is_dropped_and_counted(vocab, bad, reason):
     r = parse_rollout(enc(vocab, text), vocab)
     assert [o.desc for o in r.objects] == ["a", "c"]
     assert r.invalid == {reason: 1}
-    assert decode(vocab, r.prefix_token_ids) == text[:-1], "no repair: the invalid object stays in the prefix"
+    assert kept_text(vocab, r) == text[:-1], "no repair: the invalid object stays in the prefix"
     assert r.max_object_index == 3
 
 
@@ -114,9 +130,9 @@ def test_keys_out_of_order_and_appearance_order(vocab):
     assert r.max_object_index == 3
 
 
-def test_no_brace_means_prefix_is_open_brace(vocab, tokenizer):
+def test_no_brace_means_an_empty_prefix_and_an_open_brace_junction(vocab, tokenizer):
     r = parse_rollout(enc(vocab, "I see a red square.") + [tokenizer.eos_token_id], vocab)
-    assert decode(vocab, r.prefix_token_ids) == "{" and r.prefix_last_char == "{"
+    assert r.prefix_token_ids == () and r.junction_text == "{" and r.prefix_last_char == "{"
     assert r.objects == () and r.broken
     assert as_json(y_train_text(vocab, r, OBJS)) == as_json(serialize_objects(OBJS))
 
@@ -131,7 +147,7 @@ def test_garbage_between_objects_breaks_the_stream_at_the_last_clean_cut(vocab):
     text = serialize_objects(OBJS[:1])[:-1] + " oops " + serialize_objects(OBJS[1:])[1:]
     r = parse_rollout(enc(vocab, text), vocab)
     assert [o.to_det() for o in r.objects] == OBJS[:1] and r.broken
-    assert decode(vocab, r.prefix_token_ids) == serialize_objects(OBJS[:1])[:-1]
+    assert kept_text(vocab, r) == serialize_objects(OBJS[:1])[:-1]
 
 
 def test_escaped_desc_is_decoded(vocab):
@@ -175,5 +191,5 @@ def test_fuzzed_rollouts_never_raise_and_yield_valid_targets(vocab, ops, cut):
 @given(ids=st.lists(st.integers(0, 1799), max_size=60))
 def test_random_token_soup_never_raises(vocab, ids):
     r = parse_rollout(ids, vocab)
-    assert decode(vocab, r.prefix_token_ids)[0] == "{"
+    assert kept_text(vocab, r)[0] == "{"
     as_json(y_train_text(vocab, r, OBJS[:1]))

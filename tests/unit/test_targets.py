@@ -101,12 +101,44 @@ def test_unparseable_rollout_appends_every_gt(tokenizer, vocab, helpers):
 
 
 def test_ground_truth_target_trains_the_opening_brace(tokenizer, vocab, helpers):
-    t = ground_truth_target("s", [1, 2], GTS, tokenizer.eos_token_id, helpers, dict(vocab.coord_bin_by_id), vocab.encode("{"))
-    assert t.labels[2] == vocab.encode("{")[0]
+    t = ground_truth_target("s", [1, 2], GTS, tokenizer.eos_token_id, helpers, dict(vocab.coord_bin_by_id))
+    assert t.labels[2] == t.input_ids[2] and tokenizer.decode([t.input_ids[2]]).startswith("{")
+    assert t.input_ids[2:-1] == tokenizer(serialize_objects(GTS), add_special_tokens=False)["input_ids"], \
+        "stage 1 teaches the tokenizer's own tokens for the whole answer"
     ce_text = tokenizer.decode([lab for lab in t.labels if lab != -100])
     assert "red square" in ce_text and "green triangle" in ce_text, "stage-1 trains desc values"
     assert as_json(text_of(tokenizer, t.input_ids[2:-1])) == as_json(serialize_objects(GTS))
     assert len(t.coord_positions) == 4 + 4 + 6
+
+
+@pytest.mark.parametrize("case", ["stop", "continue", "continue_truncated"])
+def test_target_teaches_the_decision_token_the_model_emits(tokenizer, vocab, helpers, case):
+    """A rollout that is the ground truth's own tokenisation (all of it: stop; its first object: continue): the
+    target's ids equal the tokenizer's ids for the target's text, and the fused decision token after the last kept
+    object (``}}`` stop, ``},`` continue) carries CE."""
+    full = tokenizer(serialize_objects(GTS), add_special_tokens=False)["input_ids"]
+    decision = tokenizer.convert_tokens_to_ids("}}" if case == "stop" else "},")
+    if case == "stop":
+        response = full + [tokenizer.eos_token_id]
+    elif case == "continue":
+        response = tokenizer(serialize_objects(GTS[:1]), add_special_tokens=False)["input_ids"]
+        response = response + [tokenizer.eos_token_id]
+    else:
+        response = full[: full.index(decision) + 3]
+    parsed = parse_rollout(response, vocab)
+    m = match_objects([o.to_det() for o in parsed.objects], GTS, 0.3)
+    t = build_target("s", [1, 2, 3], parsed, m, GTS, tokenizer.eos_token_id, helpers, dict(vocab.coord_bin_by_id))
+    body = t.input_ids[3:-1]
+    assert as_json(tokenizer.decode(body)) == as_json(serialize_objects(GTS))
+    assert body == full, "the target's tokens are the tokenizer's tokens for the target's text"
+    first_decision = t.prompt_len + t.prefix_len
+    assert t.input_ids[first_decision] == decision and t.labels[first_decision] == decision
+    assert t.stats["junction_fused"] == 1
+    if case == "stop":
+        assert t.stats["fn_appended"] == 0 and t.labels[-1] == tokenizer.eos_token_id
+        assert [i for i, lab in enumerate(t.labels) if lab != IGNORE_INDEX] == [len(t.labels) - 2, len(t.labels) - 1]
+    else:
+        assert t.stats["fn_appended"] == 2 and t.stats["matched"] == 1
 
 
 def test_poly_targets_use_barycentric_projection():

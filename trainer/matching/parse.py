@@ -11,9 +11,11 @@ a number value and its position recorded. Decisions (see ``docs/concepts/decisio
   tokens, or ``poly`` with an even count ≥ 6), no other keys, no nesting, no duplicate key. Invalid but
   syntactically complete objects stay in the prefix (no repair) and are counted by reason.
 - Prefix cut: after the last ``}`` that closes a depth-2 object. End-of-turn / stop tokens and everything after
-  them are stripped; the final top-level ``}`` is dropped so the prefix is open for appending. A cut inside a
-  fused token (``}}``, ``},`` …) replaces only that last token by the tokenisation of its needed prefix.
-  No complete object → the prefix is just ``{``.
+  them are stripped. The junction is the decision: the token that holds that ``}`` (``},`` continue, ``}}`` stop,
+  or whatever the tokenizer fuses there) is not kept. The prefix ends before it, and its text up to the cut
+  (``junction_text``, e.g. ``}``) starts the target's tail, which is tokenised as one string, so the decision token
+  the model emits is the one the target teaches (with CE). No complete object → the prefix is empty and the
+  junction is ``{``: the target is the whole answer, tokenised as stage 1 tokenises it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class ParsedObject:
 
 @dataclass(frozen=True)
 class ParseResult:
+    """``prefix_token_ids`` are response tokens kept verbatim (a prefix of the response); ``junction_text`` is the
+    text that follows them in the target (the cut token's text up to the cut, or ``{`` without a cut);
+    ``prefix_last_char`` is the last character of prefix + junction (``}`` or ``{``). ``junction_fused``: the cut
+    fell inside a token (the rollout's decision token also held the next character, ``,`` or ``}``)."""
+
     objects: tuple[ParsedObject, ...]
     invalid: Mapping[str, int]
     prefix_token_ids: tuple[int, ...]
@@ -69,6 +76,8 @@ class ParseResult:
     broken: bool
     num_response_tokens: int
     dropped_tail_tokens: int
+    junction_text: str = "{"
+    junction_fused: bool = False
 
     @property
     def num_invalid(self) -> int:
@@ -301,6 +310,27 @@ def _validate_member(m: _Member, seen: set[int]) -> tuple[ParsedObject | None, s
     return ParsedObject(m.index, m.desc[0], kind, tuple(m.coords), tuple(m.positions)), None  # type: ignore[arg-type]
 
 
+def _junction_start(ids: Sequence[int], pos: int, raw: bytes, vocab: ParseVocab) -> tuple[int, bytes]:
+    """Where the junction starts and its bytes: the cut token, widened backwards over plain tokens while its bytes
+    are not whole UTF-8 characters (a byte-level token may start inside one)."""
+    start = pos
+    while start > 0:
+        try:
+            raw.decode("utf-8")
+            break
+        except UnicodeDecodeError:
+            prev = ids[start - 1]
+            if prev in vocab.coord_bin_by_id or prev in vocab.special_ids:
+                break
+            start -= 1
+            raw = vocab.token_bytes[prev] + raw
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raw = raw.decode("utf-8", errors="replace").encode("utf-8")
+    return start, raw
+
+
 def parse_rollout(response_ids: Sequence[int], vocab: ParseVocab) -> ParseResult:
     """Parse one rollout. Pure; never raises on any token sequence."""
     ids = list(response_ids)
@@ -358,18 +388,14 @@ def parse_rollout(response_ids: Sequence[int], vocab: ParseVocab) -> ParseResult
     if sc.member is not None:
         invalid["malformed_object" if broken else "truncated_object"] += 1
     if cut is None:
-        prefix = tuple(vocab.encode("{"))
-        last = "{"
-        kept = 0
+        prefix: tuple[int, ...] = ()
+        junction, fused, last, kept = "{", False, "{", 0
     else:
         pos, off = cut
         data = vocab.token_bytes[ids[pos]]
-        if off == len(data):
-            prefix = tuple(ids[: pos + 1])
-        else:
-            prefix = tuple(ids[:pos]) + tuple(vocab.encode(data[:off].decode("utf-8")))
-        last = "}"
-        kept = pos + 1
+        start, raw = _junction_start(ids, pos, data[:off], vocab)
+        prefix = tuple(ids[:start])
+        junction, fused, last, kept = raw.decode("utf-8"), off < len(data), "}", pos + 1
     truncated = not sc.closed
     return ParseResult(
         objects=tuple(objects),
@@ -382,4 +408,6 @@ def parse_rollout(response_ids: Sequence[int], vocab: ParseVocab) -> ParseResult
         broken=broken,
         num_response_tokens=len(ids),
         dropped_tail_tokens=len(ids) - kept,
+        junction_text=junction,
+        junction_fused=fused,
     )

@@ -1,9 +1,11 @@
 """One teacher-forced target per sample: ``Y_train = rollout prefix + FN append + EOS`` with its masks.
 
 Label rules (``docs/concepts/decisions.md``): prompt tokens — no loss. Rollout prefix — non-coord tokens no loss;
-coord tokens of matched objects get coord loss towards the matched GT. Appended tail — non-coord tokens get
-full-vocabulary CE except the tokens of ``desc`` string values; coord tokens get coord loss towards their GT.
-The final EOS gets CE. Positions index the full sequence (prompt + response).
+coord tokens of matched objects get coord loss towards the matched GT. Appended tail — it starts at the junction
+(the parse's ``junction_text``: the decision token's text up to the cut) and is tokenised as one string, so the
+target holds the tokens the model emits there (``},`` / ``}}``, never a lone ``}`` then ``,``); non-coord tokens get
+full-vocabulary CE (the decision token included) except the tokens of ``desc`` string values; coord tokens get
+coord loss towards their GT. The final EOS gets CE. Positions index the full sequence (prompt + response).
 """
 
 from __future__ import annotations
@@ -57,12 +59,13 @@ class TailTokens:
 
 def encode_tail(fn_objects: Sequence[DetObject], start_index: int, prefix_last_char: str,
                 encode_with_offsets: Callable[[str], tuple[list[int], list[tuple[int, int]]]],
-                coord_bin_by_id: dict[int, int], desc_ce: bool = False) -> TailTokens:
-    """Tokenise the FN append (incl. the closing ``}``) and mark CE / desc / coord tokens.
+                coord_bin_by_id: dict[int, int], desc_ce: bool = False, junction: str = "") -> TailTokens:
+    """Tokenise ``junction`` + the FN append (incl. the closing ``}``) as one string and mark CE / desc / coord
+    tokens. ``prefix_last_char`` is the last character of prefix + junction.
 
     ``desc_ce`` false (stage 2): tokens overlapping a ``desc`` string value get no CE.
     """
-    text = serialize_append(fn_objects, start_index, prefix_last_char)
+    text = junction + serialize_append(fn_objects, start_index, prefix_last_char)
     desc_spans: list[tuple[int, int]] = []
     cursor = text.find(OBJECT_KEY_PREFIX)
     for obj in fn_objects:
@@ -101,7 +104,8 @@ def build_target(sample_id: str, prompt_ids: Sequence[int], parse: ParseResult, 
     p_len = len(prompt)
     fn = [gts[g] for g in match.false_negatives]
     start_index = parse.max_object_index + 1
-    tail = encode_tail(fn, start_index, parse.prefix_last_char, encode_with_offsets, coord_bin_by_id, desc_ce)
+    tail = encode_tail(fn, start_index, parse.prefix_last_char, encode_with_offsets, coord_bin_by_id, desc_ce,
+                       junction=parse.junction_text)
     input_ids = prompt + prefix + tail.ids + [eos_id]
     labels = [IGNORE_INDEX] * (p_len + len(prefix))
     labels += [tid if ce else IGNORE_INDEX for tid, ce in zip(tail.ids, tail.ce_mask)]
@@ -140,27 +144,28 @@ def build_target(sample_id: str, prompt_ids: Sequence[int], parse: ParseResult, 
         "truncated": int(parse.truncated),
         "supervised_coords": len(positions),
         "ce_tokens": sum(1 for lab in labels if lab != IGNORE_INDEX),
+        "junction_fused": int(parse.junction_fused),
     }
     return TrainTarget(sample_id, input_ids, labels, positions, targets, p_len, len(prefix), len(tail.ids) + 1, stats)
 
 
 def ground_truth_target(sample_id: str, prompt_ids: Sequence[int], gts: Sequence[DetObject], eos_id: int,
                         encode_with_offsets: Callable[[str], tuple[list[int], list[tuple[int, int]]]],
-                        coord_bin_by_id: dict[int, int], open_brace_ids: Sequence[int]) -> TrainTarget:
-    """Stage-1 (teacher-forced on GT) target: the same rules with an empty rollout (prefix ``{``, all GT FN).
+                        coord_bin_by_id: dict[int, int]) -> TrainTarget:
+    """Stage-1 (teacher-forced on GT) target: the same rules with an empty rollout (no prefix, junction ``{``, all
+    GT FN): the whole answer tokenised as one string, as stage 2 tokenises a target without a cut.
 
     Plain SFT: the opening ``{`` and the ``desc`` values get CE too, so a fresh model learns the whole answer.
     """
-    tail = encode_tail(list(gts), 1, "{", encode_with_offsets, coord_bin_by_id, desc_ce=True)
+    tail = encode_tail(list(gts), 1, "{", encode_with_offsets, coord_bin_by_id, desc_ce=True, junction="{")
     prompt = list(prompt_ids)
-    head = list(open_brace_ids)
-    input_ids = prompt + head + tail.ids + [eos_id]
-    labels = [IGNORE_INDEX] * len(prompt) + head
+    input_ids = prompt + tail.ids + [eos_id]
+    labels = [IGNORE_INDEX] * len(prompt)
     labels += [tid if ce else IGNORE_INDEX for tid, ce in zip(tail.ids, tail.ce_mask)] + [eos_id]
-    base = len(prompt) + len(head)
+    base = len(prompt)
     positions = [base + i for i, b in enumerate(tail.coord_bins) if b is not None]
     targets = [float(c) for o in gts for c in o.coords]
     if len(positions) != len(targets):
         raise TargetError(f"sample {sample_id!r}: GT serialisation has {len(positions)} coord tokens for {len(targets)} coords")
-    return TrainTarget(sample_id, input_ids, labels, positions, targets, len(prompt), len(head), len(tail.ids) + 1,
+    return TrainTarget(sample_id, input_ids, labels, positions, targets, len(prompt), 0, len(tail.ids) + 1,
                        {"gt": len(gts), "supervised_coords": len(positions)})

@@ -34,8 +34,8 @@ DEFAULT_MISMATCH_WARN = 0.05
 def kept_engine_logprobs(prompt_len: int, response_ids: Sequence[int], prefix_ids: Sequence[int],
                          logprobs: Sequence[dict[int, float]] | None) -> list[tuple[int, float]]:
     """``(position in prompt + response, engine log-probability)`` of each rollout token the target keeps: the
-    target's prefix tokens that equal the response's, up to the first that differs (the parser re-encodes a token it
-    cuts). Empty without log-probabilities."""
+    target's prefix tokens that equal the response's, up to the first that differs (the parser keeps the response's
+    tokens verbatim up to the junction). Empty without log-probabilities."""
     if logprobs is None:
         return []
     out = []

@@ -36,7 +36,6 @@ class Stage2Pipeline(RolloutCodec):
         self.settings = settings
         self.coord_bin_by_id = dict(self.vocab.coord_bin_by_id)
         self.eos_id = self.tokenizer.eos_token_id
-        self.open_brace_ids = self.vocab.encode("{")
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -71,7 +70,7 @@ class Stage2Pipeline(RolloutCodec):
         for sample in samples:
             enc = self.encoder.encode(sample)
             t = ground_truth_target(sample.sample_id, enc.input_ids, sample.objects, self.eos_id,
-                                    self.encode_with_offsets, self.coord_bin_by_id, self.open_brace_ids)
+                                    self.encode_with_offsets, self.coord_bin_by_id)
             t.mm_inputs = dict(enc.mm_inputs)
             out.append(t)
         return out

@@ -862,6 +862,7 @@ class RolloutMatchingTrainer(Trainer):
                 predicted = c.get("valid_pred", 0.0) + c.get("invalid_pred", 0.0)
                 logs["rollout/valid_object_rate"] = c.get("valid_pred", 0.0) / predicted if predicted else 0.0
                 logs["rollout/match_recall"] = c.get("matched", 0.0) / c["gt"] if c.get("gt") else 0.0
+                logs["rollout/junction_fused_rate"] = c.get("junction_fused", 0.0) / c["samples"]
             if c.get("tokens_padded"):
                 logs["batch/fill"] = c["tokens_real"] / c["tokens_padded"]
                 logs["batch/tokens"] = c["tokens_real"]
