@@ -477,9 +477,12 @@ def tensor_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 @torch.no_grad()
 def merge_lost_fraction(model: torch.nn.Module, engine_dtype: torch.dtype = torch.bfloat16,
                         rows: int = 64) -> float | None:
-    """The fraction of a LoRA update's non-zero elements that a merge into ``engine_dtype`` weights rounds away
-    (``round(W + s·B@A) == W``), estimated on the first ``rows`` output rows of every plain LoRA layer; None for a
-    model without plain LoRA layers or an update that is zero so far (B starts at zero)."""
+    """The share of an adapter update's non-zero elements that a merge into ``engine_dtype`` weights rounds away:
+    with ``W`` the base weight and ``ΔW`` the update (LoRA: ``s·B@A``; DoRA: ``m / ‖W + s·B@A‖ · (W + s·B@A) − W``,
+    row norms, what the learner's forward applies), the elements where ``ΔW != 0`` but
+    ``round(round(W) + ΔW) == round(W)`` in ``engine_dtype``, over the elements where ``ΔW != 0``. Computed in float32
+    on the first ``rows`` output rows of every linear LoRA/DoRA layer; None for a model without such layers or an
+    update that is zero so far."""
     if not is_peft_model(model):
         return None
     lost = total = 0
@@ -492,8 +495,13 @@ def merge_lost_fraction(model: torch.nn.Module, engine_dtype: torch.dtype = torc
             if factors is None or not factors.linear:
                 continue
             b, a = factors.b.weight, factors.a.weight
+            weight = module.get_base_layer().weight[:rows]
             delta = float(module.scaling[adapter]) * (b[:rows].float() @ a.float())
-            base = module.get_base_layer().weight[:rows].to(engine_dtype)
+            if factors.dora:
+                direction = weight.float() + delta
+                magnitude = module.lora_magnitude_vector[adapter].weight[:rows].float()
+                delta = (magnitude / torch.linalg.norm(direction, dim=1)).unsqueeze(1) * direction - weight.float()
+            base = weight.to(engine_dtype)
             changed = delta != 0
             merged = (base.float() + delta).to(engine_dtype)
             lost += int(((merged == base) & changed).sum())
