@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "trainer"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("trainer", "trainer.extras", "trainer.telemetry", "trainer.profiling"),
+    ("trainer", "trainer.extras", "trainer.telemetry", "trainer.profiling", "trainer.precision"),
     ("trainer.config", "trainer.loggers"),
     ("trainer.data", "trainer.sync", "trainer.buffering", "trainer.memory"),
     ("trainer.matching", "trainer.losses"),

@@ -68,6 +68,8 @@ from typing import Any
 
 import torch
 
+from trainer.precision import compute_dtype
+
 log = logging.getLogger(__name__)
 
 POLICIES = ("full", "selective", "off", "auto")
@@ -304,7 +306,7 @@ def memory_plan(cfg, model: torch.nn.Module, world_size: int = 1, device: float 
     t = cfg.training
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     shape = TextShape.from_config(base.config)
-    dtype = next(base.parameters()).dtype
+    dtype = compute_dtype(model)
     dtype_bytes = 2 if (t.bf16 or dtype in (torch.bfloat16, torch.float16)) else 4
     tokens = forward_tokens(cfg)
     total = device_bytes() if device is None else device

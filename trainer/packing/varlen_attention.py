@@ -72,6 +72,17 @@ def _segment_layout(query: torch.Tensor, kwargs: dict, with_max_len: bool = True
     return cu, max_len
 
 
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Float32 query/key/value cast to the autocast dtype where autocast is on (float32 master weights: a float32
+    norm weight widens q and k after the projection), as transformers' flash-attention integration does; else as
+    given."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device) or tensors[0].dtype != torch.float32:
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, **kwargs):
     """transformers attention interface (``rm_varlen``): query [1, Hq, L, D], key/value [1, Hkv, L, D] →
@@ -84,7 +95,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
         raise ValueError(f"rm_varlen attention has no dropout (got {dropout}); set the model's attention_dropout to 0")
     compiling = torch.compiler.is_compiling()
     cu, max_len = _segment_layout(query, kwargs, with_max_len=not compiling)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    q, k, v = (t[0].transpose(0, 1) for t in autocast_inputs(query, key, value))
     bound = q.shape[0] if compiling else int(max_len)
     out, _ = varlen_attention(q, k, v, cu.to(device=q.device, dtype=torch.int32), bound, scaling)
     return out[None], None
@@ -101,7 +112,7 @@ def varlen_api_attention_forward(module, query, key, value, attention_mask, drop
     from torch.nn.attention.varlen import varlen_attn
 
     cu, max_len = _segment_layout(query, kwargs)
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in autocast_inputs(query, key, value))
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)

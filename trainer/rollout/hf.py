@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from trainer.precision import autocast_for
+
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
@@ -147,7 +149,8 @@ class HFRolloutEngine:
         scores = None
         if params.logprobs is not None:  # the processed scores (penalty, temperature, top-k/p applied): as sampled
             kwargs.update(output_scores=True, return_dict_in_generate=True)
-        out = self.model.generate(**batch, **kwargs)
+        with autocast_for(self.model, device.type):
+            out = self.model.generate(**batch, **kwargs)
         if params.logprobs is not None:
             out, scores = out.sequences, out.scores
         width = batch["input_ids"].shape[1]

@@ -268,6 +268,7 @@ def colocate_enable_lora(requested: bool | None, model: torch.nn.Module) -> bool
 def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
     """Build the colocated engine from ``custom.extra.rollout_matching`` and the loaded model."""
     from trainer.modeling.coord_vocab import stop_token_ids
+    from trainer.precision import compute_dtype
     from trainer.sync.weights import is_peft_model
 
     v = rm.vllm
@@ -277,7 +278,7 @@ def engine_from_config(rm, loaded, model) -> VllmColocateEngine:
     lora_rank = 16
     if is_peft_model(model):
         lora_rank = vllm_lora_rank(max(int(c.r) for c in model.peft_config.values()))
-    learner_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    learner_dtype = str(compute_dtype(model)).removeprefix("torch.")
     dtype = learner_dtype if v.dtype == "auto" else v.dtype
     if dtype != learner_dtype and not v.sync.allow_dtype_cast:
         raise ValueError(f"{KEY}.dtype={dtype} but the learner's weights are {learner_dtype}: every sync would cast; "

@@ -24,6 +24,7 @@ from trainer.modeling.checkpointing import training_arguments_kwargs
 from trainer.modeling.compile import compile_decoder_layers
 from trainer.modeling.levers import apply_model_levers
 from trainer.modeling.loading import LoadedModel, apply_tuner, check_adapter_can_learn_coords, load_model
+from trainer.precision import keep_master_weights_fp32
 from trainer.modeling.prompts import PromptEncoder
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.varlen_attention import choose_packed_attention
@@ -171,11 +172,15 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
     """HF's arguments; ``step_records``: for ``RolloutMatchingTrainer``, which gets a step's records
     (``records_per_step`` over all ranks, default ``batch_size`` x accumulation per rank) as HF's one micro-batch
     (``gradient_accumulation_steps`` 1) and accumulates the rows they fill itself. ``bf16``: None follows
-    ``training.bf16`` (the warm-up passes its own, ``stage1.bf16``); ``dataloader_workers``: None follows
+    ``training.bf16``, on too where ``model.torch_dtype`` is bfloat16 without DeepSpeed (float32 master weights under
+    bf16 autocast: ``trainer.precision``; float16 likewise turns on fp16); the warm-up passes its own,
+    ``stage1.bf16``. ``dataloader_workers``: None follows
     ``training.dataloader_num_workers`` (the warm-up passes ``stage1.target_workers``). Checkpointing follows
     ``training.gradient_checkpointing_policy`` (``auto`` resolved first: ``trainer.modeling.levers``; the keyword is
     ``activation_checkpointing`` from transformers 5.2x), ``optim`` is ``training.optim``."""
     t = cfg.training
+    master_autocast = cfg.model.torch_dtype if not t.deepspeed else None
+    bf16_on = (t.bf16 or master_autocast == "bfloat16") if bf16 is None else bf16
     per_device, accumulation = batch_size, t.gradient_accumulation_steps
     if step_records:
         per_device = records_per_rank(records_per_step, batch_size, accumulation, data_parallel_world_size())
@@ -196,7 +201,8 @@ def training_arguments(cfg: TrainConfig, output_dir: Path, *, max_steps: int, le
         save_steps=t.save_steps or 500,
         save_total_limit=t.save_total_limit,
         seed=t.seed,
-        bf16=t.bf16 if bf16 is None else bf16,
+        bf16=bf16_on,
+        fp16=master_autocast == "float16" and not bf16_on,
         **training_arguments_kwargs(t, TrainingArguments.__dataclass_fields__),
         optim=t.optim,
         remove_unused_columns=False,
@@ -295,6 +301,7 @@ def _train(cfg: TrainConfig, out: Path, resume_from_checkpoint: str | None, cpu_
         loaded = load_model(cfg.model, out)
     check_adapter_can_learn_coords(loaded, cfg.tuner)
     model = apply_tuner(loaded.model, cfg.tuner, loaded.multimodal)
+    keep_master_weights_fp32(model, cfg.model.torch_dtype, deepspeed=bool(cfg.training.deepspeed))
     # Liger kernels, the checkpointing policy that runs (auto resolved) and the packed rows' attention, recorded as
     # metrics.jsonl's setup row
     packed_attn = (choose_packed_attention(cfg.model.attn_implementation, loaded.image_token_id is not None,

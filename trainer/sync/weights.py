@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from trainer.precision import serving_cast
+
 from trainer.sync.wire import decode, encode
 
 PEFT_PREFIX = "base_model.model."
@@ -324,7 +326,8 @@ def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, merge
                  merge_precision: str = "weight_dtype") -> dict[str, torch.Tensor]:
     """Base weights in HF checkpoint naming (see module docstring), LoRA merged unless ``merge_adapter`` is
     false (then the frozen base alone); the model is left unchanged. ``merge_precision``: see ``_merge_terms``
-    (DoRA always merges through peft, in its arithmetic)."""
+    (DoRA always merges through peft, in its arithmetic). ``dtype`` None: float32 master weights are cast to the
+    model's compute dtype (``trainer.precision``), other weights are sent as kept."""
     return unmerged_weights(model, dtype, merge_adapter, merge_precision).merged()
 
 
@@ -334,6 +337,8 @@ def unmerged_weights(model: torch.nn.Module, dtype: torch.dtype | None = None, m
     """``full_weights`` with the plain LoRA layers' products left to add (``UnmergedWeights``): the factors are
     rounded and stacked here, no weight-sized tensor is made for them. DoRA, the float32 merge precision, layers
     with several adapters and a ``dtype`` cast merge here, as ``full_weights`` does."""
+    if dtype is None:
+        dtype = serving_cast(model)
     plan = _plan(model)
     if is_peft_model(model) and merge_adapter:
         try:
