@@ -4,10 +4,11 @@
 float32 copy) the optimizer would otherwise add each AdamW step to 16-bit weights, where a step below half a bf16
 ulp is lost (a norm gain near 1.0 never moves at lr 1e-4). So every trainable floating parameter is kept in float32
 (the master weight the optimizer updates; LoRA / DoRA adapters included) and the forward runs under autocast in the
-compute dtype; frozen parameters stay 16-bit. The compute dtype is recorded on the model: the rollout engine serves
-it and weight syncs cast to it (``compute_dtype``).
+compute dtype; frozen parameters are held in the compute dtype. A full fine-tune loads its checkpoint in float32
+(``load_dtype``), so a float32 checkpoint's master weights (a saved warm-up) come back exactly. The compute dtype is
+recorded on the model: the rollout engine serves it and weight syncs cast to it (``compute_dtype``).
 
-Invariants: no parameter is ever narrowed; a model whose trainable parameters are already float32 is unchanged.
+Invariants: every trainable floating parameter ends float32, every frozen one in the compute dtype.
 """
 
 from __future__ import annotations
@@ -33,9 +34,19 @@ class MasterWeights:
     added_bytes: int
 
 
+def load_dtype(torch_dtype: str, train_type: str, deepspeed: bool) -> torch.dtype:
+    """The dtype to load a checkpoint in: float32 for a full fine-tune that keeps master weights, else
+    ``torch_dtype`` (an adapter's frozen base loads 16-bit; DeepSpeed keeps its own float32 copy)."""
+    dtype = getattr(torch, torch_dtype)
+    if dtype in HALF_DTYPES and train_type == "full" and not deepspeed:
+        return torch.float32
+    return dtype
+
+
 def keep_master_weights_fp32(model: torch.nn.Module, torch_dtype: str, deepspeed: bool) -> MasterWeights | None:
-    """Widen every trainable 16-bit floating parameter of ``model`` to float32 and record ``torch_dtype`` as its
-    compute dtype; None (nothing changed) for a float32 ``torch_dtype`` or under DeepSpeed. Logs one line."""
+    """Widen every trainable 16-bit floating parameter of ``model`` to float32, hold every frozen float32 one in
+    ``torch_dtype``, and record ``torch_dtype`` as its compute dtype; None (nothing changed) for a float32
+    ``torch_dtype`` or under DeepSpeed. Logs one line."""
     dtype = getattr(torch, torch_dtype)
     if deepspeed or dtype not in HALF_DTYPES:
         return None
@@ -45,6 +56,11 @@ def keep_master_weights_fp32(model: torch.nn.Module, torch_dtype: str, deepspeed
             added += p.numel() * 2
             p.data = p.data.float()
             params += 1
+        elif p.requires_grad and p.dtype == torch.float32:
+            added += p.numel() * 2
+            params += 1
+        elif not p.requires_grad and p.dtype == torch.float32:
+            p.data = p.data.to(dtype)
     setattr(model, COMPUTE_DTYPE_ATTR, dtype)
     log.info("model.torch_dtype %s without DeepSpeed: %d trainable tensors kept in float32 as master weights "
              "(+%.2f GiB), the forward under %s autocast, the rollout engine served %s", torch_dtype, params,

@@ -123,7 +123,9 @@ class DataConfig(Section):
 
 class TrainingConfig(Section):
     output_dir: str = "runs/default"
-    max_steps: int = Field(-1, ge=-1)
+    max_steps: int = Field(-1, ge=-1, description="stage-2 optimizer steps (-1: one epoch of the data). 0: the "
+                           "stage-1 warm-up alone, scored on the held-out split and saved to output_dir/final, a "
+                           "checkpoint stage-2 runs and their control start from (with stage1.steps: 0)")
     num_train_epochs: float = Field(1.0, gt=0)
     per_device_train_batch_size: int = Field(
         1, ge=1, description="records per rank per micro-batch; stage 2 decodes per_device_train_batch_size x "
@@ -441,6 +443,10 @@ class MismatchConfig(Section):
 
 class RolloutMatchingConfig(Section):
     rollout_backend: Literal["vllm", "hf"] = "vllm"
+    targets: Literal["rollout", "ground_truth"] = Field(
+        "rollout", description="what stage 2 trains on: rollout (rollout-matching targets: rollout prefix + FN append) "
+        "or ground_truth (the control: stage 1 continued on ground-truth targets for the same records, steps, "
+        "schedule and held-out evals, no rollouts; a stage-2 gain counts when it beats this)")
     rollout_generate_batch_size: int = Field(1, ge=1)
     hf: HfRolloutConfig = Field(default_factory=HfRolloutConfig)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
@@ -569,6 +575,9 @@ def check_combinations(cfg: TrainConfig) -> list[ConfigError]:
                 errs.append(ConfigError("training.deepspeed", f"{t.deepspeed!r} is ZeRO-3, which partitions the "
                                         "weights every vLLM weight sync reads (colocate and servers); use zero2 or "
                                         "zero2_offload, or rollout_backend: hf"))
+    if t.max_steps == 0 and variant == "rollout_matching_sft" and cfg.stage1.steps == 0:
+        errs.append(ConfigError("training.max_steps", "0 runs the stage-1 warm-up alone, but stage1.steps is 0: "
+                                "set stage1.steps, or max_steps > 0 for stage 2"))
     bad_steps = [n for n in t.profile_steps if n < 1 or (t.max_steps > 0 and n > t.max_steps)]
     if bad_steps:
         errs.append(ConfigError("training.profile_steps", f"{bad_steps} outside 1..max_steps ({t.max_steps}): list "

@@ -77,10 +77,12 @@ def load_image_processor(model_dir: Path):
     return Qwen2VLImageProcessorPil.from_pretrained(model_dir)
 
 
-def load_model(cfg: ModelConfig, output_dir: str | Path) -> LoadedModel:
+def load_model(cfg: ModelConfig, output_dir: str | Path, dtype: torch.dtype | None = None) -> LoadedModel:
+    """``dtype``: what to load the weights in (default ``model.torch_dtype``; float32 master weights:
+    ``trainer.precision.load_dtype``)."""
     model_dir = resolve_model_dir(cfg, output_dir)
     hf_cfg = AutoConfig.from_pretrained(model_dir)
-    dtype = getattr(torch, cfg.torch_dtype)
+    dtype = dtype if dtype is not None else getattr(torch, cfg.torch_dtype)
     kwargs: dict[str, Any] = {"dtype": dtype}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation

@@ -24,7 +24,7 @@ from trainer.modeling.checkpointing import training_arguments_kwargs
 from trainer.modeling.compile import compile_decoder_layers
 from trainer.modeling.levers import apply_model_levers
 from trainer.modeling.loading import LoadedModel, apply_tuner, check_adapter_can_learn_coords, load_model
-from trainer.precision import keep_master_weights_fp32
+from trainer.precision import keep_master_weights_fp32, load_dtype
 from trainer.modeling.prompts import PromptEncoder
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.varlen_attention import choose_packed_attention
@@ -293,12 +293,39 @@ def run_training(cfg: TrainConfig, resume_from_checkpoint: str | None = None) ->
         close_loggers(loggers)
 
 
+def save_final(trainer: RolloutMatchingTrainer, loaded: LoadedModel, final: Path) -> None:
+    """The trained model as a checkpoint ``model.path`` can name: weights, tokenizer and image processor."""
+    trainer.save_model(str(final))
+    if loaded.image_processor is not None and trainer.args.should_save:
+        loaded.image_processor.save_pretrained(str(final))
+
+
+def _warm_up_only(cfg: TrainConfig, out: Path, warm: RolloutMatchingTrainer, loaded: LoadedModel, engine,
+                  evaluator, metrics_path: Path, exporter) -> RunSummary:
+    """``training.max_steps: 0``: the warm-up alone, scored on the held-out split once and saved to ``final/`` (a
+    checkpoint every stage-2 variant and its control can start from, with ``stage1.steps: 0``)."""
+    try:
+        if evaluator is not None:
+            evaluator.evaluate(warm.state)
+    finally:
+        engine.close()
+        if exporter is not None:
+            exporter.close()
+    final = out / "final"
+    save_final(warm, loaded, final)
+    log.info("training.max_steps 0: the warm-up alone, saved to %s", final)
+    summary = RunSummary(str(out), cfg.stage1.steps, 0, 0.0, str(final), str(metrics_path))
+    (out / "run_summary.json").write_text(json.dumps(asdict(summary), indent=2))
+    return summary
+
+
 def _train(cfg: TrainConfig, out: Path, resume_from_checkpoint: str | None, cpu_threads, cpu_affinity) -> RunSummary:
     rm = cfg.rollout_matching
     torch.manual_seed(cfg.training.seed)
     samples = load_samples(cfg)
     with node_writes_first():  # the embedded tiny model is saved under output_dir once per node
-        loaded = load_model(cfg.model, out)
+        loaded = load_model(cfg.model, out, load_dtype(cfg.model.torch_dtype, cfg.tuner.train_type,
+                                                       bool(cfg.training.deepspeed)))
     check_adapter_can_learn_coords(loaded, cfg.tuner)
     model = apply_tuner(loaded.model, cfg.tuner, loaded.multimodal)
     keep_master_weights_fp32(model, cfg.model.torch_dtype, deepspeed=bool(cfg.training.deepspeed))
@@ -330,8 +357,10 @@ def _train(cfg: TrainConfig, out: Path, resume_from_checkpoint: str | None, cpu_
         exporter.serve(cfg.training.metrics_port, cfg.training.metrics_host)
         stage1_callbacks.append(PrometheusCallback(exporter, "stage1"))
         stage2_callbacks.append(PrometheusCallback(exporter, "stage2"))
-    if cfg.data.has_eval_split:
-        stage2_callbacks.append(periodic_eval(cfg, pipeline, engine, weight_sync, model, decoding, metrics_path))
+    evaluator = periodic_eval(cfg, pipeline, engine, weight_sync, model, decoding, metrics_path) \
+        if cfg.data.has_eval_split else None
+    if evaluator is not None:
+        stage2_callbacks.append(evaluator)
     if cfg.stage1.steps > 0 and not resume_from_checkpoint:
         s1 = cfg.stage1
         lr = s1.resolved_learning_rate(parameter_count(loaded.model), cfg.tuner.train_type)
@@ -352,6 +381,8 @@ def _train(cfg: TrainConfig, out: Path, resume_from_checkpoint: str | None, cpu_
             packing=packing_buffer(cfg), callbacks=[StepRateCallback(s1.batch_size), *stage1_callbacks],
             **({"data_collator": GroundTruthCollator(pipeline)} if workers else {}), **common)
         warm.train()
+        if cfg.training.max_steps == 0:
+            return _warm_up_only(cfg, out, warm, loaded, engine, evaluator, metrics_path, exporter)
     t = cfg.training
     packing = packing_buffer(cfg)
     try:
@@ -376,7 +407,7 @@ def _train(cfg: TrainConfig, out: Path, resume_from_checkpoint: str | None, cpu_
             exporter.close()
     final = out / "final"
     t_save = time.perf_counter()
-    trainer.save_model(str(final))
+    save_final(trainer, loaded, final)
     log.info("saved the final model to %s in %.1f s", final, time.perf_counter() - t_save)
     summary = RunSummary(str(out), cfg.stage1.steps, trainer.state.global_step, float(result.metrics.get("train_runtime", 0.0)),
                          str(final), str(metrics_path))

@@ -139,15 +139,16 @@ def stage2_settings(cfg: TrainConfig, image_token_id: int | None, packed_attn: s
 
     rm, t = cfg.rollout_matching, cfg.training
     async_rollouts = rm.vllm.server.async_rollouts
+    control = rm.targets == "ground_truth"
     return TrainerSettings(
-        target_source="rollout",
+        target_source=rm.targets,
         rollout=RolloutSettings(
             decoding=decoding_params(cfg),
             eager=t.compile_decoder_layers and rm.rollout_backend == "hf" and not rm.hf.compile,
             async_max_staleness=async_rollouts.max_staleness_steps if async_rollouts.enabled else None,
             pixels_during_decode=rm.vllm.pixels_during_decode,
             buffer_m_steps=rm.rollout_buffer.m_steps if rm.rollout_buffer.enabled else 1,
-            mismatch_warn=rm.mismatch.warn_mean_abs_diff if rm.mismatch.enabled else None),
+            mismatch_warn=rm.mismatch.warn_mean_abs_diff if rm.mismatch.enabled and not control else None),
         loss=loss_settings(cfg),
         layout=LayoutSettings(micro_batch_rows=t.per_device_train_batch_size, packed_attn_implementation=packed_attn,
                               image_token_id=image_token_id, host_vision_metadata=t.host_vision_metadata),
