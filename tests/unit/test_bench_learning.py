@@ -144,3 +144,35 @@ def test_a_tiny_learning_table_runs_each_seed_end_to_end(tmp_path):
     assert result["summary"]["hf"]["seeds"] == [0, 1] and result["summary"]["hf"]["delta"]["f1@50"]["n"] == 2
     written = json.loads((tmp_path / "out" / "learning.json").read_text())
     assert written["summary"] == json.loads(json.dumps(result["summary"]))
+
+
+@pytest.mark.slow
+def test_a_shared_warm_up_feeds_stage2_and_its_control_at_side_by_side_seeds(tmp_path):
+    """``shared_warmup``: one warm-up per seed, every variant starts stage 2 from its checkpoint (no stage-1 step of
+    its own, the same held-out score before stage 2); ``control``: each variant is compared with it and with the
+    warm-up, with a bootstrap interval that holds the difference; ``parallel_seeds`` runs the seeds side by side."""
+    control = {"custom": {"extra": {"rollout_matching": {"targets": "ground_truth"}}}}
+    path = _table(tmp_path, shared_warmup=True, control="control", parallel_seeds=True, bootstrap_draws=200,
+                  variants=[{"name": "hf"}, {"name": "control", "config": control}])
+    runner.PARALLEL_SEED_STAGGER_S = 0.0
+    result = runner.run(load_table(path), path, tmp_path / "out", work_dir=tmp_path / "work")
+    recs = {r["name"]: r for r in result["records"]}
+    assert set(recs) == {f"{v}@seed{s}" for v in ("warmup", "hf", "control") for s in (0, 1)}
+    for r in recs.values():
+        assert "error" not in r, (r.get("error"), r.get("learner_log_tail", "")[-2000:])
+    for seed in (0, 1):
+        warm = recs[f"warmup@seed{seed}"]
+        assert warm["stage1_steps"] == 6
+        for v in ("hf", "control"):
+            r = recs[f"{v}@seed{seed}"]
+            assert r["stage1_steps"] == 0 and r["stage2_steps"] == 2
+            assert r["after_stage1"]["f1@50"] == pytest.approx(warm["after_stage1"]["f1@50"]), "starts from the warm-up"
+            assert r["config"]["model"]["path"].endswith(f"warmup@seed{seed}/final")
+    assert recs["control@seed0"]["mismatch"] is None, "the control decodes no training rollouts"
+    pairs = {(c["seed"], c["variant"], c["against"]) for c in result["comparisons"]}
+    assert pairs == {(s, v, a) for s in (0, 1) for v, a in (("hf", "stage 1"), ("hf", "control"),
+                                                           ("control", "stage 1"))}
+    for c in result["comparisons"]:
+        for key in ("f1@50", "ap"):
+            assert c[key]["low"] <= c[key]["diff"] <= c[key]["high"] and c[key]["draws"] == 200
+    assert set(result["summary"]) == {"hf", "control"}

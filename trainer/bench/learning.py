@@ -67,6 +67,10 @@ def learning_record(run_dir: Path) -> dict[str, Any]:
 
     before, after = metrics(evals[0]), metrics(evals[-1])
     stage2 = [r for r in rows if r.get("phase") == "stage2" and "loss" in r]
+    first = stage2[0] if stage2 else {}
+    peaks = [v for r in rows for k, v in r.items() if k.startswith("mem/") and k.endswith("_peak_gib")
+             and isinstance(v, (int, float))]
+    step_s = [r["time/step_wall_s"] for r in stage2[1:] if isinstance(r.get("time/step_wall_s"), (int, float))]
     means = [r["mismatch/logp_abs_diff_mean"] for r in stage2 if "mismatch/logp_abs_diff_mean" in r]
     maxes = [r["mismatch/logp_abs_diff_max"] for r in stage2 if "mismatch/logp_abs_diff_max" in r]
     k3 = [r["mismatch/kl_k3"] for r in stage2 if "mismatch/kl_k3" in r]
@@ -77,6 +81,10 @@ def learning_record(run_dir: Path) -> dict[str, Any]:
         "stage1_steps": max((r["step"] for r in rows if r.get("phase") == "stage1"), default=0),
         "stage2_steps": max((r["step"] for r in stage2), default=0),
         "stage1_wall_s": _phase_span(rows, "stage1"), "stage2_wall_s": _phase_span(rows, "stage2"),
+        "first_step_truncated": (first["rollout/truncated"] / first["rollout/samples"]
+                                 if first.get("rollout/samples") else None),
+        "stage2_step_s": statistics.fmean(step_s) if step_s else None,
+        "peak_gib": max(peaks) if peaks else None,
         "mismatch": ({"logp_abs_diff_mean": statistics.fmean(means), "logp_abs_diff_max": max(maxes),
                       "kl_k3": statistics.fmean(k3) if k3 else None, "steps": len(means)} if means else None),
     }
@@ -131,4 +139,59 @@ def markdown(summary: dict[str, dict[str, Any]]) -> str:
         lines.append(f"| {name} | {s['backend']} | {len(s['seeds'])} | {plain(s['after_stage1'].get('f1@50'))} | "
                      f"{plain(s['after_stage2'].get('f1@50'))} | {pm(s['delta'].get('f1@50'))} | "
                      f"{pm(s['delta'].get('ap'))} | {mismatch} |")
+    return "\n".join(lines) + "\n"
+
+
+def eval_samples(run_dir: Path) -> list[Path]:
+    """A run's held-out ``samples.jsonl`` files, in step order (``eval/step-NNNNNN/``)."""
+    return sorted(Path(run_dir).glob("eval/step-*/samples.jsonl"))
+
+
+def warmup_record(run_dir: Path) -> dict[str, Any]:
+    """A shared warm-up run (``training.max_steps: 0``): its one held-out eval as ``after_stage1``, its steps and wall
+    time."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    evals = [r for r in rows if r.get("phase") == "eval"]
+    if not evals:
+        raise RuntimeError(f"{run_dir}/metrics.jsonl has no held-out eval; a warm-up needs an eval split")
+    return {"after_stage1": {k: evals[-1][f"eval/{k}"] for k in EVAL_KEYS if f"eval/{k}" in evals[-1]},
+            "held_out": int(evals[-1].get("eval/num_samples", 0)),
+            "stage1_steps": max((r["step"] for r in rows if r.get("phase") == "stage1"), default=0),
+            "stage1_wall_s": _phase_span(rows, "stage1")}
+
+
+def compare_runs(records: list[dict[str, Any]], runs_root: Path, control: str | None,
+                 draws: int = 2000) -> list[dict[str, Any]]:
+    """Per seed and variant: stage 2 − stage 1 (the variant's last held-out eval against the warm-up's, or its own
+    first eval without a shared warm-up) and, with a ``control`` variant, the variant − the control; each with a
+    paired bootstrap 95 % interval over the held-out images (``trainer.evaluation.bootstrap``)."""
+    from trainer.evaluation.bootstrap import load_matches, paired_bootstrap
+
+    out: list[dict[str, Any]] = []
+    by_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in records:
+        by_seed.setdefault(r["seed"], {})[r["variant"]] = r
+    for seed, runs in sorted(by_seed.items()):
+        last = {name: eval_samples(runs_root / r["name"]) for name, r in runs.items()}
+        for name, files in last.items():
+            if name == "warmup" or not files:
+                continue
+            stage1 = last.get("warmup") or files
+            mine = load_matches(files[-1])
+            pairs = [("stage 1", stage1[0])]
+            if control and name != control and last.get(control):
+                pairs.append((control, last[control][-1]))
+            for against, other in pairs:
+                ci = paired_bootstrap(mine, load_matches(other), draws=draws, seed=seed)
+                out.append({"seed": seed, "variant": name, "against": against,
+                            **{k: v.to_json() for k, v in ci.items()}})
+    return out
+
+
+def comparisons_markdown(comparisons: list[dict[str, Any]]) -> str:
+    """Each comparison as a row: the difference and its 95 % interval for F1@0.5 and AP."""
+    lines = ["| seed | variant | − | Δ F1@0.5 [95 % CI] | Δ AP [95 % CI] |", "|---|---|---|---|---|"]
+    for c in comparisons:
+        cells = [f"{c[k]['diff']:+.3f} [{c[k]['low']:+.3f}, {c[k]['high']:+.3f}]" for k in ("f1@50", "ap")]
+        lines.append(f"| {c['seed']} | {c['variant']} | {c['against']} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ learner's ranks then use gloo.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import os
@@ -39,10 +40,14 @@ from trainer.bench import learning
 from trainer.bench.measure import Work, measure, recomputed_fraction, stage2_steps, summarise_steps, trl_over_ours
 from trainer.bench.models import peak_bf16_tflops
 from trainer.bench.processes import start_group, stop_group
-from trainer.bench.table import Table, Variant, records_per_step, select, server_settings, variant_config
+from trainer.bench.table import Table, Variant, records_per_step, select, server_settings, set_dotted, variant_config
 from trainer.config.schema import validate_config
 from trainer.launch.ports import listen_port, listen_ports
 from trainer.telemetry import read_jsonl
+
+#: seconds between the starts of side-by-side seeds (``parallel_seeds``): a vLLM engine sizes its share from the
+#: memory free when it starts, so the next seed's engine starts after the last one has taken its share
+PARALLEL_SEED_STAGGER_S = 45.0
 
 
 def gpu_names() -> list[str]:
@@ -227,9 +232,11 @@ def save_learning_model(table: Table, variant: Variant, where: Path, root: Path,
 
 
 def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path | None, root: Path, cuda: bool,
-                seed: int | None = None) -> dict[str, Any]:
+                seed: int | None = None, stage: str = "all") -> dict[str, Any]:
     """One variant (a learning table's: at ``seed``): servers, learner, measurement (and TRL's side); errors are
-    recorded, never raised."""
+    recorded, never raised. ``stage`` (a learning table's ``shared_warmup``): ``warmup``, the warm-up alone
+    (``training.max_steps: 0``); ``stage2``, stage 2 from the warm-up checkpoint ``model_dir`` (``stage1.steps: 0``);
+    ``all``, both in one run."""
     learns = table.kind == "learning"
     name = f"{variant.name}@seed{seed}" if learns else variant.name
     rec: dict[str, Any] = {"name": name, "model": variant.model or table.model, "gpus": variant.gpus,
@@ -249,7 +256,7 @@ def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path | N
     sampler = GpuSampler() if cuda else None
     learner_gpus = (([0] if variant.share_gpu else list(range(variant.servers, variant.gpus))) if cuda else None)
     try:
-        if cuda:
+        if cuda and not table.parallel_seeds:
             wait_for_free_gpus(list(range(variant.gpus)))
         ports = listen_ports(variant.servers) if variant.servers else []
         node_bound = cuda and servers_node_bound(table, variant, where)
@@ -268,6 +275,10 @@ def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path | N
                                                             abort=abort).values())
         cfg = variant_config(table, variant, where, model_dir=str(model_dir) if model_dir else None,
                              output_dir=str(run_dir), urls=urls, seed=seed)
+        if stage == "warmup":
+            set_dotted(cfg, "training.max_steps", 0)
+        elif stage == "stage2":
+            set_dotted(cfg, "stage1.steps", 0)
         validate_config(cfg, source=variant.name)
         rec["config"] = cfg
         (logs / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -286,7 +297,7 @@ def run_variant(table: Table, variant: Variant, where: Path, model_dir: Path | N
         if rc != 0:
             raise RuntimeError(f"learner exited with {rc}")
         if learns:
-            rec.update(learning.learning_record(run_dir))
+            rec.update(learning.warmup_record(run_dir) if stage == "warmup" else learning.learning_record(run_dir))
             return rec
         work = work_of(variant.model or table.model, cfg, variant.learner_gpus)
         rec.update(measure(run_dir, records_per_step(cfg["training"], variant.learner_gpus), table.warmup_steps))
@@ -400,24 +411,65 @@ def run(table: Table, table_path: Path, out_dir: Path, only: str | None = None, 
 
 def _run_learning(table: Table, table_path: Path, variants: list[Variant], root: Path, cuda: bool,
                   stamp: dict[str, Any], result: dict[str, Any], path: Path) -> dict[str, Any]:
-    """Every variant at every seed (seed-major, so a cut-short run has each variant at its first seeds), the summary
-    rewritten after each record."""
-    for seed in table.seeds:
+    """Every variant at every seed (seed-major, so a cut-short run has each variant at its first seeds; with
+    ``parallel_seeds`` the seeds side by side), the summary rewritten after each record. With ``shared_warmup`` a
+    seed's warm-up runs first (record ``warmup@seedN``) and its variants start from its checkpoint; the summary's
+    ``comparisons`` give, per seed, each variant's difference from the warm-up and from the ``control`` with a paired
+    bootstrap interval over the held-out images."""
+    lock = threading.Lock()
+    command = f"python -m trainer bench run {table_path}"
+
+    def record(rec: dict[str, Any]) -> None:
+        with lock:
+            rec.update(stamp, command=command + (f" --only {rec['variant']}" if rec.get("variant") != "warmup"
+                                                 else ""))
+            result["records"].append(rec)
+            result["summary"] = learning.summarise([r for r in result["records"] if r.get("variant") != "warmup"])
+            path.write_text(json.dumps(result, indent=2))
+            print(f"bench run: {rec['name']}: " + (rec.get("error") or
+                  f"F1@0.5 {rec['after_stage1'].get('f1@50', float('nan')):.3f} -> "
+                  f"{rec.get('after_stage2', rec['after_stage1']).get('f1@50', float('nan')):.3f}"), flush=True)
+
+    def one_seed(seed: int) -> None:
+        warm_dir = None
+        if table.shared_warmup:
+            print(f"bench run: warm-up at seed {seed} ...", flush=True)
+            warm = Variant(name="warmup")
+            rec = run_variant(table, warm, table_path.parent, None, root, cuda, seed=seed, stage="warmup")
+            record(rec)
+            if "error" in rec:
+                for v in variants:
+                    record({"name": f"{v.name}@seed{seed}", "variant": v.name, "seed": seed, "backend": None,
+                            "error": f"its seed's warm-up failed: {rec['error']}"})
+                return
+            warm_dir = root / "runs" / rec["name"] / "final"
         for v in variants:
             print(f"bench run: {v.name} at seed {seed} ({v.gpus} GPU(s)) ...", flush=True)
             try:
-                model_dir = save_learning_model(table, v, table_path.parent, root, seed)
+                model_dir = warm_dir or save_learning_model(table, v, table_path.parent, root, seed)
             except subprocess.CalledProcessError as exc:
                 rec = {"name": f"{v.name}@seed{seed}", "variant": v.name, "seed": seed, "backend": None,
                        "error": f"writing its model failed: {exc}"}
             else:
-                rec = run_variant(table, v, table_path.parent, model_dir, root, cuda, seed=seed)
-            rec.update(stamp, command=f"python -m trainer bench run {table_path} --only {v.name}")
-            result["records"].append(rec)
-            result["summary"] = learning.summarise(result["records"])
-            path.write_text(json.dumps(result, indent=2))
-            print(f"bench run: {rec['name']}: " + (rec.get("error") or
-                  f"F1@0.5 {rec['after_stage1'].get('f1@50', float('nan')):.3f} -> "
-                  f"{rec['after_stage2'].get('f1@50', float('nan')):.3f}"), flush=True)
+                rec = run_variant(table, v, table_path.parent, model_dir, root, cuda, seed=seed,
+                                  stage="stage2" if warm_dir else "all")
+            record(rec)
+
+    if table.parallel_seeds:
+        with concurrent.futures.ThreadPoolExecutor(len(table.seeds)) as pool:
+            futures = []
+            for i, seed in enumerate(table.seeds):
+                futures.append(pool.submit(one_seed, seed))
+                if i + 1 < len(table.seeds):
+                    time.sleep(PARALLEL_SEED_STAGGER_S)  # one engine starts at a time: each sizes its memory share
+            for f in futures:
+                f.result()
+    else:
+        for seed in table.seeds:
+            one_seed(seed)
+    done = [r for r in result["records"] if "error" not in r]
+    result["comparisons"] = learning.compare_runs(done, root / "runs", table.control, table.bootstrap_draws)
+    path.write_text(json.dumps(result, indent=2))
     print(learning.markdown(result.get("summary", {})), flush=True)
+    print(learning.comparisons_markdown(result["comparisons"]), flush=True)
     return result

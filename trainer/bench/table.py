@@ -108,6 +108,17 @@ class Table(_Strict):
     server: ServerSettings = ServerSettings()
     timeout_s: float = Field(900.0, gt=0, description="the most one variant's server start and learner may take")
     warmup_steps: int = Field(1, ge=1, description="optimizer steps left out of every mean")
+    shared_warmup: bool = Field(
+        False, description="a learning table: the base config's stage-1 warm-up runs once per seed "
+        "(training.max_steps: 0, saved) and every variant at that seed starts stage 2 from its checkpoint "
+        "(stage1.steps: 0), so variants differ in stage 2 alone")
+    control: str | None = Field(
+        None, description="a learning table: the variant every other is compared with at each seed (e.g. "
+        "rollout_matching.targets: ground_truth), with a paired bootstrap interval over held-out images")
+    parallel_seeds: bool = Field(
+        False, description="a learning table on one GPU: the seeds run side by side (each seed's runs one after "
+        "another), sharing the GPU; each run's engine share (vllm.gpu_memory_utilization) must leave room")
+    bootstrap_draws: int = Field(2000, ge=100, description="paired bootstrap resamples of the held-out images")
 
     @pydantic.model_validator(mode="after")
     def _kind_fits(self):
@@ -121,6 +132,8 @@ class Table(_Strict):
                 raise ValueError("seeds: a learning table runs every variant at distinct seeds, e.g. [0, 1, 2]")
         elif self.seeds:
             raise ValueError("seeds: only a learning table (kind: learning) runs seeds")
+        elif self.shared_warmup or self.control or self.parallel_seeds:
+            raise ValueError("shared_warmup, control and parallel_seeds belong to a learning table (kind: learning)")
         return self
 
 
@@ -149,7 +162,7 @@ def read_ref(ref: str, relative_to: Path, fragments: dict[str, dict[str, Any]] |
     return copy.deepcopy(data)
 
 
-def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(cfg: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     for key in parents:
         cfg = cfg.setdefault(key, {})
@@ -184,17 +197,17 @@ def variant_config(table: Table, variant: Variant, where: Path, *, model_dir: st
     if model_dir is None and not learning:
         model_dir = "model"
     if model_dir is not None:
-        _set(cfg, "model.path", model_dir)
+        set_dotted(cfg, "model.path", model_dir)
         if learning:
             cfg["model"].pop("tiny", None)
-    _set(cfg, "training.output_dir", output_dir)
+    set_dotted(cfg, "training.output_dir", output_dir)
     if variant.servers:
         urls = urls or [f"http://127.0.0.1:{8000 + i}" for i in range(variant.servers)]
-        _set(cfg, "custom.extra.rollout_matching.vllm.server.servers", [{"base_url": u} for u in urls])
+        set_dotted(cfg, "custom.extra.rollout_matching.vllm.server.servers", [{"base_url": u} for u in urls])
     training = cfg.get("training", {})
     if "synthetic" in cfg.get("data", {}) and not learning:
         records = records_per_step(training, variant.learner_gpus)
-        _set(cfg, "data.synthetic.num_samples", records * (int(training.get("max_steps", 1)) + 1))
+        set_dotted(cfg, "data.synthetic.num_samples", records * (int(training.get("max_steps", 1)) + 1))
     return cfg
 
 
@@ -263,6 +276,11 @@ def load_table(path: str | Path) -> Table:
     names = [v.name for v in table.variants]
     lines += [f"{source}: variant {n!r}: name: used twice; give each variant its own name"
               for n in sorted({n for n in names if names.count(n) > 1})]
+    if table.control is not None and table.control not in names:
+        lines.append(f"{source}: control: {table.control!r} is not one of the variants ({', '.join(names)})")
+    if table.shared_warmup and "warmup" in names:
+        lines.append(f"{source}: variant 'warmup': name: with shared_warmup the warm-up runs are named warmup; "
+                     "rename the variant")
     for v in table.variants:
         where = f"{source}: variant {v.name!r}: "
         if v.baseline is not None and v.baseline not in names:
