@@ -11,6 +11,7 @@ from pathlib import Path
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from trainer.config.cli import load_or_report
+    from trainer.data.records import DatasetError
     from trainer.evaluation.run import EvalSetupError, evaluate_config, write_eval
     from trainer.modeling.loading import ModelPathError
 
@@ -19,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         result, title = evaluate_config(cfg, args.checkpoint, args.split)
-    except (EvalSetupError, ModelPathError) as exc:
+    except (EvalSetupError, ModelPathError, DatasetError) as exc:  # bad records: the split is read before the model
         print(f"error: {exc}", file=sys.stderr)
         return 2
     name = "base" if args.checkpoint is None else Path(title).name

@@ -32,8 +32,8 @@ def forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: torc
     a zero loss that still reaches every parameter the forward used.
 
     With ``mismatch``, the learner's log-probabilities of the batch's kept rollout tokens (``logp_index``, at the
-    decoding ``temperature``) are compared with the engine's (``logp_engine``) and added to it
-    (``trainer.sft.mismatch``; a zero-weight filler adds nothing).
+    decoding ``temperature``, without autograd, ``logit_chunk_rows`` tokens at a time as the loss's rows) are compared
+    with the engine's (``logp_engine``) and added to it (``trainer.sft.mismatch``; a zero-weight filler adds nothing).
     """
     measure = (mismatch is not None and "logp_index" in inputs and inputs["logp_index"].numel() > 0
                and float(inputs.get("loss_weight", 1.0)) != 0.0)
@@ -55,9 +55,8 @@ def _forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: tor
         with capture_lm_head_input(owner) as captured:
             outputs = model(**model_inputs, use_cache=False)
         if measure:
-            with torch.no_grad():
-                learner = learner_logprobs(captured.hidden.detach(), output_embedding(owner), inputs["input_ids"],
-                                           inputs["logp_index"], measure[1])
+            learner = learner_logprobs(captured.hidden.detach(), output_embedding(owner), inputs["input_ids"],
+                                       inputs["logp_index"], measure[1], logit_chunk_rows)
             measure[0].add(MismatchStats.of(learner, inputs["logp_engine"]))
         if logit_chunk_rows:
             loss, terms = chunked_objective(captured.hidden, output_embedding(owner), inputs, coord_ids, weights,
@@ -68,9 +67,8 @@ def _forward_loss(model: torch.nn.Module, inputs: dict[str, Any], coord_ids: tor
     else:
         outputs = model(**model_inputs, use_cache=False)
         if measure:
-            with torch.no_grad():
-                learner = learner_logprobs(outputs.logits.detach(), None, inputs["input_ids"], inputs["logp_index"],
-                                           measure[1])
+            learner = learner_logprobs(outputs.logits.detach(), None, inputs["input_ids"], inputs["logp_index"],
+                                       measure[1], logit_chunk_rows)
             measure[0].add(MismatchStats.of(learner, inputs["logp_engine"]))
         rows = rows_from_logits(outputs.logits, inputs)
     loss, terms = objective_from_rows(rows, inputs, coord_ids, weights)

@@ -46,18 +46,32 @@ def kept_engine_logprobs(prompt_len: int, response_ids: Sequence[int], prefix_id
     return out
 
 
+@torch.no_grad()
 def learner_logprobs(hidden: torch.Tensor, head: torch.nn.Module | None, input_ids: torch.Tensor,
-                     index: torch.Tensor, temperature: float) -> torch.Tensor:
+                     index: torch.Tensor, temperature: float, chunk_rows: int | None = None) -> torch.Tensor:
     """The learner's log-probability of the token at each ``(row, col)`` of ``index``: from the final hidden states
     ``[B, T, H]`` projected by ``head`` at ``(row, col - 1)``, or, with ``head`` None, from ``hidden`` as logits
-    ``[B, T, V]``. ``temperature`` > 0 divides the logits (the sampling distribution); 0 leaves them raw."""
+    ``[B, T, V]``. ``temperature`` > 0 divides the logits (the sampling distribution); 0 leaves them raw.
+
+    ``chunk_rows`` (``loss.logit_chunk_rows``) projects and log-softmaxes that many tokens at a time, so at most
+    ``chunk_rows`` x vocabulary logits are alive at once; None: every token at once. Runs without autograd: the
+    result is a detached float32 ``[N]`` and adds nothing to the graph."""
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     index = index.to(hidden.device)
-    rows = hidden[index[:, 0], index[:, 1] - 1]
-    logits = (head(rows) if head is not None else rows).float()
-    if temperature > 0:
-        logits = logits / temperature
-    tokens = input_ids.to(hidden.device)[index[:, 0], index[:, 1]]
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    ids = input_ids.to(hidden.device)
+    step = chunk_rows or max(int(index.shape[0]), 1)
+    parts = []
+    for start in range(0, index.shape[0], step):
+        at = index[start:start + step]
+        rows = hidden[at[:, 0], at[:, 1] - 1]
+        logits = (head(rows) if head is not None else rows).float()
+        if temperature > 0:
+            logits = logits / temperature
+        tokens = ids[at[:, 0], at[:, 1]]
+        parts.append(torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0])
+        del rows, logits
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 
 @dataclass
