@@ -312,7 +312,7 @@ NOT_RUN: dict[str, str] = {
     "python -m trainer train --config configs/demo.yaml": cpu_minutes("about 8", "the CPU demo's training"),
     "python -m trainer eval --config configs/demo.yaml --checkpoint latest": DEMO_RUN,
     "python -m trainer eval --config configs/demo.yaml": cpu_minutes(
-        "several", "greedy decoding of 200 held-out scenes by the random tiny model, up to 160 tokens each"),
+        "about 6", "greedy decoding of 200 held-out scenes by the random tiny model, up to 160 tokens each"),
     "python -m trainer demo --seed 1": cpu_minutes("about 8", "the CPU demo at another seed"),
     "make bench": cpu_minutes("several", "benchmarks/cpu.yaml: three layouts, each starting vLLM on the CPU"),
     "python -m trainer bench run benchmarks/learning-cpu.yaml": cpu_minutes("about 21", "the CPU demo at 3 seeds"),
