@@ -9,10 +9,15 @@ import pytest
 
 from trainer.data.objects import DetObject
 from trainer.data.output_format import serialize_objects
+from trainer.data.records import load_jsonl
+from trainer.data.synthetic import generate
 from trainer.matching.match import match_objects
 from trainer.matching.parse import parse_rollout
 from trainer.matching.poly_align import coord_targets
 from trainer.matching.targets import IGNORE_INDEX, build_target, ground_truth_target
+from trainer.modeling.prompts import PromptEncoder
+from trainer.rollout.types import RolloutResult
+from trainer.sft.stage2 import Stage2Pipeline
 
 GTS = (
     DetObject("red square", "bbox_2d", (100, 100, 300, 300)),
@@ -151,3 +156,19 @@ def test_poly_targets_use_barycentric_projection():
     shifted = DetObject("s", "bbox_2d", (150, 150, 350, 350))
     t3 = coord_targets(DetObject("p", "poly", (150, 150, 350, 150, 350, 350, 150, 350)), shifted, 0.001, 200)
     assert t3 == pytest.approx([150, 150, 350, 150, 350, 350, 150, 350], abs=1.0)
+
+
+def test_a_broken_answer_is_counted_as_broken_not_as_truncated(tokenizer, tmp_path):
+    """``rollout/truncated`` counts decodes the engine cut at the token cap, ``rollout/broken`` answers that stop being
+    JSON; a stopped answer with a malformed key is broken only, a capped one truncated only."""
+    pipe = Stage2Pipeline(PromptEncoder(tokenizer))
+    samples = load_jsonl(generate(tmp_path, 2, seed=0, max_objects=2))
+    requests, _ = pipe.requests(samples)
+    good = tokenizer(serialize_objects(samples[0].objects[:1]), add_special_tokens=False)["input_ids"]
+    broken = good[:-1] + tokenizer('}, "object_2d":", "x"}', add_special_tokens=False)["input_ids"]
+    results = [RolloutResult(requests[0].sample_id, tuple(requests[0].prompt_token_ids),
+                             tuple(broken + [tokenizer.eos_token_id]), "stop"),
+               RolloutResult(requests[1].sample_id, tuple(requests[1].prompt_token_ids), tuple(good[:-4]), "length")]
+    stats = [t.stats for t in pipe.targets(samples, requests, results)]
+    assert (stats[0]["broken"], stats[0]["truncated"]) == (1, 0)
+    assert (stats[1]["broken"], stats[1]["truncated"]) == (0, 1)

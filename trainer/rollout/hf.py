@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from trainer.precision import autocast_for
-
 from trainer.rollout.types import DecodingParams, RolloutRequest, RolloutResult
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")

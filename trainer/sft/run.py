@@ -24,10 +24,10 @@ from trainer.modeling.checkpointing import training_arguments_kwargs
 from trainer.modeling.compile import compile_decoder_layers
 from trainer.modeling.levers import apply_model_levers
 from trainer.modeling.loading import LoadedModel, apply_tuner, check_adapter_can_learn_coords, load_model
-from trainer.precision import keep_master_weights_fp32, load_dtype
 from trainer.modeling.prompts import PromptEncoder
 from trainer.packing.buffer import PackingBuffer
 from trainer.packing.varlen_attention import choose_packed_attention
+from trainer.precision import keep_master_weights_fp32, load_dtype
 from trainer.rollout.factory import build_rollout_engine
 from trainer.rollout.types import DecodingParams
 from trainer.sft import deepspeed_config

@@ -43,7 +43,8 @@ class Stage2Pipeline(RolloutCodec):
 
     def targets(self, samples: Sequence[Sample], requests: Sequence[RolloutRequest],
                 results: Sequence[RolloutResult], timers: PhaseTimers | None = None) -> list[TrainTarget]:
-        """Strict prompt check, then parse → match → target per sample (order kept)."""
+        """Strict prompt check, then parse → match → target per sample (order kept). ``stats["truncated"]``: the
+        engine cut the decode at ``max_new_tokens``; ``stats["broken"]``: the answer stopped being JSON (apart)."""
         timers = timers or PhaseTimers()
         check_prompt_alignment(requests, results)
         out = []
@@ -58,7 +59,7 @@ class Stage2Pipeline(RolloutCodec):
                 target = build_target(sample.sample_id, req.prompt_token_ids, parsed, matched, sample.objects,
                                       self.eos_id, self.encode_with_offsets, self.coord_bin_by_id,
                                       s.sinkhorn_epsilon, s.sinkhorn_iters, s.tail_desc_ce)
-            target.stats["truncated"] = int(res.truncated or parsed.truncated)
+            target.stats["truncated"] = int(res.truncated)
             target.engine_logprobs = kept_engine_logprobs(len(req.prompt_token_ids), res.response_token_ids,
                                                           parsed.prefix_token_ids, res.logprobs)
             target.mm_inputs = dict(req.mm_inputs)

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from trainer.precision import serving_cast
-
 from trainer.sync.wire import decode, encode
 
 PEFT_PREFIX = "base_model.model."
