@@ -316,7 +316,7 @@ NOT_RUN: dict[str, str] = {
     "python -m trainer demo --seed 1": cpu_minutes("about 8", "the CPU demo at another seed"),
     "make bench": cpu_minutes("several", "benchmarks/cpu.yaml: three layouts, each starting vLLM on the CPU"),
     "python -m trainer bench run benchmarks/learning-cpu.yaml": cpu_minutes("about 21", "the CPU demo at 3 seeds"),
-    "python -m trainer bench run benchmarks/learning.yaml": GPU,
+    "python -m trainer bench run benchmarks/learning.yaml --only colocate,control,hf": GPU,
     "python -m trainer bench run benchmarks/scale.yaml --only 4b-kvcache-levers": GPU,
     "python -m trainer bench run benchmarks/scale.yaml --only 8b-lora64-levers": GPU,
     **{command: GPU for command in GPU_LAYOUTS},
