@@ -12,7 +12,7 @@ export VLLM_PLUGINS :=
 
 help:
 	@echo "make demo   - CPU demo: tiny model + synthetic data, stage-1 warm-up then stage-2 rollout-matching"
-	@echo "make demo-gpu SEED=0 - GPU demo (one GPU, the package installed with its vllm extra): a 58M Qwen3-VL detector, dense scenes, stage 1 then stage 2 on vLLM colocate"
+	@echo "make demo-gpu SEED=0 - GPU demo (one GPU, the package installed with its vllm extra): a 58M Qwen3-VL detector, 320 px scenes of 4-16 objects, stage 1 then stage 2 on vLLM colocate"
 	@echo "make test   - the full test suite (sets everything up first), the docs site included"
 	@echo "make docs   - build the docs site (mkdocs.yml, --strict: a warning or a broken link fails) into build/site"
 	@echo "make docs-reference - regenerate the committed reference pages (docs/reference/) from the code"
