@@ -17,7 +17,7 @@ from trainer.matching.poly_align import coord_targets
 from trainer.matching.targets import IGNORE_INDEX, build_target, ground_truth_target
 from trainer.modeling.prompts import PromptEncoder
 from trainer.rollout.types import RolloutResult
-from trainer.sft.stage2 import Stage2Pipeline
+from trainer.sft.stage2 import Stage2Pipeline, until_first_error
 
 GTS = (
     DetObject("red square", "bbox_2d", (100, 100, 300, 300)),
@@ -172,3 +172,39 @@ def test_a_broken_answer_is_counted_as_broken_not_as_truncated(tokenizer, tmp_pa
     stats = [t.stats for t in pipe.targets(samples, requests, results)]
     assert (stats[0]["broken"], stats[0]["truncated"]) == (1, 0)
     assert (stats[1]["broken"], stats[1]["truncated"]) == (0, 1)
+
+
+def test_until_first_error_keeps_the_objects_before_the_first_false_positive(tokenizer, vocab, helpers):
+    """``matching.prefix: until_first_error``: a rollout [match, FP, match] keeps only its first object; the GT the
+    dropped match had found is appended again, the junction after the kept object teaches ``},``, and the target's
+    ids are the tokenizer's for its text."""
+    pred = [DetObject("red square", "bbox_2d", (110, 105, 290, 310)), DetObject("ghost", "bbox_2d", (0, 900, 50, 990)),
+            DetObject("blue circle", "bbox_2d", (600, 600, 800, 800))]
+    ids = tokenizer(serialize_objects(pred), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    parsed = parse_rollout(ids, vocab)
+    m = match_objects([o.to_det() for o in parsed.objects], GTS, 0.3)
+    assert m.num_matched == 2 and m.false_positives == (1,)
+    cut, cm, dropped = until_first_error(parsed, m, len(GTS), vocab)
+    assert dropped == 2 and [o.desc for o in cut.objects] == ["red square"]
+    assert cm.pairs == m.pairs[:1] and cm.false_positives == () and cm.false_negatives == (1, 2)
+    t = build_target("s", [1, 2, 3], cut, cm, GTS, tokenizer.eos_token_id, helpers, dict(vocab.coord_bin_by_id))
+    body = t.input_ids[3:-1]
+    assert [o["desc"] for o in as_json(tokenizer.decode(body)).values()] == ["red square", "blue circle",
+                                                                             "green triangle"]
+    assert body == tokenizer(tokenizer.decode(body), add_special_tokens=False)["input_ids"]
+    assert t.input_ids[t.prompt_len + t.prefix_len] == tokenizer.convert_tokens_to_ids("},")
+    assert t.stats["matched"] == 1 and t.stats["fn_appended"] == 2
+
+    clean = parse_rollout(tokenizer(serialize_objects(pred[:1]), add_special_tokens=False)["input_ids"], vocab)
+    cm2 = match_objects([o.to_det() for o in clean.objects], GTS, 0.3)
+    assert until_first_error(clean, cm2, len(GTS), vocab) == (clean, cm2, 0), "no mistake: nothing dropped"
+
+
+def test_until_first_error_with_a_first_object_wrong_appends_every_gt(tokenizer, vocab, helpers):
+    pred = [DetObject("ghost", "bbox_2d", (0, 900, 50, 990)), DetObject("red square", "bbox_2d", (110, 105, 290, 310))]
+    parsed = parse_rollout(tokenizer(serialize_objects(pred), add_special_tokens=False)["input_ids"], vocab)
+    m = match_objects([o.to_det() for o in parsed.objects], GTS, 0.3)
+    cut, cm, dropped = until_first_error(parsed, m, len(GTS), vocab)
+    assert dropped == 2 and cut.objects == () and cut.prefix_token_ids == () and cut.junction_text == "{"
+    t = build_target("s", [1, 2, 3], cut, cm, GTS, tokenizer.eos_token_id, helpers, dict(vocab.coord_bin_by_id))
+    assert t.input_ids[3:-1] == tokenizer(serialize_objects(GTS), add_special_tokens=False)["input_ids"]

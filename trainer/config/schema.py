@@ -368,6 +368,12 @@ class MatchingConfig(Section):
     mask_iou_threshold: float = Field(0.3, ge=0.0, le=1.0)
     candidate_top_k: int = Field(5, ge=1)
     mask_resolution: int = Field(256, ge=16, le=2048)
+    prefix: Literal["all", "until_first_error"] = Field(
+        "all", description="which of a rollout's objects the target keeps as its prefix: all (every complete "
+        "object, false positives and invalid ones included, without loss) or until_first_error (the objects before "
+        "the first false positive or invalid one; the rest of the answer is dropped and every GT they did not match "
+        "is appended), so a target never teaches the model to go on after a mistake; rollout/prefix_dropped counts "
+        "the objects cut off")
 
 
 class LossConfig(Section):

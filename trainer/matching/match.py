@@ -97,3 +97,12 @@ def match_objects(preds: Sequence[DetObject], gts: Sequence[DetObject], iou_thre
         gated=gated,
         candidates_evaluated=evaluated,
     )
+
+
+def first_predictions(match: MatchResult, kept: int, num_gt: int) -> MatchResult:
+    """``match`` restricted to the first ``kept`` predictions: their pairs and false positives; every GT no kept
+    prediction matched is a false negative."""
+    pairs = tuple(p for p in match.pairs if p[0] < kept)
+    matched = {g for _, g, _ in pairs}
+    return MatchResult(pairs, tuple(p for p in match.false_positives if p < kept),
+                       tuple(g for g in range(num_gt) if g not in matched), match.gated, match.candidates_evaluated)

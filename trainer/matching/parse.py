@@ -24,7 +24,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainer.data.objects import DetObject, GeometryKind
 
@@ -47,13 +47,16 @@ class ParseVocab:
 
 @dataclass(frozen=True)
 class ParsedObject:
-    """A valid predicted object; ``coord_positions[i]`` is the response-token index of ``coords[i]``."""
+    """A valid predicted object; ``coord_positions[i]`` is the response-token index of ``coords[i]``; ``rank`` its
+    place among the complete depth-1 members (valid or not), ``cut`` the (token, byte offset) just after it."""
 
     index: int
     desc: str
     kind: GeometryKind
     coords: tuple[int, ...]
     coord_positions: tuple[int, ...]
+    rank: int = 0
+    cut: tuple[int, int] = (0, 0)
 
     def to_det(self) -> DetObject:
         return DetObject(self.desc, self.kind, self.coords)
@@ -78,6 +81,10 @@ class ParseResult:
     dropped_tail_tokens: int
     junction_text: str = "{"
     junction_fused: bool = False
+    #: appearance ranks of the complete members that were invalid (the ranks ``ParsedObject.rank`` counts)
+    invalid_ranks: tuple[int, ...] = ()
+    #: the response up to its first stop token (what an earlier cut is taken from)
+    response_ids: tuple[int, ...] = ()
 
     @property
     def num_invalid(self) -> int:
@@ -374,15 +381,17 @@ def parse_rollout(response_ids: Sequence[int], vocab: ParseVocab) -> ParseResult
     invalid: Counter[str] = Counter()
     seen: set[int] = set()
     max_index = 0
-    for member, _ in complete:
+    invalid_ranks: list[int] = []
+    for rank, (member, member_cut) in enumerate(complete):
         obj, reason = _validate_member(member, seen)
         if member.index is not None:
             seen.add(member.index)
             max_index = max(max_index, member.index)
         if obj is not None:
-            objects.append(obj)
+            objects.append(replace(obj, rank=rank, cut=member_cut))
         else:
             invalid[reason or "invalid"] += 1
+            invalid_ranks.append(rank)
     for member in after_cut:
         invalid[member.problems[0] if member.problems else "value_not_object"] += 1
     if sc.member is not None:
@@ -410,4 +419,27 @@ def parse_rollout(response_ids: Sequence[int], vocab: ParseVocab) -> ParseResult
         dropped_tail_tokens=len(ids) - kept,
         junction_text=junction,
         junction_fused=fused,
+        invalid_ranks=tuple(invalid_ranks),
+        response_ids=tuple(ids[:end]),
     )
+
+
+def cut_before_rank(parse: ParseResult, rank: int, vocab: ParseVocab) -> ParseResult:
+    """``parse`` as if the response had ended (open for appending) after its complete members ranked below ``rank``,
+    all of them valid: the kept objects, their junction and numbering; the invalid counts stay those of the whole
+    response. ``parse`` itself when nothing is dropped."""
+    kept = tuple(o for o in parse.objects if o.rank < rank)
+    if len(kept) == len(parse.objects) and all(r < rank for r in parse.invalid_ranks):
+        return parse
+    if any(r < rank for r in parse.invalid_ranks):
+        raise ValueError(f"cut_before_rank({rank}): an invalid member ranks below the cut")
+    ids = parse.response_ids
+    if not kept:
+        return replace(parse, objects=(), prefix_token_ids=(), prefix_last_char="{", max_object_index=0,
+                       junction_text="{", junction_fused=False, dropped_tail_tokens=parse.num_response_tokens)
+    pos, off = kept[-1].cut
+    data = vocab.token_bytes[ids[pos]]
+    start, raw = _junction_start(ids, pos, data[:off], vocab)
+    return replace(parse, objects=kept, prefix_token_ids=tuple(ids[:start]), prefix_last_char="}",
+                   max_object_index=max(o.index for o in kept), junction_text=raw.decode("utf-8"),
+                   junction_fused=off < len(data), dropped_tail_tokens=parse.num_response_tokens - (pos + 1))

@@ -243,7 +243,7 @@ def build_pipeline(cfg: TrainConfig, loaded: LoadedModel) -> Stage2Pipeline:
                             pixel_dtype=weights if weights in (torch.bfloat16, torch.float16) else None)
     settings = MatchingSettings(rm.matching.mask_iou_threshold, rm.matching.candidate_top_k,
                                 rm.matching.mask_resolution, rm.poly.sinkhorn_epsilon, rm.poly.sinkhorn_iters,
-                                rm.loss.tail_desc_ce)
+                                rm.loss.tail_desc_ce, rm.matching.prefix)
     return Stage2Pipeline(encoder, settings)
 
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainer.data.records import Sample
-from trainer.matching.match import match_objects
+from trainer.matching.match import MatchResult, first_predictions, match_objects
+from trainer.matching.parse import ParseResult, ParseVocab, cut_before_rank
 from trainer.matching.targets import TrainTarget, build_target, ground_truth_target
 from trainer.modeling.prompts import PromptEncoder
 from trainer.rollout.codec import RolloutCodec
@@ -28,6 +29,19 @@ class MatchingSettings:
     sinkhorn_epsilon: float = 0.05
     sinkhorn_iters: int = 50
     tail_desc_ce: bool = False
+    prefix: str = "all"
+
+
+def until_first_error(parsed: ParseResult, matched: MatchResult, num_gt: int,
+                      vocab: ParseVocab) -> tuple[ParseResult, MatchResult, int]:
+    """The parse and match cut before the rollout's first false positive or invalid object
+    (``matching.prefix: until_first_error``), and how many valid objects that dropped."""
+    fp = {parsed.objects[p].rank for p in matched.false_positives}
+    first = min(fp | set(parsed.invalid_ranks), default=None)
+    if first is None:
+        return parsed, matched, 0
+    cut = cut_before_rank(parsed, first, vocab)
+    return cut, first_predictions(matched, len(cut.objects), num_gt), len(parsed.objects) - len(cut.objects)
 
 
 class Stage2Pipeline(RolloutCodec):
@@ -55,11 +69,15 @@ class Stage2Pipeline(RolloutCodec):
             with timers.phase("match"):
                 matched = match_objects([o.to_det() for o in parsed.objects], sample.objects,
                                         s.iou_threshold, s.top_k, s.resolution)
+                dropped = 0
+                if s.prefix == "until_first_error":
+                    parsed, matched, dropped = until_first_error(parsed, matched, len(sample.objects), self.vocab)
             with timers.phase("build_target"):
                 target = build_target(sample.sample_id, req.prompt_token_ids, parsed, matched, sample.objects,
                                       self.eos_id, self.encode_with_offsets, self.coord_bin_by_id,
                                       s.sinkhorn_epsilon, s.sinkhorn_iters, s.tail_desc_ce)
             target.stats["truncated"] = int(res.truncated)
+            target.stats["prefix_dropped"] = dropped
             target.engine_logprobs = kept_engine_logprobs(len(req.prompt_token_ids), res.response_token_ids,
                                                           parsed.prefix_token_ids, res.logprobs)
             target.mm_inputs = dict(req.mm_inputs)

@@ -857,7 +857,7 @@ class RolloutMatchingTrainer(Trainer):
             c = self.counters.pop()
             if c.get("samples"):
                 for key in ("matched", "fn_appended", "fp", "gated", "gt", "valid_pred", "invalid_pred",
-                            "truncated", "broken", "excluded_alignment", "samples"):
+                            "truncated", "broken", "excluded_alignment", "prefix_dropped", "samples"):
                     logs[f"rollout/{key}"] = c.get(key, 0.0)
                 predicted = c.get("valid_pred", 0.0) + c.get("invalid_pred", 0.0)
                 logs["rollout/valid_object_rate"] = c.get("valid_pred", 0.0) / predicted if predicted else 0.0
