@@ -65,12 +65,12 @@ def test_each_metric_reads_before_to_after_with_the_better_direction(tmp_path):
 
 def test_the_verdict_is_judged_against_the_seeds_spread(tmp_path):
     within = report(tmp_path, (0.102, 0.002, 0.0), (0.098, 0.003, 0.0))
-    assert ("F1@0.5 -0.004: within the spread of 3 seeds (±0.008; the CPU demo at seeds 0, 1, 2, 2026-12-02, "
-            "docs/benchmarks/index.md): no gain shown.") in within
-    gain = report(tmp_path, (0.102, 0.002, 0.0), (0.152, 0.003, 0.0))
-    assert "F1@0.5 +0.050: beyond the spread of 3 seeds (±0.008; " in gain and gain.count(": a gain.") == 1
-    loss = report(tmp_path, (0.102, 0.002, 0.0), (0.052, 0.003, 0.0))
-    assert "F1@0.5 -0.050: beyond the spread of 3 seeds" in loss and ": a loss." in loss
+    assert (f"F1@0.5 -0.004: within the spread of 3 seeds (±{SPREAD.sd:.3f}; {SPREAD.source}): "
+            "no gain shown.") in within
+    gain = report(tmp_path, (0.102, 0.002, 0.0), (0.302, 0.003, 0.0))
+    assert f"F1@0.5 +0.200: beyond the spread of 3 seeds (±{SPREAD.sd:.3f}; " in gain and gain.count(": a gain.") == 1
+    loss = report(tmp_path, (0.202, 0.002, 0.0), (0.052, 0.003, 0.0))
+    assert "F1@0.5 -0.150: beyond the spread of 3 seeds" in loss and ": a loss." in loss
     assert "no gain shown" not in gain + loss
 
 
@@ -138,4 +138,6 @@ def test_the_recorded_spread_is_the_benchmarks_record_and_page():
     assert len(changes) == SPREAD.seeds == 3
     assert round(statistics.mean(changes), 3) == SPREAD.mean and round(statistics.stdev(changes), 3) == SPREAD.sd
     page = (REPO / "docs" / "benchmarks" / "index.md").read_text(encoding="utf-8")
-    assert f"| mean ± sd | **−{abs(SPREAD.mean):.3f} ± {SPREAD.sd:.3f}** |" in page
+    sign = "−" if SPREAD.mean < 0 else "+"
+    rows = [line for line in page.splitlines() if line.startswith("| mean ± sd |")]
+    assert any(f"| **{sign}{abs(SPREAD.mean):.3f} ± {SPREAD.sd:.3f}** |" in row for row in rows)

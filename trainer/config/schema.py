@@ -369,11 +369,12 @@ class MatchingConfig(Section):
     candidate_top_k: int = Field(5, ge=1)
     mask_resolution: int = Field(256, ge=16, le=2048)
     prefix: Literal["all", "until_first_error"] = Field(
-        "all", description="which of a rollout's objects the target keeps as its prefix: all (every complete "
-        "object, false positives and invalid ones included, without loss) or until_first_error (the objects before "
-        "the first false positive or invalid one; the rest of the answer is dropped and every GT they did not match "
-        "is appended), so a target never teaches the model to go on after a mistake; rollout/prefix_dropped counts "
-        "the objects cut off")
+        "until_first_error", description="which of a rollout's objects the target keeps as its prefix: "
+        "until_first_error (the objects before the first false positive or invalid one; the rest of the answer is "
+        "dropped and every GT they did not match is appended, so no target teaches the model to go on after a "
+        "mistake; rollout/prefix_dropped counts the objects cut off) or all (every complete object, false positives "
+        "and invalid ones included, without loss: with the junction trained, a weak detector then learns to go on "
+        "after its false positives, and its answers run away)")
 
 
 class LossConfig(Section):

@@ -29,7 +29,7 @@ class MatchingSettings:
     sinkhorn_epsilon: float = 0.05
     sinkhorn_iters: int = 50
     tail_desc_ce: bool = False
-    prefix: str = "all"
+    prefix: str = "until_first_error"
 
 
 def until_first_error(parsed: ParseResult, matched: MatchResult, num_gt: int,
