@@ -13,6 +13,7 @@ Invariants: every trainable floating parameter ends float32, every frozen one in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -84,8 +85,6 @@ def serving_cast(model: torch.nn.Module) -> torch.dtype | None:
 
 def autocast_for(model: torch.nn.Module, device_type: str):
     """An autocast context in the model's compute dtype when it keeps float32 master weights, else a no-op."""
-    import contextlib
-
     dtype = serving_cast(model)
     if dtype is None:
         return contextlib.nullcontext()

@@ -57,3 +57,18 @@ def blocks(path: Path) -> list[Block]:
 
 def all_blocks(lang: str) -> list[Block]:
     return [b for p in doc_files() for b in blocks(p) if b.lang == lang]
+
+
+def mirror_repo(tmp_path: Path, exclude: frozenset[str] = frozenset({".git"})) -> Path:
+    """A copy of the repository's layout under ``tmp_path / "repo"``: every top-level entry but ``exclude`` a symlink,
+    ``configs/`` a real folder of symlinks, so a config saved there resolves ``extends`` exactly as in the repository
+    and writes nothing into it."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    for entry in REPO.iterdir():
+        if entry.name not in exclude | {"configs"}:
+            (root / entry.name).symlink_to(entry)
+    (root / "configs").mkdir()
+    for entry in (REPO / "configs").iterdir():
+        (root / "configs" / entry.name).symlink_to(entry)
+    return root

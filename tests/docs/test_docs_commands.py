@@ -30,11 +30,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.docs.docs_helpers import REPO, Block, all_blocks
+from tests.docs.docs_helpers import REPO, Block, all_blocks, mirror_repo
 
 VENV_BIN = REPO / ".venv" / "bin"
 #: not symlinked into a scratch copy: earlier outputs, the git metadata, and configs/ (a real folder there)
-NOT_MIRRORED = {".git", "runs", "build", ".pytest_cache", "configs"}
+NOT_MIRRORED = frozenset({".git", "runs", "build", ".pytest_cache"})
 HEREDOC = re.compile(r"<<-?\s*(['\"]?)(\w+)\1")
 
 # --- reasons ------------------------------------------------------------------------------------------------------
@@ -492,19 +492,6 @@ def bash(command: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-def scratch_copy(tmp_path: Path) -> Path:
-    """A copy of the repository: every top-level entry a symlink, ``configs/`` a real folder of symlinks."""
-    root = tmp_path / "repo"
-    root.mkdir()
-    for entry in REPO.iterdir():
-        if entry.name not in NOT_MIRRORED:
-            (root / entry.name).symlink_to(entry)
-    (root / "configs").mkdir()
-    for entry in (REPO / "configs").iterdir():
-        (root / "configs" / entry.name).symlink_to(entry)
-    return root
-
-
 def port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -554,7 +541,7 @@ def venv_stages_current():
 
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
 def test_the_page_commands_run_as_written(page, tmp_path, venv_stages_current):
-    root = scratch_copy(tmp_path)
+    root = mirror_repo(tmp_path, NOT_MIRRORED)
     ran: set[str] = set()
     servers: list[tuple[subprocess.Popen, str, Path]] = []
     timings = []

@@ -14,29 +14,14 @@ import contextlib
 import io
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.docs.docs_helpers import REPO, Block, all_blocks, doc_files
+from tests.docs.docs_helpers import REPO, Block, all_blocks, doc_files, mirror_repo
 
 YAML_BLOCKS = all_blocks("yaml")
 BASH_BLOCKS = all_blocks("bash")
-
-
-def mirror(tmp_path: Path) -> Path:
-    """A copy of the repository's layout under ``tmp_path``: every top-level entry a symlink, except ``configs/``, a
-    real folder of symlinks, so a snippet saved there resolves ``extends`` exactly as in the repository."""
-    root = tmp_path / "repo"
-    root.mkdir()
-    for entry in REPO.iterdir():
-        if entry.name not in ("configs", ".git"):
-            (root / entry.name).symlink_to(entry)
-    (root / "configs").mkdir()
-    for entry in (REPO / "configs").iterdir():
-        (root / "configs" / entry.name).symlink_to(entry)
-    return root
 
 
 def saved_as(block: Block) -> str:
@@ -64,7 +49,7 @@ def test_yaml_snippet_is_a_valid_config_or_a_marked_fragment(block, tmp_path):
         assert manifests_of(render_chart(deep_merge(load_values(None), parsed))), block.where
         return
     assert isinstance(parsed, dict), f"{block.where}: a config is a mapping (mark a fragment with <!-- fragment -->)"
-    target = mirror(tmp_path) / saved_as(block)
+    target = mirror_repo(tmp_path) / saved_as(block)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(block.text)
     try:

@@ -135,15 +135,14 @@ def paired_bootstrap(a: dict[str, ImageMatches], b: dict[str, ImageMatches], dra
     ids = sorted(set(a) & set(b))
     if not ids:
         raise ValueError("the two evaluations share no held-out image (sample_id)")
-    rng = np.random.default_rng(seed)
     xs, ys = [a[i] for i in ids], [b[i] for i in ids]
     out = {}
     for key, metric in (("f1@50", f1_of), ("ap", coco_ap_of)):
+        rng = np.random.default_rng(seed)  # both metrics on the same draws
         diffs = np.empty(draws)
         for k in range(draws):
             pick = rng.integers(0, len(ids), len(ids))
             diffs[k] = metric([xs[j] for j in pick]) - metric([ys[j] for j in pick])
-        rng = np.random.default_rng(seed)
         lo, hi = np.percentile(diffs, [2.5, 97.5])
         out[key] = Interval(metric(xs) - metric(ys), float(lo), float(hi), draws)
     return out
